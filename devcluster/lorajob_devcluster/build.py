@@ -1,0 +1,214 @@
+"""Build the dev-cluster binaries from the Go module proxy, once per version set.
+
+Nothing ships kube-apiserver & co. as a package, so everything is compiled with the
+installed Go toolchain and cached outside the repository under
+``~/.cache/lorajob-k8s/<version-set key>/bin``. A component is rebuilt only when its
+stamp file is missing or names a different version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from .versions import DEFAULT_VERSIONS, VersionSet, bin_dir, build_dir
+
+GO_LDFLAGS_STRIP = "-s -w"
+MINIMUM_GO = (1, 25)
+
+
+class BuildError(RuntimeError):
+    """A component could not be built; the message says which and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    name: str
+    binaries: tuple[str, ...]
+    version: Callable[[VersionSet], str]
+    build: Callable[["BuildContext"], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildContext:
+    versions: VersionSet
+    bin: Path
+    src: Path
+    env: dict[str, str]
+
+    def go(self, *args: str, cwd: Path | None = None) -> None:
+        command = ["go", *args]
+        result = subprocess.run(command, cwd=cwd, env=self.env, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise BuildError(f"`{' '.join(command)}` failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
+
+
+def go_environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(CGO_ENABLED="0", GOFLAGS="-trimpath -buildvcs=false", GOTOOLCHAIN="local")
+    return env
+
+
+def check_go_toolchain() -> None:
+    go = shutil.which("go")
+    if go is None:
+        raise BuildError(f"the Go toolchain (>= {MINIMUM_GO[0]}.{MINIMUM_GO[1]}) is not on PATH; install it first")
+    output = subprocess.run([go, "env", "GOVERSION"], capture_output=True, text=True, check=True).stdout.strip()
+    match = re.match(r"go(\d+)\.(\d+)", output)
+    if not match or (int(match[1]), int(match[2])) < MINIMUM_GO:
+        raise BuildError(f"Go {MINIMUM_GO[0]}.{MINIMUM_GO[1]}+ is needed, found {output!r} at {go}")
+
+
+def download_module(module: str, version: str, env: dict[str, str]) -> Path:
+    """`go mod download` one pinned module; refuse with a clear message when the proxy does not serve it."""
+    result = subprocess.run(
+        ["go", "mod", "download", "-json", f"{module}@{version}"], env=env, capture_output=True, text=True
+    )
+    try:
+        info = json.loads(result.stdout)
+    except json.JSONDecodeError:
+        info = {"Error": result.stderr.strip() or "no output from go mod download"}
+    if result.returncode != 0 or "Error" in info:
+        raise BuildError(f"pinned module {module}@{version} is not available from the Go proxy: {info.get('Error')}")
+    return Path(info["Dir"])
+
+
+def module_dir(module: str, version: str) -> Path:
+    """Where a downloaded module's files are (CRD and webhook YAMLs are read from there)."""
+    return download_module(module, version, go_environment())
+
+
+def staging_modules(kubernetes_go_mod: Path) -> list[str]:
+    """The k8s.io staging modules that k8s.io/kubernetes requires at the unpublished v0.0.0."""
+    return sorted(set(re.findall(r"^\s*(k8s\.io/[\w.-]+) v0\.0\.0\s*$", kubernetes_go_mod.read_text(), re.M)))
+
+
+def version_ldflags(versions: VersionSet) -> str:
+    """Stamp the version the way hack/lib/version.sh does; Kueue refuses an unstamped apiserver."""
+    major, minor, _ = versions.kubernetes.lstrip("v").split(".")
+    values = {"gitVersion": versions.kubernetes, "gitMajor": major, "gitMinor": minor, "gitTreeState": "clean"}
+    packages = ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
+    return " ".join(f"-X {package}.{name}={value}" for package in packages for name, value in values.items())
+
+
+KUBE_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+
+
+def build_kubernetes(ctx: BuildContext) -> None:
+    versions = ctx.versions
+    kubernetes_dir = download_module("k8s.io/kubernetes", versions.kubernetes, ctx.env)
+    go_mod = kubernetes_dir / "go.mod"
+    replaces = "\n".join(f"\t{m} => {m} {versions.staging_version}" for m in staging_modules(go_mod))
+    tools = "\n".join(f"\tk8s.io/kubernetes/cmd/{c}" for c in KUBE_COMMANDS)
+    wrapper = ctx.src / "kubernetes"
+    write_wrapper_module(
+        wrapper,
+        f"module local/lorajob-kubernetes\n\ngo {versions.kubernetes_go_line}\n\n"
+        f"godebug default=go{versions.kubernetes_go_line.rsplit('.', 1)[0]}\n\n"
+        f"tool (\n{tools}\n)\n\nrequire k8s.io/kubernetes {versions.kubernetes}\n\nreplace (\n{replaces}\n)\n",
+    )
+    ctx.go("mod", "tidy", cwd=wrapper)
+    ldflags = f"{GO_LDFLAGS_STRIP} {version_ldflags(versions)}"
+    packages = [f"k8s.io/kubernetes/cmd/{c}" for c in KUBE_COMMANDS]
+    ctx.go("build", "-ldflags", ldflags, "-o", f"{ctx.bin}/", *packages, cwd=wrapper)
+
+
+def build_etcd(ctx: BuildContext) -> None:
+    # Its own wrapper module, so etcd's grpc/otel choices never change the Kubernetes build.
+    wrapper = ctx.src / "etcd"
+    write_wrapper_module(
+        wrapper,
+        "module local/lorajob-etcd\n\ngo 1.25.0\n\ntool go.etcd.io/etcd/server/v3\n\n"
+        f"require go.etcd.io/etcd/server/v3 {ctx.versions.etcd}\n",
+    )
+    download_module("go.etcd.io/etcd/server/v3", ctx.versions.etcd, ctx.env)
+    ctx.go("mod", "tidy", cwd=wrapper)
+    ctx.go("build", "-ldflags", GO_LDFLAGS_STRIP, "-o", str(ctx.bin / "etcd"), "go.etcd.io/etcd/server/v3", cwd=wrapper)
+
+
+def write_wrapper_module(directory: Path, go_mod: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "go.mod").write_text(go_mod)
+    (directory / "go.sum").unlink(missing_ok=True)
+
+
+def go_install(module: str, package: str, version_of: Callable[[VersionSet], str]) -> Callable[[BuildContext], None]:
+    def build(ctx: BuildContext) -> None:
+        version = version_of(ctx.versions)
+        download_module(module, version, ctx.env)
+        env_bin = dict(ctx.env, GOBIN=str(ctx.bin))
+        BuildContext(ctx.versions, ctx.bin, ctx.src, env_bin).go("install", "-ldflags", GO_LDFLAGS_STRIP, f"{package}@{version}")
+
+    return build
+
+
+COMPONENTS: tuple[Component, ...] = (
+    Component("kubernetes", KUBE_COMMANDS, lambda v: v.kubernetes, build_kubernetes),
+    Component("etcd", ("etcd",), lambda v: v.etcd, build_etcd),
+    Component("kwok", ("kwok",), lambda v: v.kwok, go_install("sigs.k8s.io/kwok", "sigs.k8s.io/kwok/cmd/kwok", lambda v: v.kwok)),
+    Component("jobset", ("jobset",), lambda v: v.jobset, go_install("sigs.k8s.io/jobset", "sigs.k8s.io/jobset", lambda v: v.jobset)),
+    Component("kueue", ("kueue",), lambda v: v.kueue, go_install("sigs.k8s.io/kueue", "sigs.k8s.io/kueue/cmd/kueue", lambda v: v.kueue)),
+    Component("helm", ("helm",), lambda v: v.helm, go_install("helm.sh/helm/v3", "helm.sh/helm/v3/cmd/helm", lambda v: v.helm)),
+)
+COMPONENT_NAMES = tuple(c.name for c in COMPONENTS)
+
+
+def stamp_path(bin_path: Path, component: Component) -> Path:
+    return bin_path / f".{component.name}.built.json"
+
+
+def is_built(bin_path: Path, component: Component, versions: VersionSet) -> bool:
+    stamp = stamp_path(bin_path, component)
+    if not stamp.exists() or not all((bin_path / b).exists() for b in component.binaries):
+        return False
+    return json.loads(stamp.read_text()).get("version") == component.version(versions)
+
+
+def build(
+    components: tuple[str, ...] = COMPONENT_NAMES,
+    versions: VersionSet = DEFAULT_VERSIONS,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> Path:
+    """Build the named components unless cached; return the bin directory. Safe to call concurrently."""
+    unknown = set(components) - set(COMPONENT_NAMES)
+    if unknown:
+        raise BuildError(f"unknown components {sorted(unknown)}; known: {list(COMPONENT_NAMES)}")
+    root, bin_path = build_dir(versions), bin_dir(versions)
+    wanted = [c for c in COMPONENTS if c.name in components]
+    if all(is_built(bin_path, c, versions) for c in wanted):
+        return bin_path
+    bin_path.mkdir(parents=True, exist_ok=True)
+    with open(root / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        check_go_toolchain()
+        ctx = BuildContext(versions, bin_path, root / "src", go_environment())
+        for component in wanted:
+            if is_built(bin_path, component, versions):
+                continue
+            log(f"building {component.name} {component.version(versions)} ...")
+            started = time.monotonic()
+            component.build(ctx)
+            seconds = round(time.monotonic() - started, 1)
+            stamp = {"version": component.version(versions), "cold_build_seconds": seconds}
+            stamp_path(bin_path, component).write_text(json.dumps(stamp))
+            log(f"built {component.name} in {seconds} s")
+    return bin_path
+
+
+def build_report(versions: VersionSet = DEFAULT_VERSIONS) -> dict[str, dict]:
+    """Version and recorded cold build time of each built component."""
+    bin_path = bin_dir(versions)
+    return {
+        c.name: json.loads(stamp_path(bin_path, c).read_text())
+        for c in COMPONENTS
+        if stamp_path(bin_path, c).exists()
+    }

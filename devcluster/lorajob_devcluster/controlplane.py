@@ -1,0 +1,230 @@
+"""etcd + kube-apiserver on loopback, with generated certificates and an admin kubeconfig."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterable
+
+import yaml
+
+from . import build, pki
+from .process import ComponentFailed, ManagedProcess, free_loopback_port
+
+SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
+STARTUP_TIMEOUT_SECONDS = 120.0
+CRD_ESTABLISHED_TIMEOUT = "60s"
+
+
+class KubectlError(subprocess.CalledProcessError):
+    def __str__(self) -> str:
+        return f"{super().__str__()}\nstderr: {self.stderr}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlPlaneConfig:
+    state_dir: Path | None = None  # default: a fresh directory on /dev/shm (tmpfs), removed at stop
+    crd_dirs: tuple[Path, ...] = ()
+    keep_state: bool = False
+
+
+def default_state_parent() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+def yaml_documents(paths: Iterable[Path]) -> list[dict]:
+    return [doc for path in paths for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def yaml_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("*") if p.suffix in (".yaml", ".yml"))
+
+
+class ControlPlane:
+    """A running etcd + kube-apiserver. Use `ControlPlane.start(config)`; always `stop()` (or use `with`)."""
+
+    def __init__(self, config: ControlPlaneConfig, bin_dir: Path, state_dir: Path, owns_state_dir: bool):
+        self.config = config
+        self.bin_dir = bin_dir
+        self.state_dir = state_dir
+        self._owns_state_dir = owns_state_dir
+        self.pki = pki.generate(state_dir / "pki")
+        self.etcd_port = free_loopback_port()
+        self.api_port = free_loopback_port()
+        self.server = f"https://127.0.0.1:{self.api_port}"
+        self.kubeconfig = state_dir / "kubeconfig"
+        self.processes: list[ManagedProcess] = []
+
+    @classmethod
+    def start(cls, config: ControlPlaneConfig = ControlPlaneConfig()) -> "ControlPlane":
+        bin_dir = build.build(("kubernetes", "etcd"))
+        if config.state_dir is None:
+            state_dir, owns = Path(tempfile.mkdtemp(prefix="lorajob-devcluster-", dir=default_state_parent())), True
+        else:
+            state_dir, owns = config.state_dir, False
+            state_dir.mkdir(parents=True, exist_ok=True)
+        plane = cls(config, bin_dir, state_dir, owns)
+        try:
+            plane._start_etcd()
+            plane._start_apiserver()
+            plane._write_kubeconfig()
+            for directory in config.crd_dirs:
+                plane.apply_crds(directory)
+        except BaseException:
+            plane.stop()
+            raise
+        return plane
+
+    def __enter__(self) -> "ControlPlane":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- processes -------------------------------------------------------------------------
+
+    def launch(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
+        process = ManagedProcess(name, argv, self.state_dir / f"{name}.log", env).start()
+        self.processes.append(process)
+        return process
+
+    def binary(self, name: str) -> str:
+        return str(self.bin_dir / name)
+
+    def _start_etcd(self) -> None:
+        peer_port = free_loopback_port()
+        client_url, peer_url = f"http://127.0.0.1:{self.etcd_port}", f"http://127.0.0.1:{peer_port}"
+        etcd = self.launch(
+            "etcd",
+            [
+                self.binary("etcd"),
+                f"--data-dir={self.state_dir / 'etcd'}",
+                f"--listen-client-urls={client_url}",
+                f"--advertise-client-urls={client_url}",
+                f"--listen-peer-urls={peer_url}",
+                f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster=default={peer_url}",
+                "--unsafe-no-fsync=true",
+                "--log-level=warn",
+            ],
+        )
+        etcd.wait_until(lambda: b"true" in urllib.request.urlopen(f"{client_url}/health", timeout=2).read(), STARTUP_TIMEOUT_SECONDS, "healthy")
+
+    def _start_apiserver(self) -> None:
+        p = self.pki
+        apiserver = self.launch(
+            "kube-apiserver",
+            [
+                self.binary("kube-apiserver"),
+                f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={self.api_port}",
+                f"--tls-cert-file={p.apiserver.cert}",
+                f"--tls-private-key-file={p.apiserver.key}",
+                f"--client-ca-file={p.ca.cert}",
+                f"--service-account-issuer={self.server}",
+                f"--service-account-key-file={p.service_account_pub}",
+                f"--service-account-signing-key-file={p.service_account_key}",
+                f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+                "--allow-privileged=true",
+                "--authorization-mode=RBAC",
+                # No kubelet runs pods, so tokens are never mounted; the default SA may not exist yet either.
+                "--disable-admission-plugins=ServiceAccount",
+                # Loopback cannot be published as the `kubernetes` Service endpoint.
+                "--endpoint-reconciler-type=none",
+                # Saves CPU on small test machines.
+                "--enable-priority-and-fairness=false",
+                "--max-requests-inflight=0",
+                "--max-mutating-requests-inflight=0",
+            ],
+        )
+        apiserver.wait_until(lambda: self.get("/readyz") == "ok", STARTUP_TIMEOUT_SECONDS, "ready")
+
+    def _write_kubeconfig(self) -> None:
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "lorajob-dev", "cluster": {"server": self.server, "certificate-authority": str(self.pki.ca.cert)}}],
+            "users": [{"name": "admin", "user": {"client-certificate": str(self.pki.admin.cert), "client-key": str(self.pki.admin.key)}}],
+            "contexts": [{"name": "lorajob-dev", "context": {"cluster": "lorajob-dev", "user": "admin"}}],
+            "current-context": "lorajob-dev",
+        }
+        self.kubeconfig.write_text(yaml.safe_dump(config))
+
+    def stop(self) -> None:
+        """Stop every component in reverse start order, then remove the state directory if we made it."""
+        for process in reversed(self.processes):
+            process.stop()
+        self.processes.clear()
+        if self._owns_state_dir and not self.config.keep_state:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    # --- clients ---------------------------------------------------------------------------
+
+    def ssl_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.pki.ca.cert))
+        context.load_cert_chain(str(self.pki.admin.cert), str(self.pki.admin.key))
+        return context
+
+    def get(self, path: str) -> str:
+        """GET an apiserver path as admin and return the body (raises on HTTP errors)."""
+        with urllib.request.urlopen(f"{self.server}{path}", context=self.ssl_context(), timeout=5) as response:
+            return response.read().decode()
+
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
+        command = [self.binary("kubectl"), f"--kubeconfig={self.kubeconfig}", *args]
+        result = subprocess.run(command, input=input, capture_output=True, text=True)
+        if check and result.returncode != 0:
+            raise KubectlError(result.returncode, command, result.stdout, result.stderr)
+        return result
+
+    def api_client(self):
+        from kubernetes import client
+
+        configuration = client.Configuration()
+        configuration.host = self.server
+        configuration.ssl_ca_cert = str(self.pki.ca.cert)
+        configuration.cert_file = str(self.pki.admin.cert)
+        configuration.key_file = str(self.pki.admin.key)
+        return client.ApiClient(configuration)
+
+    # --- resources -------------------------------------------------------------------------
+
+    def apply_documents(self, documents: list[dict]) -> None:
+        if documents:
+            self.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump_all(documents))
+
+    def apply_crds(self, directory: Path) -> list[str]:
+        """Apply every YAML file in `directory` and wait until its CRDs are Established; return their names."""
+        documents = yaml_documents(yaml_files(directory)) if directory.is_dir() else []
+        self.apply_documents(documents)
+        names = [d["metadata"]["name"] for d in documents if d.get("kind") == "CustomResourceDefinition"]
+        self.wait_crds_established(names)
+        return names
+
+    def wait_crds_established(self, names: list[str]) -> None:
+        if names:
+            self.kubectl("wait", "--for=condition=Established", f"--timeout={CRD_ESTABLISHED_TIMEOUT}", *(f"crd/{n}" for n in names))
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.5):
+    """Poll `condition()` until it returns something truthy and return that; raise TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+__all__ = ["ComponentFailed", "ControlPlane", "ControlPlaneConfig", "KubectlError", "wait_for"]

@@ -1,0 +1,74 @@
+"""Child processes of the dev cluster: started with a log file, stopped by PID (SIGTERM, then SIGKILL)."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+STOP_GRACE_SECONDS = 10.0
+
+
+class ComponentFailed(RuntimeError):
+    """A dev-cluster component exited or never became ready; the message carries its log tail."""
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    if not path.exists():
+        return "(no log)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@dataclasses.dataclass
+class ManagedProcess:
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] | None = None
+    popen: subprocess.Popen | None = None
+
+    def start(self) -> "ManagedProcess":
+        log = open(self.log_path, "ab")
+        # A new session keeps Ctrl-C in the foreground CLI from reaching children before we stop them in order.
+        self.popen = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env, start_new_session=True
+        )
+        log.close()
+        return self
+
+    def check_alive(self) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            code = None if self.popen is None else self.popen.returncode
+            raise ComponentFailed(f"{self.name} exited (code {code}); log {self.log_path}:\n{log_tail(self.log_path)}")
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
+        """Poll `ready` until true; fail early with the log tail if the process dies or time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                if ready():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise ComponentFailed(f"{self.name} not {what} after {timeout:.0f} s; log {self.log_path}:\n{log_tail(self.log_path)}")
+
+    def stop(self) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        self.popen.terminate()
+        try:
+            self.popen.wait(STOP_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()

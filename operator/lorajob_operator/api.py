@@ -1,0 +1,449 @@
+"""The LoRAJob API (lorajob.dev/v1alpha1): the single source of truth for the CRD.
+
+Field docstrings become the CRD's `description`s (what `kubectl explain` prints); constraints on
+fields become OpenAPI constraints; rules that span fields are CEL `x-kubernetes-validations`
+declared next to the model they constrain (see `rules.py` for the ones built from shared logic).
+The operator parses `spec` into these models; `crd.py` renders them into `crds/`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import Enum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from lorajob_operator import accelerators, rules
+from lorajob_trainer import catalog
+
+GROUP = "lorajob.dev"
+VERSION = "v1alpha1"
+KIND = "LoRAJob"
+PLURAL = "lorajobs"
+SHORT_NAMES = ("lj",)
+
+DNS_LABEL_MAX = 63
+PATH_MAX = 1024
+"""Bound on every path/URI string: CEL cost estimation needs a maximum length on each string."""
+
+
+def _cel(*validations: dict) -> dict:
+    return {"x-kubernetes-validations": list(validations)}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+        use_attribute_docstrings=True,
+    )
+
+
+class Backend(str, Enum):
+    pathways = "pathways"
+    mcjax = "mcjax"
+    gpu = "gpu"
+
+
+class Phase(str, Enum):
+    Pending = "Pending"
+    Queued = "Queued"
+    Converting = "Converting"
+    Training = "Training"
+    Exporting = "Exporting"
+    Succeeded = "Succeeded"
+    Failed = "Failed"
+    Suspended = "Suspended"
+
+
+ModelName = Literal[tuple(catalog.MODELS)]  # type: ignore[valid-type]
+TpuMachineType = Literal[tuple(accelerators.TPU_MACHINES)]  # type: ignore[valid-type]
+GpuAccelerator = Literal[accelerators.GPU_ACCELERATORS]  # type: ignore[valid-type]
+
+
+class CheckpointStorage(_Model):
+    """Orbax storage options used when reading the base checkpoint and writing new ones."""
+
+    use_zarr3: bool = False
+    """useZarr3 writes/reads Zarr v3 arrays. Off by default: Pathways cannot restore zarr3 base checkpoints efficiently."""
+    use_ocdbt: bool = False
+    """useOcdbt uses Orbax's OCDBT layout. Off by default: Pathways' array handler cannot read OCDBT, so the head pod would load the whole checkpoint."""
+
+
+class ModelSpec(_Model):
+    """The base model to fine-tune and where its weights come from (exactly one of maxtextCheckpoint, huggingFace)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            {
+                "rule": "has(self.maxtextCheckpoint) != has(self.huggingFace)",
+                "message": "set exactly one base checkpoint source: model.maxtextCheckpoint "
+                "(a converted checkpoint, e.g. gs://bucket/qwen3/0/items) or model.huggingFace "
+                "(a Hugging Face repo id or checkpoint path, converted first)",
+            }
+        )
+    )
+
+    name: ModelName
+    """name of the model, which selects the model code and per-family LoRA defaults (e.g. qwen3-0.6b, llama3.1-8b, gemma3-4b)."""
+    maxtext_checkpoint: str | None = Field(default=None, max_length=PATH_MAX, alias="maxtextCheckpoint")
+    """maxtextCheckpoint is the path of a base checkpoint already in the trainer's format (MaxText `.../0/items` or a lorajob Orbax checkpoint). No convert step runs."""
+    hugging_face: str | None = Field(default=None, max_length=PATH_MAX, alias="huggingFace")
+    """huggingFace is a Hugging Face repo id (org/name) or a path (gs://... or local) of a safetensors checkpoint. A convert step turns it into the trainer's format first."""
+    tokenizer: str | None = Field(default=None, max_length=PATH_MAX)
+    """tokenizer is a Hugging Face repo id or path of the tokenizer. Defaults to the model's Hugging Face repo."""
+    checkpoint_storage: CheckpointStorage = Field(default_factory=CheckpointStorage)
+    """checkpointStorage selects the Orbax storage flags (both off by default, as multi-host Pathways needs)."""
+
+
+class SecretKeyRef(_Model):
+    """A key of a Secret in the LoRAJob's namespace."""
+
+    name: str = Field(max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    """name of the Secret."""
+    key: str = Field(default="HF_TOKEN", max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+    """key in the Secret that holds the value."""
+
+
+class Credentials(_Model):
+    """References to Secrets; the values never appear in the LoRAJob."""
+
+    hugging_face_token: SecretKeyRef | None = Field(default=None, alias="huggingFaceToken")
+    """huggingFaceToken is the Secret key holding a Hugging Face token, passed to the pods as HF_TOKEN through secretKeyRef."""
+
+
+class DatasetSpec(_Model):
+    """The supervised fine-tuning data, read with Hugging Face `datasets`."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            {
+                "rule": " || ".join(
+                    f"self.columns == {list(layout)}" for layout in rules.COLUMN_LAYOUTS
+                ),
+                "message": "dataset.columns must be one of " + "; ".join(
+                    str(list(layout)) for layout in rules.COLUMN_LAYOUTS
+                ),
+                "fieldPath": ".columns",
+            }
+        )
+    )
+
+    name: str = Field(max_length=PATH_MAX)
+    """name is a Hugging Face dataset name (e.g. openai/gsm8k) or a path/builder (e.g. json) with files under dataDir."""
+    split: str = Field(default="train", max_length=128)
+    """split to train on."""
+    eval_split: str | None = Field(default=None, max_length=128)
+    """evalSplit, when set, is evaluated periodically and reported as eval loss."""
+    data_dir: str | None = Field(default=None, max_length=PATH_MAX)
+    """dataDir is the dataset configuration/subset or data directory (MaxText's hf_data_dir, e.g. main for gsm8k)."""
+    columns: list[Annotated[str, Field(max_length=64)]] = Field(default=["messages"], min_length=1, max_length=2)
+    """columns to read: [messages] (chat turns), [prompt, completion], or [question, answer]. Loss is computed only on the answer tokens."""
+    chat_template_path: str | None = Field(default=None, max_length=PATH_MAX)
+    """chatTemplatePath is a Jinja (or JSON with a chat_template key) chat template. Defaults to the tokenizer's template."""
+
+
+class TrainingSpec(_Model):
+    """The optimisation schedule."""
+
+    steps: int = Field(ge=1, le=10_000_000)
+    """steps is the number of optimizer steps to run."""
+    per_device_batch_size: int = Field(default=1, ge=1, le=4096)
+    """perDeviceBatchSize is the number of (packed) sequences per device per step."""
+    max_target_length: int = Field(default=2048, ge=16, le=1_048_576)
+    """maxTargetLength is the sequence length in tokens; examples are packed up to it."""
+    learning_rate: float = Field(default=2e-5, gt=0, le=1)
+    """learningRate is the peak AdamW learning rate."""
+    warmup_steps_fraction: float = Field(default=0.1, ge=0, lt=1)
+    """warmupStepsFraction is the share of steps with linear warmup."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """schedule of the learning rate after warmup."""
+    gradient_accumulation_steps: int = Field(default=1, ge=1, le=1024)
+    """gradientAccumulationSteps accumulates gradients over this many micro-batches per step."""
+    checkpoint_period: int = Field(default=500, ge=1, le=10_000_000)
+    """checkpointPeriod saves a checkpoint every this many steps (and at the end); a resumed run restarts from the latest."""
+
+
+class LoRARestore(_Model):
+    """An earlier adapter to start from (exactly one of checkpoint, huggingFace)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            {
+                "rule": "has(self.checkpoint) != has(self.huggingFace)",
+                "message": "lora.restoreFrom needs exactly one of checkpoint (a trainer LoRA checkpoint path) "
+                "or huggingFace (a PEFT adapter repo id or path, converted first)",
+            }
+        )
+    )
+
+    checkpoint: str | None = Field(default=None, max_length=PATH_MAX)
+    """checkpoint is the path of a trainer LoRA checkpoint (e.g. gs://bucket/run/checkpoints/1000/model_params)."""
+    hugging_face: str | None = Field(default=None, max_length=PATH_MAX, alias="huggingFace")
+    """huggingFace is a PEFT adapter (adapter_model.safetensors + adapter_config.json): a repo id or a path. A convert step runs first."""
+
+
+class LoRASpec(_Model):
+    """The low-rank adapters to train."""
+
+    rank: int = Field(default=16, ge=1, le=1024)
+    """rank (r) of the adapters."""
+    alpha: float = Field(default=32.0, gt=0, le=65536)
+    """alpha scales the adapter output by alpha/rank."""
+    target_modules: str | None = Field(default=None, max_length=PATH_MAX)
+    """targetModules is a regular expression over module paths that overrides the model family's default (attention q/k/v/o and MLP gate/up/down)."""
+    restore_from: LoRARestore | None = None
+    """restoreFrom starts training from an earlier adapter instead of zero-initialised B matrices."""
+
+
+class TpuSpec(_Model):
+    """TPU slices for the pathways and mcjax backends."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            *(
+                {
+                    "rule": f"self.machineType != '{machine_type}' || self.topology in {list(machine.topologies)}",
+                    "message": f"topology is not valid for {machine_type} (TPU {machine.generation}); "
+                    f"use one of {', '.join(machine.topologies)}",
+                    "fieldPath": ".topology",
+                }
+                for machine_type, machine in accelerators.TPU_MACHINES.items()
+            )
+        )
+    )
+
+    machine_type: TpuMachineType
+    """machineType of the TPU node pool, e.g. ct6e-standard-4t (v6e) or ct5p-hightpu-4t (v5p)."""
+    topology: str = Field(max_length=16, pattern=r"^[0-9]+x[0-9]+(x[0-9]+)?$")
+    """topology of one slice, e.g. 16x16 for v6e-256 or 4x4x4 for v5p-128."""
+    slices: int = Field(default=1, ge=1, le=64)
+    """slices is the number of TPU slices (data parallel across slices over DCN)."""
+
+
+class GpuSpec(_Model):
+    """GPU nodes for the gpu backend."""
+
+    accelerator: GpuAccelerator
+    """accelerator is the node label value cloud.google.com/gke-accelerator, e.g. nvidia-h200-141gb."""
+    gpus_per_node: int = Field(default=8, ge=1, le=8)
+    """gpusPerNode is the number of GPUs each worker pod requests (nvidia.com/gpu)."""
+    nodes: int = Field(default=1, ge=1, le=512)
+    """nodes is the number of worker pods, one per node."""
+
+
+class ComputeSpec(_Model):
+    """Where the train step runs. Convert and export always run on the CPU node pool."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            {
+                "rule": "self.backend == 'gpu' ? (has(self.gpu) && !has(self.tpu)) : (has(self.tpu) && !has(self.gpu))",
+                "message": "backend gpu needs compute.gpu (and no compute.tpu); backends pathways and mcjax "
+                "need compute.tpu (and no compute.gpu)",
+            }
+        )
+    )
+
+    backend: Backend = Backend.pathways
+    """backend: pathways (single-controller JAX through Pathways, the default for multi-host TPU), mcjax (multi-controller JAX on TPU) or gpu (multi-controller JAX on GPU nodes)."""
+    tpu: TpuSpec | None = None
+    """tpu slices for the pathways and mcjax backends."""
+    gpu: GpuSpec | None = None
+    """gpu nodes for the gpu backend."""
+    cpu_node_pool: str | None = Field(default=None, max_length=DNS_LABEL_MAX)
+    """cpuNodePool is the node pool (cloud.google.com/gke-nodepool) for the Pathways head and the convert/export pods. Defaults to the operator's setting (cpu-np)."""
+
+
+class OutputSpec(_Model):
+    """Where checkpoints and exports go."""
+
+    base_output_directory: str = Field(max_length=PATH_MAX, pattern=r"^(gs://|/)")
+    """baseOutputDirectory is a gs:// URI or an absolute path; the run writes under <baseOutputDirectory>/<runName>/."""
+
+
+class ExportSpec(_Model):
+    """Export of the trained adapter to Hugging Face PEFT format."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            {
+                "rule": "!(has(self.path) && has(self.hubRepo))",
+                "message": "set at most one export destination: export.path or export.hubRepo",
+            }
+        )
+    )
+
+    enabled: bool = True
+    """enabled runs the export step after training."""
+    path: str | None = Field(default=None, max_length=PATH_MAX, pattern=r"^(gs://|/)")
+    """path to write the PEFT adapter to. Defaults to <baseOutputDirectory>/<runName>/huggingface."""
+    hub_repo: str | None = Field(default=None, max_length=256, pattern=r"^[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+$")
+    """hubRepo (org/name) pushes the adapter to the Hugging Face Hub with credentials.huggingFaceToken."""
+    merged: bool = False
+    """merged also writes the base model with the adapter merged in, as Hugging Face safetensors."""
+
+
+class SchedulingSpec(_Model):
+    """Queueing, priority and lifetime."""
+
+    queue_name: str | None = Field(default=None, max_length=DNS_LABEL_MAX, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    """queueName is the Kueue LocalQueue of the namespace that admits each step's JobSet."""
+    priority_class: str | None = Field(default=None, max_length=253)
+    """priorityClass is the Kueue WorkloadPriorityClass of the steps."""
+    active_deadline_seconds: int | None = Field(default=None, ge=1, le=31_536_000)
+    """activeDeadlineSeconds fails the LoRAJob when it has been running (not suspended) longer than this."""
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=31_536_000)
+    """ttlSecondsAfterFinished deletes the LoRAJob (and its children) this long after it succeeded or failed."""
+    retry_limit: int = Field(default=2, ge=0, le=20)
+    """retryLimit is how many times each step is retried (with backoff) before the LoRAJob fails."""
+
+
+class ImagesSpec(_Model):
+    """Container images; unset ones come from the operator's defaults (which admins may set)."""
+
+    trainer: str | None = Field(default=None, max_length=PATH_MAX)
+    """trainer image, which runs the convert, train and export entry points."""
+    pathways_server: str | None = Field(default=None, max_length=PATH_MAX)
+    """pathwaysServer image for the Pathways resource manager and workers."""
+    pathways_proxy: str | None = Field(default=None, max_length=PATH_MAX)
+    """pathwaysProxy image for the Pathways proxy sidecar."""
+
+
+class LoRAJobSpec(_Model):
+    """LoRAJobSpec describes one LoRA fine-tune: convert (if needed), train, export (if enabled)."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(*rules.immutability_rules()))
+
+    run_name: str | None = Field(default=None, max_length=DNS_LABEL_MAX)
+    """runName names the run's outputs and child JobSets. Defaults to metadata.name."""
+    suspend: bool = False
+    """suspend pauses the LoRAJob: the current step's JobSet is deleted and recreated on resume, which restarts training from its latest checkpoint."""
+    model: ModelSpec
+    """model to fine-tune."""
+    credentials: Credentials | None = None
+    """credentials for Hugging Face."""
+    dataset: DatasetSpec
+    """dataset to fine-tune on."""
+    training: TrainingSpec
+    """training schedule."""
+    lora: LoRASpec = Field(default_factory=LoRASpec)
+    """lora adapter settings."""
+    compute: ComputeSpec
+    """compute for the train step."""
+    output: OutputSpec
+    """output location."""
+    export: ExportSpec = Field(default_factory=ExportSpec)
+    """export to Hugging Face PEFT format."""
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    """scheduling: Kueue queue, priority, deadlines, retries."""
+    images: ImagesSpec = Field(default_factory=ImagesSpec)
+    """images overriding the operator's defaults."""
+
+
+class Condition(_Model):
+    """A standard Kubernetes condition."""
+
+    type: str = Field(max_length=316)
+    """type of the condition: Queued, Admitted, Running, Suspended, Succeeded, Failed."""
+    status: Literal["True", "False", "Unknown"]
+    """status of the condition."""
+    reason: str = Field(default="", max_length=1024)
+    """reason is a CamelCase machine-readable cause."""
+    message: str = Field(default="", max_length=32768)
+    """message is a human-readable explanation."""
+    last_transition_time: datetime | None = None
+    """lastTransitionTime is when the status last changed."""
+    observed_generation: int | None = None
+    """observedGeneration is the metadata.generation this condition was computed from."""
+
+
+class PhaseChildren(_Model):
+    """The child JobSet of each step, by name."""
+
+    convert: str | None = None
+    """convert JobSet name."""
+    train: str | None = None
+    """train JobSet name."""
+    export: str | None = None
+    """export JobSet name."""
+
+
+class PhaseRestarts(_Model):
+    """How often each step was retried."""
+
+    convert: int = 0
+    """convert retries."""
+    train: int = 0
+    """train retries."""
+    export: int = 0
+    """export retries."""
+
+
+class Outputs(_Model):
+    """Where the results are."""
+
+    checkpoint_path: str | None = None
+    """checkpointPath is the directory of the trainer's LoRA checkpoints."""
+    adapter_path: str | None = None
+    """adapterPath is the exported Hugging Face PEFT adapter."""
+    base_checkpoint_path: str | None = None
+    """baseCheckpointPath is the trainer-format base checkpoint (converted or given)."""
+
+
+class Progress(_Model):
+    """Training progress reported by the trainer."""
+
+    step: int | None = None
+    """step last completed."""
+    total_steps: int | None = None
+    """totalSteps to run."""
+    loss: float | None = None
+    """loss at the last reported step."""
+    tokens_per_second: float | None = None
+    """tokensPerSecond counts real (non-padding) tokens."""
+    eta_seconds: int | None = None
+    """etaSeconds is the estimated time to finish training."""
+    summary: str | None = None
+    """summary such as 120/500 (24%), for kubectl get."""
+
+
+class LoRAJobStatus(_Model):
+    """LoRAJobStatus is computed by the operator from the child JobSets and their Kueue Workloads."""
+
+    phase: Phase | None = None
+    """phase: Pending, Queued, Converting, Training, Exporting, Succeeded, Failed or Suspended."""
+    message: str | None = None
+    """message explains the phase (e.g. why it is queued or failed)."""
+    conditions: list[Condition] = Field(default_factory=list, max_length=16)
+    """conditions in the standard Kubernetes shape."""
+    observed_generation: int | None = None
+    """observedGeneration is the metadata.generation the status reflects."""
+    children: PhaseChildren | None = None
+    """children names the JobSet of each step."""
+    start_time: datetime | None = None
+    """startTime is when the first step was created."""
+    completion_time: datetime | None = None
+    """completionTime is when the LoRAJob succeeded or failed."""
+    restarts: PhaseRestarts | None = None
+    """restarts counts retries per step."""
+    outputs: Outputs | None = None
+    """outputs of the run."""
+    progress: Progress | None = None
+    """progress of training."""
+
+
+PRINTER_COLUMNS = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Progress", "type": "string", "jsonPath": ".status.progress.summary"},
+    {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
+    {"name": "Queue", "type": "string", "jsonPath": ".spec.scheduling.queueName"},
+    {"name": "Backend", "type": "string", "jsonPath": ".spec.compute.backend", "priority": 1},
+    {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss", "priority": 1},
+    {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]

@@ -1,0 +1,212 @@
+"""Rules shared by the CRD (as CEL), the offline `lorajob validate`, and the operator (as Python).
+
+Each rule is written once here: the Python function the operator calls and the CEL expression the
+API server evaluates are produced side by side from the same constants, and a test checks that
+they agree on every example.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+COLUMN_LAYOUTS: tuple[tuple[str, ...], ...] = (("messages",), ("prompt", "completion"), ("question", "answer"))
+
+DNS_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+# --- Child names -------------------------------------------------------------------------------
+
+PHASES = ("convert", "train", "export")
+CHILD_SUFFIX = {"convert": "-convert", "train": "", "export": "-to-hf"}
+"""Suffix of each step's JobSet name; the train JobSet carries the run name itself (as in the tutorial)."""
+
+PATHWAYS_HEAD = "pathways-head"
+
+WORKLOAD_NAME_MAX = 28
+"""GKE resource names are at most 63 characters; Kueue and GKE prepend `default-`, `jobset-` and append
+an 11-character Kueue hash and a 9-character node-pool hash: 63 - 8 - 7 - 11 - 9 = 28."""
+
+LABEL_VALUE_MAX = 63
+
+
+def child_name(run_name: str, phase: str) -> str:
+    return run_name + CHILD_SUFFIX[phase]
+
+
+def pathways_coordinator(run_name: str) -> str:
+    """The JobSet coordinator label value `<jobset>-<replicatedJob>-<jobIndex>-<podIndex>.<subdomain>`."""
+    return f"{run_name}-{PATHWAYS_HEAD}-0-0.{run_name}"
+
+
+PATHWAYS_NAME_MAX = (LABEL_VALUE_MAX - len(pathways_coordinator(""))) // 2
+
+
+# --- Conditions on the spec, in Python and CEL ---------------------------------------------------
+
+@dataclass(frozen=True)
+class SpecCondition:
+    """A predicate on the LoRAJob spec, expressed once for Python and once for CEL (root `self`)."""
+
+    cel: str
+    holds: Callable[[Any], bool]  # takes an api.LoRAJobSpec
+
+
+def _needs_convert(spec) -> bool:
+    restore = spec.lora.restore_from
+    return spec.model.hugging_face is not None or (restore is not None and restore.hugging_face is not None)
+
+
+NEEDS_CONVERT = SpecCondition(
+    "(has(self.spec.model.huggingFace) || (has(self.spec.lora) && has(self.spec.lora.restoreFrom)"
+    " && has(self.spec.lora.restoreFrom.huggingFace)))",
+    _needs_convert,
+)
+NEEDS_EXPORT = SpecCondition(
+    "(!has(self.spec.export) || !has(self.spec.export.enabled) || self.spec.export.enabled)",
+    lambda spec: spec.export.enabled,
+)
+USES_PATHWAYS = SpecCondition(
+    "(!has(self.spec.compute.backend) || self.spec.compute.backend == 'pathways')",
+    lambda spec: spec.compute.backend.value == "pathways",
+)
+
+
+def phases(spec) -> list[str]:
+    """The steps this LoRAJob runs, in order."""
+    return [
+        phase
+        for phase, needed in (
+            ("convert", NEEDS_CONVERT.holds(spec)),
+            ("train", True),
+            ("export", NEEDS_EXPORT.holds(spec)),
+        )
+        if needed
+    ]
+
+
+# --- The run-name length rule ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NameLimit:
+    limit: int
+    why: str
+    applies: SpecCondition | None
+
+
+NAME_LIMITS: tuple[NameLimit, ...] = tuple(
+    sorted(
+        (
+            NameLimit(
+                WORKLOAD_NAME_MAX - len(CHILD_SUFFIX["convert"]),
+                f"the convert step's JobSet is named <run name>{CHILD_SUFFIX['convert']} and JobSet names "
+                f"must fit the {WORKLOAD_NAME_MAX}-character workload-name limit",
+                NEEDS_CONVERT,
+            ),
+            NameLimit(
+                PATHWAYS_NAME_MAX,
+                f"with the pathways backend the JobSet coordinator label "
+                f"<run name>-{PATHWAYS_HEAD}-0-0.<run name> must fit in {LABEL_VALUE_MAX} characters",
+                USES_PATHWAYS,
+            ),
+            NameLimit(
+                WORKLOAD_NAME_MAX - len(CHILD_SUFFIX["export"]),
+                f"the export step's JobSet is named <run name>{CHILD_SUFFIX['export']} and JobSet names "
+                f"must fit the {WORKLOAD_NAME_MAX}-character workload-name limit",
+                NEEDS_EXPORT,
+            ),
+            NameLimit(
+                WORKLOAD_NAME_MAX,
+                "GKE and Kueue build workload names from it with prefixes and hashes that must fit "
+                "63 characters",
+                None,
+            ),
+        ),
+        key=lambda rule: rule.limit,
+    )
+)
+
+
+def run_name_limit(spec) -> NameLimit:
+    """The tightest name-length limit that applies to this spec."""
+    return next(rule for rule in NAME_LIMITS if rule.applies is None or rule.applies.holds(spec))
+
+
+_RUN_NAME_CEL = "(has(self.spec.runName) ? self.spec.runName : self.metadata.name)"
+
+
+def _limit_cel(field: str) -> str:
+    """CEL choosing `field` ('limit' or 'why') of the first applicable NameLimit."""
+    expression = ""
+    for rule in reversed(NAME_LIMITS):
+        value = str(rule.limit) if field == "limit" else '"' + rule.why + '"'
+        expression = value if rule.applies is None else f"({rule.applies.cel} ? {value} : {expression})"
+    return expression
+
+
+def root_rules() -> list[dict]:
+    """CEL rules on the LoRAJob object root (where metadata.name is visible)."""
+    return [
+        {
+            "rule": f"{_RUN_NAME_CEL}.matches('{DNS_LABEL_PATTERN}')",
+            "message": "the run name (spec.runName, or metadata.name when unset) must be a DNS label: "
+            "lower-case letters, digits and '-', starting with a letter and ending with a letter or digit",
+        },
+        {
+            "rule": f"size({_RUN_NAME_CEL}) <= {_limit_cel('limit')}",
+            "message": "the run name (spec.runName, or metadata.name when unset) is too long for the "
+            "workload-name limits; shorten it or set a shorter spec.runName",
+            "messageExpression": f"'the run name \"' + {_RUN_NAME_CEL} + '\" has ' + string(size({_RUN_NAME_CEL}))"
+            f" + ' characters; at most ' + string({_limit_cel('limit')}) + ' are allowed here because '"
+            f" + {_limit_cel('why')} + '. Set a shorter spec.runName.'",
+        },
+    ]
+
+
+def run_name_errors(run_name: str, spec) -> list[str]:
+    """The same run-name rules in Python, for the CLI and the operator."""
+    errors = []
+    if not re.match(DNS_LABEL_PATTERN, run_name):
+        errors.append(root_rules()[0]["message"])
+    rule = run_name_limit(spec)
+    if len(run_name) > rule.limit:
+        errors.append(
+            f'the run name "{run_name}" has {len(run_name)} characters; at most {rule.limit} are allowed '
+            f"here because {rule.why}. Set a shorter spec.runName."
+        )
+    return errors
+
+
+# --- Immutability ---------------------------------------------------------------------------------
+
+MUTABLE_FIELDS = ("suspend", "scheduling.ttlSecondsAfterFinished", "scheduling.activeDeadlineSeconds")
+"""What may change on a created LoRAJob: pausing, and lifetime policy that does not change what runs."""
+
+_IMMUTABLE_SPEC_FIELDS = (
+    "runName", "model", "credentials", "dataset", "training", "lora", "compute", "output", "export", "images",
+)
+_IMMUTABLE_SCHEDULING_FIELDS = ("queueName", "priorityClass", "retryLimit")
+
+
+def _unchanged(path: str) -> str:
+    *parents, leaf = path.split(".")
+    new = ".".join(["self", *parents])
+    old = ".".join(["oldSelf", *parents])
+    return f"has({new}.{leaf}) == has({old}.{leaf}) && (!has({new}.{leaf}) || {new}.{leaf} == {old}.{leaf})"
+
+
+def immutability_rules() -> list[dict]:
+    """Transition rules on spec: everything but MUTABLE_FIELDS is fixed after creation."""
+    mutable = ", ".join(f"spec.{field}" for field in MUTABLE_FIELDS)
+    rules = []
+    for path in (*_IMMUTABLE_SPEC_FIELDS, *(f"scheduling.{f}" for f in _IMMUTABLE_SCHEDULING_FIELDS)):
+        guard = "!has(self.scheduling) || !has(oldSelf.scheduling) || " if path.startswith("scheduling.") else ""
+        rules.append(
+            {
+                "rule": guard + "(" + _unchanged(path) + ")",
+                "message": f"spec.{path} is immutable: a running fine-tune cannot change under itself. "
+                f"Only {mutable} can be changed; create a new LoRAJob for other changes.",
+                "fieldPath": "." + path,
+            }
+        )
+    return rules

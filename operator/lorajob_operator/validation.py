@@ -1,0 +1,157 @@
+"""Offline validation of LoRAJob objects against the generated CRD schema, CEL rules included.
+
+It evaluates exactly what the API server evaluates (the OpenAPI schema and `x-kubernetes-validations`
+rendered by `crd.openapi_schema()`), so `lorajob validate` and `kubectl apply` agree without a cluster.
+Transition rules (those reading `oldSelf`) only run on updates and are skipped here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import celpy
+
+from lorajob_operator import api, crd
+
+
+@dataclass(frozen=True)
+class FieldError:
+    field: str
+    """Dotted path as the API server prints it (e.g. spec.lora.rank); empty for the object root."""
+    kind: str
+    """Required value, Unsupported value, Invalid value, Too long, Too many, Too few, unknown field."""
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.field or '<root>'}: {self.kind}: {self.detail}" if self.detail else f"{self.field}: {self.kind}"
+
+
+@cache
+def _schema() -> dict:
+    return crd.openapi_schema()
+
+
+@cache
+def _compiled(expression: str) -> celpy.Runner:
+    env = celpy.Environment()
+    return env.program(env.compile(expression))
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _value_repr(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def apply_defaults(obj: Any, schema: dict) -> Any:
+    """Structural defaulting as the API server does it: fill absent properties that have a default."""
+    if not isinstance(obj, dict) or schema.get("type") != "object":
+        if isinstance(obj, list) and "items" in schema:
+            return [apply_defaults(item, schema["items"]) for item in obj]
+        return obj
+    result = dict(obj)
+    for name, sub in schema.get("properties", {}).items():
+        if name not in result and "default" in sub:
+            result[name] = copy.deepcopy(sub["default"])
+        if name in result:
+            result[name] = apply_defaults(result[name], sub)
+    return result
+
+
+_JSON_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool}
+_TYPE_NAMES = (*_JSON_TYPES, "integer", "number")
+_BLOCKED = "some validation rules were not checked because the object was invalid; correct the existing errors to complete validation"
+
+
+def _type_ok(value: Any, kind: str) -> bool:
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, _JSON_TYPES[kind])
+
+
+def _check_schema(value: Any, schema: dict, path: str, errors: list[FieldError]) -> None:
+    """OpenAPI checks; nothing below a value of the wrong type is checked."""
+    kind = schema.get("type")
+    if kind and not _type_ok(value, kind):
+        errors.append(FieldError(path, "Invalid value", f'"{type(value).__name__}": {path} in body must be of type {kind}'))
+        return
+    if "enum" in schema and value not in schema["enum"]:
+        supported = ", ".join(json.dumps(v) for v in schema["enum"])
+        errors.append(FieldError(path, "Unsupported value", f"{_value_repr(value)}: supported values: {supported}"))
+    if kind in ("integer", "number"):
+        if "minimum" in schema:
+            exclusive = schema.get("exclusiveMinimum", False)
+            if value < schema["minimum"] or (exclusive and value == schema["minimum"]):
+                relation = "greater than" if exclusive else "greater than or equal to"
+                errors.append(FieldError(path, "Invalid value", f"{value}: {path} in body should be {relation} {schema['minimum']}"))
+        if "maximum" in schema:
+            exclusive = schema.get("exclusiveMaximum", False)
+            if value > schema["maximum"] or (exclusive and value == schema["maximum"]):
+                relation = "less than" if exclusive else "less than or equal to"
+                errors.append(FieldError(path, "Invalid value", f"{value}: {path} in body should be {relation} {schema['maximum']}"))
+    if kind == "string":
+        if "maxLength" in schema and len(value) > schema["maxLength"]:
+            errors.append(FieldError(path, "Too long", f"may not be more than {schema['maxLength']} bytes"))
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            errors.append(FieldError(path, "Invalid value", f"{json.dumps(value)}: {path} in body should match '{schema['pattern']}'"))
+    if kind == "array":
+        if "maxItems" in schema and len(value) > schema["maxItems"]:
+            errors.append(FieldError(path, "Too many", f"{len(value)}: must have at most {schema['maxItems']} items"))
+        if "minItems" in schema and len(value) < schema["minItems"]:
+            errors.append(FieldError(path, "Invalid value", f"{len(value)}: {path} in body should have at least {schema['minItems']} items"))
+        for index, item in enumerate(value):
+            _check_schema(item, schema.get("items", {}), f"{path}[{index}]", errors)
+    if kind == "object" and "properties" in schema:
+        for name in schema.get("required", []):
+            if name not in value:
+                errors.append(FieldError(_join(path, name), "Required value", ""))
+        for name, item in value.items():
+            if name in schema["properties"]:
+                _check_schema(item, schema["properties"][name], _join(path, name), errors)
+            elif path:  # the root's metadata is free-form; unknown fields below it are rejected (strict decoding)
+                errors.append(FieldError(_join(path, name), "unknown field", "field not declared in schema"))
+
+
+def _check_rules(value: Any, schema: dict, path: str, errors: list[FieldError]) -> None:
+    """Evaluate CEL rules bottom-up, as the API server does, on values that passed the schema checks."""
+    kind = schema.get("type")
+    if kind == "object" and isinstance(value, dict):
+        for name, sub in schema.get("properties", {}).items():
+            if name in value:
+                _check_rules(value[name], sub, _join(path, name), errors)
+    for rule in schema.get("x-kubernetes-validations", []):
+        if "oldSelf" in rule["rule"]:
+            continue
+        activation = {"self": celpy.json_to_cel(value)}
+        if _compiled(rule["rule"]).evaluate(activation):
+            continue
+        message = rule.get("message", f"failed rule: {rule['rule']}")
+        if "messageExpression" in rule:
+            message = str(_compiled(rule["messageExpression"]).evaluate(activation))
+        field = path + rule.get("fieldPath", "") if path else rule.get("fieldPath", "").lstrip(".")
+        errors.append(FieldError(field, "Invalid value", f'"object": {message}'))
+
+
+def validate(obj: dict) -> list[FieldError]:
+    """All errors the API server would report when creating `obj` (empty list: accepted)."""
+    errors: list[FieldError] = []
+    if obj.get("apiVersion") != f"{api.GROUP}/{api.VERSION}" or obj.get("kind") != api.KIND:
+        return [FieldError("", "Invalid value", f"not a {api.KIND} of {api.GROUP}/{api.VERSION}")]
+    schema = _schema()
+    defaulted = apply_defaults(obj, schema)
+    _check_schema(defaulted, schema, "", errors)
+    if any(error.detail.endswith(tuple(f"must be of type {t}" for t in _TYPE_NAMES)) for error in errors):
+        # Like the API server: a value of the wrong type blocks the CEL rules.
+        errors.append(FieldError("", "Internal error", _BLOCKED))
+        return errors
+    _check_rules(defaulted, schema, "", errors)
+    return errors

@@ -1,0 +1,115 @@
+"""Offline validation (`lorajob validate`) and the Python forms of the shared rules."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lorajob_operator import api, cli, rules
+from lorajob_operator.validation import validate
+
+REPO = Path(__file__).resolve().parents[2]
+VALID = sorted((REPO / "examples").glob("*.yaml"))
+INVALID = sorted((REPO / "examples" / "invalid").glob("*.yaml"))
+
+
+def expected_fragment(path: Path) -> str:
+    return next(line.split("# expect:", 1)[1].strip() for line in path.read_text().splitlines() if line.startswith("# expect:"))
+
+
+@pytest.mark.parametrize("path", VALID, ids=lambda p: p.name)
+def test_valid_examples_pass(path):
+    doc = yaml.safe_load(path.read_text())
+    assert validate(doc) == []
+    api.LoRAJobSpec.model_validate(doc["spec"])  # the operator's typed view accepts it too
+
+
+@pytest.mark.parametrize("path", INVALID, ids=lambda p: p.name)
+def test_invalid_examples_fail_with_their_message(path):
+    errors = validate(yaml.safe_load(path.read_text()))
+    assert errors, f"{path.name} was accepted"
+    assert any(expected_fragment(path) in str(error) for error in errors), [str(e) for e in errors]
+
+
+def test_cli_exit_codes(capsys):
+    assert cli.main(["validate", *map(str, VALID)]) == 0
+    assert cli.main(["validate", str(INVALID[0])]) == 1
+    assert "is invalid" in capsys.readouterr().out
+
+
+def _base() -> dict:
+    return yaml.safe_load((REPO / "examples" / "qwen3-gsm8k.yaml").read_text())
+
+
+def _with(doc: dict, run_name: str, *, backend="pathways", hf=True, export=True, restore_hf=False) -> dict:
+    doc = copy.deepcopy(doc)
+    spec = doc["spec"]
+    spec["runName"] = run_name
+    spec["compute"]["backend"] = backend
+    if not hf:
+        spec["model"].pop("huggingFace")
+        spec["model"]["maxtextCheckpoint"] = "gs://b/ckpt/0/items"
+    if restore_hf:
+        spec["lora"]["restoreFrom"] = {"huggingFace": "org/adapter"}
+    spec["export"] = {"enabled": export}
+    return doc
+
+
+CASES = [
+    # (backend, base from HF, export, restore HF adapter) -> limit
+    (("pathways", True, True, False), 20),
+    (("pathways", False, False, True), 20),
+    (("pathways", False, True, False), 22),
+    (("pathways", False, False, False), 22),
+    (("mcjax", False, True, False), 22),
+    (("mcjax", False, False, False), 28),
+    (("mcjax", True, False, False), 20),
+]
+
+
+@pytest.mark.parametrize("flags,limit", CASES, ids=[f"{c[0]}-limit{c[1]}" for c in CASES])
+def test_run_name_limit_is_exact_and_python_agrees_with_cel(flags, limit):
+    backend, hf, export, restore = flags
+    for length, accepted in ((limit, True), (limit + 1, False)):
+        doc = _with(_base(), "r" * length, backend=backend, hf=hf, export=export, restore_hf=restore)
+        cel_errors = [e for e in validate(doc) if "run name" in e.detail]
+        spec = api.LoRAJobSpec.model_validate(doc["spec"])
+        python_errors = rules.run_name_errors(doc["spec"]["runName"], spec)
+        assert (cel_errors == []) == accepted, cel_errors
+        assert (python_errors == []) == accepted
+        if not accepted:
+            assert f"at most {limit} are allowed" in cel_errors[0].detail
+            assert cel_errors[0].detail == f'"object": {python_errors[0]}'
+
+
+def test_limits_follow_from_their_derivation():
+    assert rules.pathways_coordinator("x" * rules.PATHWAYS_NAME_MAX).__len__() <= rules.LABEL_VALUE_MAX
+    assert len(rules.pathways_coordinator("x" * (rules.PATHWAYS_NAME_MAX + 1))) > rules.LABEL_VALUE_MAX
+    for phase in rules.PHASES:
+        assert len(rules.child_name("x" * 20, phase)) <= rules.WORKLOAD_NAME_MAX
+
+
+def test_metadata_name_is_the_default_run_name():
+    doc = _base()
+    doc["metadata"]["name"] = "a" * 21  # convert step present: limit 20
+    assert any("at most 20" in e.detail for e in validate(doc))
+    doc["spec"]["runName"] = "short"
+    assert validate(doc) == []
+
+
+@pytest.mark.parametrize("needs_convert", [True, False])
+def test_phases(needs_convert):
+    doc = _with(_base(), "r", hf=needs_convert)
+    spec = api.LoRAJobSpec.model_validate(doc["spec"])
+    assert rules.phases(spec) == (["convert"] if needs_convert else []) + ["train", "export"]
+
+
+def test_every_tpu_topology_rule_accepts_its_own_topologies():
+    from lorajob_operator.accelerators import TPU_MACHINES
+
+    for machine_type, machine in TPU_MACHINES.items():
+        for topology in machine.topologies:
+            doc = _base()
+            doc["spec"]["compute"]["tpu"] = {"machineType": machine_type, "topology": topology}
+            assert validate(doc) == [], (machine_type, topology)

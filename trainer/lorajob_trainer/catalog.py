@@ -1,0 +1,48 @@
+"""The models lorajob knows by name (imports without JAX).
+
+One place for the name -> family mapping that the LoRAJob API (its enum), the operator
+(defaults such as the tokenizer) and the trainer (which model code to use) share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    family: str
+    """Model code family: qwen3, llama3, gemma3."""
+    hf_repo: str | None
+    """Default Hugging Face repo id of the base weights and tokenizer; None for generated tiny models."""
+
+
+FAMILIES = ("qwen3", "llama3", "gemma3")
+
+MODELS: dict[str, ModelInfo] = {
+    "qwen3-0.6b": ModelInfo("qwen3", "Qwen/Qwen3-0.6B"),
+    "qwen3-1.7b": ModelInfo("qwen3", "Qwen/Qwen3-1.7B"),
+    "qwen3-4b": ModelInfo("qwen3", "Qwen/Qwen3-4B"),
+    "qwen3-8b": ModelInfo("qwen3", "Qwen/Qwen3-8B"),
+    "qwen3-14b": ModelInfo("qwen3", "Qwen/Qwen3-14B"),
+    "qwen3-32b": ModelInfo("qwen3", "Qwen/Qwen3-32B"),
+    "llama3.1-8b": ModelInfo("llama3", "meta-llama/Llama-3.1-8B"),
+    "llama3.1-70b": ModelInfo("llama3", "meta-llama/Llama-3.1-70B"),
+    "llama3.2-1b": ModelInfo("llama3", "meta-llama/Llama-3.2-1B"),
+    "llama3.2-3b": ModelInfo("llama3", "meta-llama/Llama-3.2-3B"),
+    "gemma3-1b": ModelInfo("gemma3", "google/gemma-3-1b-pt"),
+    "gemma3-4b": ModelInfo("gemma3", "google/gemma-3-4b-pt"),
+    "gemma3-12b": ModelInfo("gemma3", "google/gemma-3-12b-pt"),
+    "gemma3-27b": ModelInfo("gemma3", "google/gemma-3-27b-pt"),
+    # Tiny random models the project generates itself (tests, demos); the family comes from config.json.
+    "tiny-qwen3": ModelInfo("qwen3", None),
+    "tiny-llama3": ModelInfo("llama3", None),
+    "tiny-gemma3": ModelInfo("gemma3", None),
+}
+
+
+def family_of(model_name: str) -> str:
+    try:
+        return MODELS[model_name].family
+    except KeyError:
+        raise ValueError(f"unknown model {model_name!r}; known models: {', '.join(MODELS)}") from None

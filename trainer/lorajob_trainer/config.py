@@ -1,0 +1,353 @@
+"""Trainer configuration: a YAML file plus MaxText-style `key=value` overrides.
+
+Imports without JAX: the operator builds command lines with `TrainConfig.to_args()` and the
+trainer parses them back with `TrainConfig.from_args(argv)`. Keys follow MaxText's SFT trainer
+where it has one (`steps`, `per_device_batch_size`, `lora.lora_rank`, ...). Nested keys are
+written with dots (`lora.lora_rank=8`), list values in YAML flow style
+(`train_data_columns=['question','answer']`). Unknown or malformed keys fail before any work,
+with a message naming the key.
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from lorajob_trainer import catalog
+
+COLUMN_LAYOUTS: tuple[tuple[str, ...], ...] = (
+    ("messages",),
+    ("prompt", "completion"),
+    ("question", "answer"),
+)
+"""The dataset column layouts the trainer understands (the same three MaxText accepts)."""
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, malformed or has an invalid value; the message names the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class LoraConfig(_Section):
+    enable_lora: bool = True
+    """Must be true: this trainer trains LoRA adapters only."""
+    lora_rank: int = Field(16, gt=0)
+    """Adapter rank r."""
+    lora_alpha: float = Field(32.0, gt=0)
+    """Adapter scale numerator: the update is (alpha / r) * B A."""
+    lora_module_path: str = ""
+    """Expert override: a regex over model module paths selecting the adapted layers."""
+    target_modules: list[str] | None = None
+    """Hugging Face projection names to adapt (q_proj, ..., down_proj); None = the family default."""
+    lora_restore_path: str = ""
+    """Start from an earlier adapter (a LoRA checkpoint directory); ignored when resuming a run."""
+
+    @model_validator(mode="after")
+    def _one_target_selector(self) -> LoraConfig:
+        if not self.enable_lora:
+            raise ValueError("lora.enable_lora=false is not supported: only LoRA fine-tuning is implemented")
+        if self.lora_module_path and self.target_modules is not None:
+            raise ValueError("set either lora.lora_module_path or lora.target_modules, not both")
+        if self.target_modules is not None and not self.target_modules:
+            raise ValueError("lora.target_modules must not be empty")
+        return self
+
+
+class MeshConfig(_Section):
+    data: int = -1
+    """Data-parallel degree across slices (DCN); -1 = number of slices."""
+    fsdp: int = -1
+    """Parameter-sharding degree within a slice; -1 = all devices of a slice not used by tensor."""
+    tensor: int = Field(1, gt=0)
+    """Tensor-parallel degree within a slice."""
+
+    @model_validator(mode="after")
+    def _positive_or_fill(self) -> MeshConfig:
+        for axis in ("data", "fsdp"):
+            value = getattr(self, axis)
+            if value == 0 or value < -1:
+                raise ValueError(f"mesh.{axis} must be a positive integer or -1 (fill), got {value}")
+        return self
+
+
+class TrainConfig(_Section):
+    # Run identity and outputs.
+    run_name: str = Field(min_length=1)
+    """Name of the run; outputs go to <base_output_directory>/<run_name>/."""
+    base_output_directory: str = Field(min_length=1)
+    """Root for checkpoints, metrics and the progress file."""
+
+    # Model.
+    model_name: str
+    """A model name from lorajob_trainer.catalog (selects the model family)."""
+    load_parameters_path: str = Field(min_length=1)
+    """Base weights: a directory of Hugging Face safetensors + config.json."""
+    tokenizer_path: str = ""
+    """Tokenizer directory; empty = load_parameters_path."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute and base-weight dtype; auto = bfloat16 on accelerators, float32 on CPU."""
+
+    # Data.
+    hf_path: str = ""
+    """Dataset: a Hugging Face hub name, or a builder (json, parquet, csv) used with hf_train_files."""
+    hf_name: str = ""
+    """Dataset configuration name."""
+    hf_data_dir: str = ""
+    """Dataset data_dir (for example `main` for openai/gsm8k)."""
+    hf_train_files: list[str] | None = None
+    """Local training files or directories; replaces hub download."""
+    hf_eval_files: list[str] | None = None
+    """Local evaluation files or directories."""
+    train_split: str = "train"
+    """Split used for training."""
+    hf_eval_split: str = ""
+    """Split used for evaluation (hub datasets); empty = no evaluation split."""
+    train_data_columns: list[str] = ["messages"]
+    """Column layout: ['messages'], ['prompt','completion'] or ['question','answer']."""
+    chat_template_path: str = ""
+    """Chat template file (.jinja/.j2/.txt, or .json with a chat_template key); empty = tokenizer's."""
+    max_target_length: int = Field(1024, gt=1)
+    """Sequence length of one packed row, in tokens."""
+    packing: bool = True
+    """Pack several examples into one row (attention never crosses examples)."""
+    shuffle: bool = True
+    """Shuffle examples, with a new order per epoch."""
+    data_shuffle_seed: int = 0
+    """Seed of the per-epoch example order."""
+    epoch_policy: Literal["continue", "fail"] = "continue"
+    """At the end of the data: continue into the next epoch (logged), or fail the run."""
+
+    # Optimisation.
+    steps: int = Field(gt=0)
+    """Optimizer steps to run."""
+    per_device_batch_size: int = Field(1, gt=0)
+    """Rows per device per micro-batch."""
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    """Micro-batches accumulated into one optimizer step."""
+    learning_rate: float = Field(2e-4, gt=0)
+    """Peak learning rate."""
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup."""
+    warmup_steps_fraction: float = Field(0.1, ge=0, le=1)
+    """Fraction of steps with a linear warmup from 0."""
+    learning_rate_final_fraction: float = Field(0.1, ge=0, le=1)
+    """Final learning rate as a fraction of the peak (cosine and linear)."""
+    adam_b1: float = Field(0.9, ge=0, lt=1)
+    adam_b2: float = Field(0.999, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    adam_weight_decay: float = Field(0.0, ge=0)
+    """Decoupled (AdamW) weight decay on the adapters."""
+    gradient_clipping_threshold: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this; 0 = no clipping."""
+    seed: int = 0
+    """Seed of the adapter initialisation."""
+
+    # Evaluation.
+    eval_interval: int = Field(0, ge=0)
+    """Evaluate every N steps (and after the last); 0 = never."""
+    eval_steps: int = Field(1, gt=0)
+    """Batches per evaluation."""
+
+    # Checkpointing.
+    enable_checkpointing: bool = True
+    checkpoint_period: int = Field(100, gt=0)
+    """Save every N steps; the last step is always saved."""
+    max_num_checkpoints_to_keep: int = Field(3, gt=0)
+    async_checkpointing: bool = True
+    """Write checkpoints in the background while training continues."""
+    checkpoint_storage_use_zarr3: bool = True
+    checkpoint_storage_use_ocdbt: bool = True
+
+    # Parallelism and reporting.
+    mesh: MeshConfig = MeshConfig()
+    lora: LoraConfig = LoraConfig()
+    log_period: int = Field(1, gt=0)
+    """Log metrics every N steps."""
+    enable_tensorboard: bool = True
+    peak_tflops_per_device: float | None = Field(None, gt=0)
+    """Peak dense TFLOP/s of one device for MFU; None = look up the device kind."""
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> TrainConfig:
+        catalog.family_of(self.model_name)
+        if tuple(self.train_data_columns) not in COLUMN_LAYOUTS:
+            layouts = ", ".join(str(list(layout)) for layout in COLUMN_LAYOUTS)
+            raise ValueError(f"train_data_columns={self.train_data_columns} is not one of {layouts}")
+        if not self.hf_path and not self.hf_train_files:
+            raise ValueError("no training data: set hf_path or hf_train_files")
+        if self.eval_interval and not (self.hf_eval_files or self.hf_eval_split):
+            raise ValueError("eval_interval is set but there is no evaluation data: set hf_eval_files or hf_eval_split")
+        return self
+
+    # Derived paths.
+    @property
+    def run_directory(self) -> Path:
+        return Path(self.base_output_directory) / self.run_name
+
+    @property
+    def checkpoint_directory(self) -> Path:
+        return self.run_directory / "checkpoints"
+
+    @property
+    def family(self) -> str:
+        return catalog.family_of(self.model_name)
+
+    @property
+    def tokenizer_directory(self) -> str:
+        return self.tokenizer_path or self.load_parameters_path
+
+    # Command lines.
+    @classmethod
+    def from_args(cls, argv: list[str], base_yaml: str | Path | None = None) -> TrainConfig:
+        """Parse `[config.yaml] key=value...` (on top of `base_yaml` if given)."""
+        values: dict[str, Any] = {}
+        if base_yaml is not None:
+            _merge(values, _read_yaml(Path(base_yaml)), source=str(base_yaml))
+        overrides = list(argv)
+        if overrides and "=" not in overrides[0]:
+            config_file = Path(overrides.pop(0))
+            _merge(values, _read_yaml(config_file), source=str(config_file))
+        for argument in overrides:
+            key, value = _split_override(argument)
+            _merge(values, {key: _parse_value(key, value)}, source="command line")
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        try:
+            return cls.model_validate(values)
+        except ValidationError as error:
+            raise ConfigError(_describe(error)) from None
+
+    def to_args(self) -> list[str]:
+        """`key=value` overrides that reproduce this config (fields that differ from defaults)."""
+        return [f"{key}={_format_value(value)}" for key, value in _flatten(self.model_dump(exclude_defaults=True))]
+
+
+def resolve_target_modules(config: TrainConfig, family_default: list[str]) -> list[str] | None:
+    """Target modules: command line / YAML (`lora.target_modules`) > the family default.
+
+    Returns None when an explicit regex (`lora.lora_module_path`) selects the layers instead.
+    """
+    if config.lora.lora_module_path:
+        return None
+    if config.lora.target_modules is not None:
+        return list(config.lora.target_modules)
+    return list(family_default)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(loaded).__name__}")
+    return loaded
+
+
+def _split_override(argument: str) -> tuple[str, str]:
+    key, separator, value = argument.partition("=")
+    key = key.strip()
+    if not separator or not key:
+        raise ConfigError(f"malformed override {argument!r}: expected key=value")
+    _field_annotation(key)
+    return key, value
+
+
+def _merge(values: dict[str, Any], update: dict[str, Any], *, source: str) -> None:
+    """Merge `update` (nested dicts and/or dotted keys) into `values`, checking every key exists."""
+    for key, value in _flatten(update):
+        _field_annotation(key, source=source)
+        section = values
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            section = section.setdefault(parent, {})
+        section[leaf] = value
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    flat: list[tuple[str, Any]] = []
+    for key, value in values.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and _is_section(dotted):
+            flat.extend(_flatten(value, prefix=f"{dotted}."))
+        else:
+            flat.append((dotted, value))
+    return flat
+
+
+def _is_section(dotted_key: str) -> bool:
+    try:
+        annotation = _field_annotation(dotted_key)
+    except ConfigError:
+        return False
+    return isinstance(annotation, type) and issubclass(annotation, _Section)
+
+
+def _field_annotation(dotted_key: str, *, source: str = "command line") -> Any:
+    """The type annotation of a dotted key; ConfigError naming the key if it does not exist."""
+    model: type[BaseModel] = TrainConfig
+    parts = dotted_key.split(".")
+    for depth, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        if field is None:
+            where = ".".join(parts[:depth]) or "the top level"
+            known = ", ".join(sorted(model.model_fields))
+            raise ConfigError(f"unknown config key {dotted_key!r} ({source}); keys at {where}: {known}")
+        annotation = field.annotation
+        if depth < len(parts) - 1:
+            if not (isinstance(annotation, type) and issubclass(annotation, _Section)):
+                raise ConfigError(f"unknown config key {dotted_key!r} ({source}): {'.'.join(parts[: depth + 1])} has no sub-keys")
+            model = annotation
+    return annotation
+
+
+def _parse_value(key: str, raw: str) -> Any:
+    """String-typed keys keep the raw text (a regex or a run name is never reinterpreted); others are YAML."""
+    if _accepts_only_strings(_field_annotation(key)):
+        return raw
+    try:
+        return yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"malformed value for {key!r}: {raw!r} is not valid YAML ({error})") from None
+
+
+def _accepts_only_strings(annotation: Any) -> bool:
+    if annotation is str:
+        return True
+    if typing.get_origin(annotation) is Literal:
+        return all(isinstance(choice, str) for choice in typing.get_args(annotation))
+    return False
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return yaml.safe_dump(value, default_flow_style=True, width=1 << 30).strip().removesuffix("\n...").strip()
+
+
+def _describe(error: ValidationError) -> str:
+    problems = []
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "config"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "missing":
+            problems.append(f"{key}: required key is missing")
+        elif item["type"] == "extra_forbidden":
+            problems.append(f"{key}: unknown config key")
+        else:
+            problems.append(f"{key}: {message} (got {item.get('input')!r})" if item["loc"] else message)
+    return "invalid trainer config: " + "; ".join(problems)
+
