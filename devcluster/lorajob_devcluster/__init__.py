@@ -1,0 +1,23 @@
+"""Local Kubernetes for lorajob tests and the demo: real etcd, kube-apiserver, KCM, kube-scheduler,
+kwok fake TPU nodes, JobSet and Kueue, all built from the Go module proxy and run on loopback."""
+
+from . import build
+from .controlplane import ControlPlane, ControlPlaneConfig, KubectlError, wait_for
+from .kwok_stages import HANG_IMAGE, RUN_DURATION_ANNOTATION, SLOW_IMAGE, PodTiming, failing_image
+from .simcluster import SimCluster, SimClusterConfig, SimClusterError
+
+__all__ = [
+    "build",
+    "ControlPlane",
+    "ControlPlaneConfig",
+    "HANG_IMAGE",
+    "KubectlError",
+    "PodTiming",
+    "RUN_DURATION_ANNOTATION",
+    "SLOW_IMAGE",
+    "SimCluster",
+    "SimClusterConfig",
+    "SimClusterError",
+    "failing_image",
+    "wait_for",
+]

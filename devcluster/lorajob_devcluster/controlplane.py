@@ -10,11 +10,11 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Iterable
 
 import yaml
 
 from . import build, pki
+from .documents import as_kubectl_input, load_documents
 from .process import ComponentFailed, ManagedProcess, free_loopback_port
 
 SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
@@ -37,10 +37,6 @@ class ControlPlaneConfig:
 def default_state_parent() -> Path:
     shm = Path("/dev/shm")
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
-
-
-def yaml_documents(paths: Iterable[Path]) -> list[dict]:
-    return [doc for path in paths for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
 def yaml_files(directory: Path) -> list[Path]:
@@ -200,11 +196,11 @@ class ControlPlane:
 
     def apply_documents(self, documents: list[dict]) -> None:
         if documents:
-            self.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump_all(documents))
+            self.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=as_kubectl_input(documents))
 
     def apply_crds(self, directory: Path) -> list[str]:
         """Apply every YAML file in `directory` and wait until its CRDs are Established; return their names."""
-        documents = yaml_documents(yaml_files(directory)) if directory.is_dir() else []
+        documents = [doc for path in yaml_files(directory) for doc in load_documents(path)] if directory.is_dir() else []
         self.apply_documents(documents)
         names = [d["metadata"]["name"] for d in documents if d.get("kind") == "CustomResourceDefinition"]
         self.wait_crds_established(names)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import yaml
 
+from .documents import load_document
+
 SIM_IMAGE_PREFIX = "sim.lorajob.dev/"
 FAILING_EXIT_CODES = (1, 2, 3, 42, 137)
 SLOW_IMAGE = f"{SIM_IMAGE_PREFIX}slow"
@@ -207,7 +209,7 @@ def pod_stages(timing: PodTiming = PodTiming()) -> list[dict]:
 
 def node_stages(kwok_module_dir: Path) -> list[dict]:
     """kwok's own node initialize + lease heartbeat Stages, read from its Go module download."""
-    return [yaml.safe_load((kwok_module_dir / path).read_text()) for path in KWOK_NODE_STAGE_FILES]
+    return [load_document(kwok_module_dir / path) for path in KWOK_NODE_STAGE_FILES]
 
 
 def write_kwok_config(path: Path, kwok_module_dir: Path, timing: PodTiming = PodTiming()) -> Path:

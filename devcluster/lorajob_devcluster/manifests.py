@@ -11,16 +11,12 @@ import base64
 import copy
 from pathlib import Path
 
-import yaml
+from .documents import load_document, load_documents
 
 WEBHOOK_KINDS = ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")
 # Kueue integrations enabled by the dev cluster; webhooks for other API groups are left out, so e.g.
 # every pod create does not pass through Kueue.
 KUEUE_WEBHOOK_GROUPS = frozenset({"kueue.x-k8s.io", "batch", "jobset.x-k8s.io"})
-
-
-def load_documents(path: Path) -> list[dict]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
 def loopback_client_config(port: int, path: str, ca_pem: bytes) -> dict:
@@ -57,20 +53,20 @@ def jobset_webhooks(module_dir: Path, port: int, ca_pem: bytes) -> list[dict]:
     """JobSet's webhook manifests with its kustomize patches (pod webhooks scoped to JobSet pods)."""
     webhook_dir = module_dir / "config/components/webhook"
     configurations = {d["kind"]: d for d in load_documents(webhook_dir / "manifests.yaml") if d["kind"] in WEBHOOK_KINDS}
-    kustomization = yaml.safe_load((webhook_dir / "kustomization.yaml").read_text())
+    kustomization = load_document(webhook_dir / "kustomization.yaml")
     for patch in kustomization.get("patches", []):
         target = configurations[patch["target"]["kind"]]
-        _kustomize_json6902_replace(target, yaml.safe_load((webhook_dir / patch["path"]).read_text()))
+        _kustomize_json6902_replace(target, load_document(webhook_dir / patch["path"]))
     return [point_webhooks_at_loopback(c, port, ca_pem, "jobset") for c in configurations.values()]
 
 
 def _kueue_conversion_patched_crds(module_dir: Path) -> set[str]:
     """Names of the CRDs whose conversion webhook patch Kueue's own kustomization enables."""
     crd_dir = module_dir / "config/components/crd"
-    kustomization = yaml.safe_load((crd_dir / "kustomization.yaml").read_text())
+    kustomization = load_document(crd_dir / "kustomization.yaml")
     names = set()
     for patch in kustomization.get("patches", []):
-        document = yaml.safe_load((crd_dir / patch["path"]).read_text())
+        document = load_document(crd_dir / patch["path"])
         if document.get("spec", {}).get("conversion", {}).get("strategy") == "Webhook":
             names.add(document["metadata"]["name"])
     return names
@@ -79,7 +75,7 @@ def _kueue_conversion_patched_crds(module_dir: Path) -> set[str]:
 def kueue_crds(module_dir: Path, port: int, ca_pem: bytes) -> list[dict]:
     """Kueue's CRDs; those with two served versions convert through Kueue's loopback webhook."""
     crd_dir = module_dir / "config/components/crd"
-    kustomization = yaml.safe_load((crd_dir / "kustomization.yaml").read_text())
+    kustomization = load_document(crd_dir / "kustomization.yaml")
     converted = _kueue_conversion_patched_crds(module_dir)
     crds = [doc for resource in kustomization["resources"] for doc in load_documents(crd_dir / resource)]
     for crd in crds:

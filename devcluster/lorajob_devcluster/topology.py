@@ -91,7 +91,7 @@ class NodePool:
 # One v6e-16 slice (4x4 = 16 chips on 4 hosts of 4 chips), one single-host v6e 2x2 and CPU nodes.
 TPU_V6E_4X4 = NodePool("tpu-v6e-4x4-np", 4, cpu=180, memory_gi=720, tpu_chips_per_node=4, tpu_accelerator="tpu-v6e-slice", tpu_topology="4x4")
 TPU_V6E_2X2 = NodePool("tpu-v6e-2x2-np", 1, cpu=180, memory_gi=720, tpu_chips_per_node=4, tpu_accelerator="tpu-v6e-slice", tpu_topology="2x2")
-CPU_NP = NodePool("cpu-np", 3, cpu=32, memory_gi=128)
+CPU_NP = NodePool("cpu-np", 3, cpu=64, memory_gi=256)  # fits an xpk-sized Pathways head (>= 49 vCPU)
 DEFAULT_NODE_POOLS = (CPU_NP, TPU_V6E_4X4, TPU_V6E_2X2)
 
 

@@ -31,14 +31,40 @@ def validate_files(paths: list[Path]) -> int:
     return 1 if failed else 0
 
 
+def render_files(paths: list[Path], namespace: str) -> int:
+    """Print the JobSets the operator would create for each LoRAJob (all steps, first tries)."""
+    from lorajob_operator import api, render
+    from lorajob_operator.settings import OperatorSettings
+
+    settings = OperatorSettings.from_env().render
+    manifests, failed = [], 0
+    for path in paths:
+        for doc in _documents(path):
+            metadata = doc.get("metadata", {})
+            spec, errors = render.parse_spec(doc) if doc.get("kind") == api.KIND else (None, (f"not a {api.KIND}",))
+            if spec is None:
+                failed += 1
+                print(f"{path}: cannot render {metadata.get('name', '?')!r}: {'; '.join(errors)}", file=sys.stderr)
+                continue
+            owner = render.Owner(metadata["name"], metadata.get("namespace", namespace), metadata.get("uid", "<uid>"))
+            manifests += render.render_all(spec, owner, settings)
+    print(yaml.safe_dump_all(manifests, sort_keys=False), end="")
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lorajob", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     validate = commands.add_parser("validate", help="check LoRAJob files with the same rules as the API server")
     validate.add_argument("files", nargs="+", type=Path)
+    render = commands.add_parser("render", help="print the JobSets the operator would create, for review")
+    render.add_argument("files", nargs="+", type=Path)
+    render.add_argument("--namespace", default="default", help="namespace of LoRAJobs that do not set one")
     args = parser.parse_args(argv)
     if args.command == "validate":
         return validate_files(args.files)
+    if args.command == "render":
+        return render_files(args.files, args.namespace)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from pydantic import BaseModel
 from lorajob_operator import api, rules
 
 CRD_FILE = f"{api.GROUP}_{api.PLURAL}.yaml"
-_DROP_KEYS = {"title", "additionalProperties"}
+_DROP_KEYS = {"title"}
 
 
 def _openapi(schema: dict, defs: dict) -> dict:
@@ -36,6 +37,10 @@ def _openapi(schema: dict, defs: dict) -> dict:
     node: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _DROP_KEYS or key == "$defs":
+            continue
+        if key == "additionalProperties":  # `false` from extra="forbid" is implied; a schema types a map's values
+            if isinstance(value, dict):
+                node[key] = _openapi(value, defs)
             continue
         if key == "properties":
             node["properties"] = {name: _openapi(sub, defs) for name, sub in value.items()}
@@ -60,25 +65,32 @@ def _openapi(schema: dict, defs: dict) -> dict:
     return node
 
 
-def _schema_of(model: type[BaseModel]) -> dict:
+def schema_of(model: type[BaseModel]) -> dict:
     raw = model.model_json_schema(by_alias=True, mode="validation")
     return _openapi(raw, raw.get("$defs", {}))
 
 
-def _add_object_defaults(schema: dict, model: type[BaseModel]) -> None:
-    """Fields whose default is a sub-model get `default: {}` so the API server fills in their defaults."""
+def add_object_defaults(schema: dict, model: type[BaseModel]) -> None:
+    """Fields whose default is a sub-model (or an empty list or map) get `default: {}` (`[]`) so the API
+    server fills in their defaults."""
     for name, field in model.model_fields.items():
         alias = field.alias or name
         sub = schema["properties"][alias]
         annotation = field.annotation
+        if field.default_factory in (list, dict):
+            sub["default"] = field.default_factory()
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             if field.default_factory is not None:
                 sub["default"] = {}
-            _add_object_defaults(sub, annotation)
+            add_object_defaults(sub, annotation)
+        elif typing.get_origin(annotation) is list:
+            (item,) = typing.get_args(annotation)
+            if isinstance(item, type) and issubclass(item, BaseModel):
+                add_object_defaults(sub["items"], item)
 
 
 def _status_schema() -> dict:
-    status = _schema_of(api.LoRAJobStatus)
+    status = schema_of(api.LoRAJobStatus)
     conditions = status["properties"]["conditions"]
     conditions["x-kubernetes-list-type"] = "map"
     conditions["x-kubernetes-list-map-keys"] = ["type"]
@@ -87,8 +99,8 @@ def _status_schema() -> dict:
 
 
 def openapi_schema() -> dict:
-    spec = _schema_of(api.LoRAJobSpec)
-    _add_object_defaults(spec, api.LoRAJobSpec)
+    spec = schema_of(api.LoRAJobSpec)
+    add_object_defaults(spec, api.LoRAJobSpec)
     return {
         "type": "object",
         "description": "LoRAJob fine-tunes a large language model with LoRA: it converts the base checkpoint "
@@ -98,7 +110,12 @@ def openapi_schema() -> dict:
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            # Bounding metadata.name (the only restriction a CRD may put on metadata) keeps the root CEL
+            # rules, which default the run name to it, within the API server's cost budget.
+            "metadata": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": api.DNS_LABEL_MAX}},
+            },
             "spec": spec,
             "status": _status_schema(),
         },

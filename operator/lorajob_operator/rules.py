@@ -135,17 +135,27 @@ def run_name_limit(spec) -> NameLimit:
 _RUN_NAME_CEL = "(has(self.spec.runName) ? self.spec.runName : self.metadata.name)"
 
 
-def _limit_cel(field: str) -> str:
-    """CEL choosing `field` ('limit' or 'why') of the first applicable NameLimit."""
+def _limit_explanation(rule: NameLimit) -> str:
+    return f"at most {rule.limit} characters are allowed here because {rule.why}"
+
+
+def _limit_cel(value_of: Callable[[NameLimit], str]) -> str:
+    """CEL choosing `value_of(rule)` for the first (tightest) applicable NameLimit."""
     expression = ""
     for rule in reversed(NAME_LIMITS):
-        value = str(rule.limit) if field == "limit" else '"' + rule.why + '"'
+        value = value_of(rule)
         expression = value if rule.applies is None else f"({rule.applies.cel} ? {value} : {expression})"
     return expression
 
 
+def _too_long_message(run_name: str, explanation: str) -> str:
+    return f'the run name "{run_name}" is too long: {explanation}. Set a shorter spec.runName.'
+
+
 def root_rules() -> list[dict]:
     """CEL rules on the LoRAJob object root (where metadata.name is visible)."""
+    # Each branch of the message is a literal: CEL's cost estimator treats string(int) as unbounded.
+    too_long = _too_long_message("' + " + _RUN_NAME_CEL + " + '", "' + " + _limit_cel(lambda r: '"' + _limit_explanation(r) + '"') + " + '")
     return [
         {
             "rule": f"{_RUN_NAME_CEL}.matches('{DNS_LABEL_PATTERN}')",
@@ -153,12 +163,10 @@ def root_rules() -> list[dict]:
             "lower-case letters, digits and '-', starting with a letter and ending with a letter or digit",
         },
         {
-            "rule": f"size({_RUN_NAME_CEL}) <= {_limit_cel('limit')}",
+            "rule": f"size({_RUN_NAME_CEL}) <= {_limit_cel(lambda r: str(r.limit))}",
             "message": "the run name (spec.runName, or metadata.name when unset) is too long for the "
             "workload-name limits; shorten it or set a shorter spec.runName",
-            "messageExpression": f"'the run name \"' + {_RUN_NAME_CEL} + '\" has ' + string(size({_RUN_NAME_CEL}))"
-            f" + ' characters; at most ' + string({_limit_cel('limit')}) + ' are allowed here because '"
-            f" + {_limit_cel('why')} + '. Set a shorter spec.runName.'",
+            "messageExpression": "'" + too_long + "'",
         },
     ]
 
@@ -170,10 +178,7 @@ def run_name_errors(run_name: str, spec) -> list[str]:
         errors.append(root_rules()[0]["message"])
     rule = run_name_limit(spec)
     if len(run_name) > rule.limit:
-        errors.append(
-            f'the run name "{run_name}" has {len(run_name)} characters; at most {rule.limit} are allowed '
-            f"here because {rule.why}. Set a shorter spec.runName."
-        )
+        errors.append(_too_long_message(run_name, _limit_explanation(rule)))
     return errors
 
 

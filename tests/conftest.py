@@ -1,0 +1,65 @@
+"""Harness fixtures: one real control plane per test session, upgraded to the simulated cluster on demand.
+
+* `kube`        etcd + kube-apiserver with every CRD in crds/ Established (tests marked `apiserver`).
+* `sim_cluster` the same apiserver plus KCM, kube-scheduler, kwok TPU nodes, JobSet and Kueue
+                (tests marked `cluster`).
+
+Binaries are built on first use (cached in ~/.cache/lorajob-k8s), never skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+try:
+    import lorajob_devcluster  # noqa: F401  (installed with `pip install -e .`)
+except ImportError:
+    sys.path.insert(0, str(REPO_ROOT / "devcluster"))
+
+from lorajob_devcluster import ControlPlane, ControlPlaneConfig, SimCluster, build  # noqa: E402
+
+CRD_DIR = REPO_ROOT / "crds"
+
+
+@pytest.fixture(scope="session")
+def _control_plane():
+    config = ControlPlaneConfig(crd_dirs=(CRD_DIR,), keep_state=bool(os.environ.get("LORAJOB_DEVCLUSTER_KEEP")))
+    plane = ControlPlane.start(config)
+    yield plane
+    plane.stop()
+
+
+@pytest.fixture(scope="session")
+def kube(_control_plane) -> ControlPlane:
+    return _control_plane
+
+
+@pytest.fixture(scope="session")
+def sim_cluster(_control_plane) -> SimCluster:
+    return SimCluster.upgrade(_control_plane)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `apiserver` / `cluster` get the matching fixture without asking for it; the binaries
+    they need are built here, before any test's timeout starts (a cold build takes tens of minutes)."""
+    for item in items:
+        if item.get_closest_marker("cluster") and "sim_cluster" not in item.fixturenames:
+            item.fixturenames.append("sim_cluster")
+        elif item.get_closest_marker("apiserver") and "kube" not in item.fixturenames:
+            item.fixturenames.append("kube")
+    if config.option.collectonly:
+        return
+    if any("sim_cluster" in item.fixturenames for item in items):
+        _build_before_tests(config, build.COMPONENT_NAMES)
+    elif any("kube" in item.fixturenames for item in items):
+        _build_before_tests(config, ("kubernetes", "etcd"))
+
+
+def _build_before_tests(config, components: tuple[str, ...]) -> None:
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    build.build(components, log=lambda line: reporter.write_line(f"lorajob-devcluster: {line}"))

@@ -1,0 +1,50 @@
+"""Per-test namespace (with a Kueue LocalQueue and the HF token Secret) and an operator process watching it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from lorajobs import HF_SECRET, Lorajobs
+
+from lorajob_operator.local import OperatorProcess
+
+FAST_OPERATOR = {
+    "LORAJOB_RECONCILE_RESYNC_SECONDS": "1",
+    "LORAJOB_RECONCILE_RETRY_BACKOFF_SECONDS": "1",
+    "LORAJOB_RECONCILE_BLOCKED_RECHECK_SECONDS": "1",
+}
+
+
+@pytest.fixture
+def namespace(sim_cluster, request) -> str:
+    name = "e2e-" + re.sub(r"[^a-z0-9]+", "-", request.node.name.lower().removeprefix("test_"))[:40].strip("-")
+    sim_cluster.create_namespace_with_queue(name)
+    sim_cluster.kubectl("-n", name, "create", "secret", "generic", HF_SECRET, "--from-literal=HF_TOKEN=hf_test")
+    yield name
+    sim_cluster.kubectl("delete", "namespace", name, "--wait=false")
+
+
+@pytest.fixture
+def lorajobs(sim_cluster, namespace) -> Lorajobs:
+    return Lorajobs(sim_cluster, namespace)
+
+
+@pytest.fixture
+def start_operator(sim_cluster, namespace, tmp_path):
+    """Starts an operator watching the test's namespace; every one started is stopped at the end."""
+    started: list[OperatorProcess] = []
+
+    def start() -> OperatorProcess:
+        process = OperatorProcess(sim_cluster.kubeconfig, [namespace], tmp_path / "operator.log", FAST_OPERATOR)
+        started.append(process.start())
+        return process
+
+    yield start
+    for process in started:
+        process.stop()
+
+
+@pytest.fixture
+def operator(start_operator) -> OperatorProcess:
+    return start_operator()

@@ -1,0 +1,90 @@
+"""LoRAJob helpers for end-to-end tests on the simulated cluster (kubectl against the real API server)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = REPO_ROOT / "examples" / "qwen3-gsm8k.yaml"
+HF_SECRET = "hf-token"
+
+
+def sample(name: str, *, train_only: bool = False, trainer_image: str | None = None, **scheduling) -> dict:
+    """The tutorial sample (convert -> Pathways train on v6e-16 -> export), renamed; `train_only`
+    starts from a trainer checkpoint and skips the export."""
+    body = copy.deepcopy(yaml.safe_load(SAMPLE.read_text()))
+    body["metadata"] = {"name": name}
+    spec = body["spec"]
+    spec["training"]["steps"] = 10
+    if train_only:
+        spec["model"] = {"name": spec["model"]["name"], "maxtextCheckpoint": "gs://my-bucket/qwen3/0/items"}
+        spec["export"] = {"enabled": False}
+    if trainer_image:
+        spec["images"] = {"trainer": trainer_image}
+    spec["scheduling"] |= scheduling
+    return body
+
+
+class Lorajobs:
+    def __init__(self, cluster, namespace: str):
+        self.cluster = cluster
+        self.namespace = namespace
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True):
+        return self.cluster.kubectl("-n", self.namespace, *args, input=input, check=check)
+
+    def apply(self, body: dict) -> None:
+        self.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
+
+    def get(self, name: str) -> dict | None:
+        result = self.kubectl("get", "lorajobs.lorajob.dev", name, "-o", "json", "--ignore-not-found")
+        return json.loads(result.stdout) if result.stdout.strip() else None
+
+    def patch_spec(self, name: str, changes: dict) -> None:
+        self.kubectl("patch", "lorajobs.lorajob.dev", name, "--type=merge", "-p", json.dumps({"spec": changes}))
+
+    def delete(self, name: str) -> None:
+        self.kubectl("delete", "lorajobs.lorajob.dev", name, "--wait=false")
+
+    def jobsets(self) -> list[dict]:
+        return json.loads(self.kubectl("get", "jobsets.jobset.x-k8s.io", "-o", "json").stdout)["items"]
+
+    def pods(self) -> list[dict]:
+        return json.loads(self.kubectl("get", "pods", "-o", "json").stdout)["items"]
+
+    def events(self, name: str) -> list[dict]:
+        listing = json.loads(self.kubectl("get", "events", "--field-selector", f"involvedObject.name={name}", "-o", "json").stdout)
+        ours = [e for e in listing["items"] if e.get("source", {}).get("component") == "lorajob-operator"]
+        return sorted(ours, key=lambda e: (e.get("lastTimestamp") or "", e["metadata"]["creationTimestamp"]))
+
+    def wait(self, name: str, predicate, what: str, timeout: float = 120.0, interval: float = 0.5) -> dict:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            last = self.get(name)
+            if last is not None and predicate(last):
+                return last
+            time.sleep(interval)
+        status = json.dumps((last or {}).get("status"), indent=1)
+        raise AssertionError(f"LoRAJob {self.namespace}/{name} did not reach {what} within {timeout:.0f} s; status: {status}")
+
+    def wait_phase(self, name: str, phase: str, timeout: float = 120.0) -> dict:
+        return self.wait(name, lambda obj: obj.get("status", {}).get("phase") == phase, f"phase {phase}", timeout)
+
+    def wait_until(self, predicate, what: str, timeout: float = 60.0, interval: float = 0.5):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            result = predicate()
+            if result:
+                return result
+            time.sleep(interval)
+        raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
+
+
+def condition(obj: dict, condition_type: str) -> dict:
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == condition_type), {})

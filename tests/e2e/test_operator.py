@@ -1,0 +1,168 @@
+"""The operator end to end on the simulated TPU cluster: real API server, KCM, scheduler, kwok nodes,
+JobSet and Kueue controllers. The operator runs as its own process (`python -m lorajob_operator`)."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from lorajobs import condition, sample
+
+from lorajob_devcluster import HANG_IMAGE, SLOW_IMAGE, failing_image
+from lorajob_operator import render
+
+pytestmark = pytest.mark.cluster
+PHASES = {"Pending", "Queued", "Converting", "Training", "Exporting", "Succeeded", "Failed", "Suspended"}
+CLUSTER_QUEUE = "lorajob-cluster-queue"
+
+
+def _ours(jobsets: list[dict], run: str) -> dict[str, dict]:
+    return {js["metadata"]["labels"][render.LABEL_PHASE]: js for js in jobsets if js["metadata"]["labels"].get(render.LABEL_RUN) == run}
+
+
+def _completed(jobset: dict) -> bool:
+    return any(c["type"] == "Completed" and c["status"] == "True" for c in jobset.get("status", {}).get("conditions", []))
+
+
+def test_full_chain_runs_convert_train_export_to_success(lorajobs, operator):
+    lorajobs.apply(sample("chain"))
+    done = lorajobs.wait_phase("chain", "Succeeded", timeout=180)
+
+    children = _ours(lorajobs.jobsets(), "chain")
+    assert sorted(children) == ["convert", "export", "train"]
+    assert all(_completed(js) for js in children.values())
+    assert {js["metadata"]["name"] for js in children.values()} == {"chain-convert", "chain", "chain-to-hf"}
+    for js in children.values():
+        (ref,) = js["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("LoRAJob", "chain", done["metadata"]["uid"], True)
+        assert js["metadata"]["labels"][render.KUEUE_QUEUE_LABEL] == "lorajob"
+
+    status = done["status"]
+    assert status["observedGeneration"] == done["metadata"]["generation"]
+    assert status["children"] == {"convert": "chain-convert", "train": "chain", "export": "chain-to-hf"}
+    assert status["restarts"] == {"convert": 0, "train": 0, "export": 0}
+    assert status["startTime"] <= status["completionTime"]
+    assert status["outputs"]["adapterPath"] == "gs://my-bucket/lorajob/chain/huggingface"
+    assert condition(done, "Succeeded")["status"] == "True"
+    assert condition(done, "Admitted")["status"] == "True"
+
+    reasons = [event["reason"] for event in lorajobs.events("chain")]
+    assert reasons[0] == "Queued" and reasons[-1] == "Succeeded" and set(reasons) <= PHASES, reasons
+    assert "Training" in reasons or "Exporting" in reasons, reasons
+
+
+def test_a_second_job_waits_in_kueue_until_the_first_releases_the_tpu_slice(lorajobs, operator):
+    lorajobs.apply(sample("first", train_only=True, trainer_image=SLOW_IMAGE))
+    lorajobs.wait_phase("first", "Training", timeout=60)
+    lorajobs.apply(sample("second", train_only=True))
+
+    queued = lorajobs.wait(
+        "second",
+        lambda obj: condition(obj, "Queued").get("reason") == "WaitingForQuota",
+        "Queued waiting for quota",
+        timeout=60,
+    )
+    assert queued["status"]["phase"] == "Queued"
+    message = condition(queued, "Queued")["message"]
+    assert f"waiting for quota in ClusterQueue {CLUSTER_QUEUE}" in message, message
+    assert "google.com/tpu" in message, message  # Kueue's own words about what is missing
+    second = _ours(lorajobs.jobsets(), "second")["train"]
+    assert second["spec"]["suspend"] is True  # suspended by Kueue, never resumed by us
+    assert lorajobs.get("first")["status"]["phase"] == "Training"
+
+    lorajobs.wait_phase("first", "Succeeded", timeout=120)
+    lorajobs.wait_phase("second", "Succeeded", timeout=90)
+
+
+def test_a_failing_train_step_fails_the_job_with_the_reason_and_never_exports(lorajobs, operator):
+    body = sample("broken", trainer_image=failing_image(42), retryLimit=1)
+    body["spec"]["model"] = {"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://my-bucket/qwen3/0/items"}  # train first
+    lorajobs.apply(body)
+    failed = lorajobs.wait_phase("broken", "Failed", timeout=150)
+
+    reason = condition(failed, "Failed")
+    assert reason["reason"] == "TrainFailed"
+    assert "container trainer exited with code 42" in reason["message"], reason["message"]
+    assert "pathways-head" in reason["message"] and "giving up after 1 retry" in reason["message"]
+    assert failed["status"]["restarts"]["train"] == 1
+    children = _ours(lorajobs.jobsets(), "broken")
+    assert sorted(children) == ["train"]
+    assert children["train"]["metadata"]["labels"][render.LABEL_ATTEMPT] == "1"
+    assert [e["type"] for e in lorajobs.events("broken") if e["reason"] == "Failed"] == ["Warning"]
+
+
+def test_operator_killed_mid_chain_resumes_with_exactly_one_jobset_per_step(lorajobs, start_operator):
+    first = start_operator()
+    lorajobs.apply(sample("restart"))
+    lorajobs.wait_until(lambda: "convert" in _ours(lorajobs.jobsets(), "restart"), "the convert JobSet", timeout=60, interval=0.2)
+    first.kill()
+    # While no operator runs, convert finishes; the new operator must go on from there.
+    lorajobs.wait_until(lambda: _completed(_ours(lorajobs.jobsets(), "restart")["convert"]), "convert completed", timeout=60)
+    start_operator()
+    lorajobs.wait_phase("restart", "Succeeded", timeout=180)
+
+    children = _ours(lorajobs.jobsets(), "restart")
+    assert sorted(children) == ["convert", "export", "train"]
+    assert all(js["metadata"]["labels"][render.LABEL_ATTEMPT] == "0" for js in children.values())
+    workloads = lorajobs.kubectl("get", "workloads.kueue.x-k8s.io", "-o", "name").stdout.split()
+    assert len(workloads) == 3, workloads  # one Kueue Workload per step: no duplicate ever existed
+
+
+def test_suspend_deletes_the_running_step_and_resume_recreates_it(lorajobs, operator):
+    lorajobs.apply(sample("pause", train_only=True, trainer_image=HANG_IMAGE))
+    lorajobs.wait_phase("pause", "Training", timeout=60)
+    before = _ours(lorajobs.jobsets(), "pause")["train"]["metadata"]["uid"]
+
+    lorajobs.patch_spec("pause", {"suspend": True})
+    suspended = lorajobs.wait_phase("pause", "Suspended", timeout=60)
+    assert condition(suspended, "Suspended")["status"] == "True"
+    lorajobs.wait_until(lambda: not _ours(lorajobs.jobsets(), "pause"), "the train JobSet deleted", timeout=60)
+    assert not [p for p in lorajobs.pods() if p["metadata"]["labels"].get(render.LABEL_RUN) == "pause"]
+
+    lorajobs.patch_spec("pause", {"suspend": False})
+    resumed = lorajobs.wait_phase("pause", "Training", timeout=60)
+    resume = condition(resumed, "Suspended")
+    assert (resume["status"], resume["reason"]) == ("False", "Resumed")
+    after = _ours(lorajobs.jobsets(), "pause")["train"]
+    assert after["metadata"]["uid"] != before
+    assert after["metadata"]["labels"][render.LABEL_ATTEMPT] == "0"  # a pause is not a retry
+    assert resumed["status"]["restarts"]["train"] == 0
+
+
+def test_deleting_a_lorajob_deletes_its_children(lorajobs, operator):
+    lorajobs.apply(sample("gone", train_only=True, trainer_image=HANG_IMAGE))
+    lorajobs.wait_phase("gone", "Training", timeout=60)
+    assert _ours(lorajobs.jobsets(), "gone")
+
+    lorajobs.delete("gone")
+    lorajobs.wait_until(lambda: lorajobs.get("gone") is None and not _ours(lorajobs.jobsets(), "gone"), "LoRAJob and JobSet gone", timeout=60)
+    lorajobs.wait_until(
+        lambda: not [p for p in lorajobs.pods() if p["metadata"]["labels"].get(render.LABEL_RUN) == "gone"],
+        "pods garbage-collected", timeout=60,
+    )
+
+
+def test_a_missing_secret_blocks_with_a_clear_condition_until_it_exists(lorajobs, operator):
+    lorajobs.kubectl("delete", "secret", "hf-token")
+    lorajobs.apply(sample("nosecret"))
+    blocked = lorajobs.wait(
+        "nosecret", lambda obj: condition(obj, "Blocked").get("status") == "True", "Blocked", timeout=30
+    )
+    assert condition(blocked, "Blocked")["reason"] == "SecretNotFound"
+    assert blocked["status"]["phase"] == "Pending"
+    assert not _ours(lorajobs.jobsets(), "nosecret")
+
+    lorajobs.kubectl("create", "secret", "generic", "hf-token", "--from-literal=HF_TOKEN=hf_test")
+    unblocked = lorajobs.wait("nosecret", lambda obj: condition(obj, "Blocked").get("status") == "False", "unblocked", timeout=30)
+    assert unblocked["status"]["phase"] in PHASES - {"Pending", "Failed"}
+
+
+def test_ttl_after_finished_deletes_the_lorajob_and_its_children(lorajobs, operator):
+    lorajobs.apply(sample("short", train_only=True, ttlSecondsAfterFinished=2))
+    lorajobs.wait_until(lambda: lorajobs.get("short") is None, "the LoRAJob deleted after its TTL", timeout=120)
+    lorajobs.wait_until(lambda: not _ours(lorajobs.jobsets(), "short"), "its JobSet garbage-collected", timeout=60)
+
+
+def test_the_liveness_endpoint_answers(operator):
+    with urllib.request.urlopen(operator.liveness_url, timeout=5) as response:
+        assert response.status == 200

@@ -1,0 +1,133 @@
+"""The simulated cluster really queues, schedules, runs and fails TPU JobSets through Kueue and JobSet."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import yaml
+
+from lorajob_devcluster import SLOW_IMAGE, failing_image, wait_for
+from lorajob_devcluster.topology import ACCELERATOR_LABEL, QUEUE_NAME_LABEL, TOPOLOGY_LABEL, TPU_RESOURCE, TPU_V6E_4X4
+
+pytestmark = pytest.mark.cluster
+NAMESPACE = "harness-sim"
+TIMEOUT = 90.0
+
+
+@pytest.fixture(scope="module")
+def queue_namespace(sim_cluster):
+    return sim_cluster.create_namespace_with_queue(NAMESPACE)
+
+
+def tpu_jobset(name: str, image: str = "sim.lorajob.dev/train", annotations: dict | None = None) -> dict:
+    """A v6e-16 JobSet shaped like a GKE multi-host TPU job: 4 hosts x 4 chips on a 4x4 slice."""
+    hosts, chips = TPU_V6E_4X4.node_count, TPU_V6E_4X4.tpu_chips_per_node
+    resources = {TPU_RESOURCE: str(chips), "cpu": "1", "memory": "1Gi"}
+    pod_spec = {
+        "restartPolicy": "Never",
+        "nodeSelector": {ACCELERATOR_LABEL: TPU_V6E_4X4.tpu_accelerator, TOPOLOGY_LABEL: TPU_V6E_4X4.tpu_topology},
+        "containers": [{"name": "main", "image": image, "resources": {"requests": resources, "limits": resources}}],
+    }
+    job_spec = {
+        "parallelism": hosts,
+        "completions": hosts,
+        "backoffLimit": 0,
+        "completionMode": "Indexed",
+        "template": {"metadata": {"annotations": annotations or {}}, "spec": pod_spec},
+    }
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": {QUEUE_NAME_LABEL: "lorajob"}},
+        "spec": {"failurePolicy": {"maxRestarts": 0}, "replicatedJobs": [{"name": "workers", "replicas": 1, "template": {"spec": job_spec}}]},
+    }
+
+
+def create(sim_cluster, manifest: dict) -> dict:
+    """Create and return the object as stored, i.e. after the mutating webhooks ran."""
+    return json.loads(sim_cluster.kubectl("create", "-o", "json", "-f", "-", input=yaml.safe_dump(manifest)).stdout)
+
+
+def jobset_condition(sim_cluster, name: str, condition: str) -> bool:
+    jobset = sim_cluster.get_json("jobsets.jobset.x-k8s.io", name, "-n", NAMESPACE)
+    return any(c["type"] == condition and c["status"] == "True" for c in jobset.get("status", {}).get("conditions", []))
+
+
+def workload_of(sim_cluster, jobset_name: str) -> dict | None:
+    for workload in sim_cluster.get_json("workloads.kueue.x-k8s.io", "-n", NAMESPACE)["items"]:
+        if any(o["kind"] == "JobSet" and o["name"] == jobset_name for o in workload["metadata"].get("ownerReferences", [])):
+            return workload
+    return None
+
+
+def workload_admitted(sim_cluster, jobset_name: str) -> bool:
+    workload = workload_of(sim_cluster, jobset_name)
+    conditions = (workload or {}).get("status", {}).get("conditions", [])
+    return any(c["type"] == "Admitted" and c["status"] == "True" for c in conditions)
+
+
+def jobset_pods(sim_cluster, name: str) -> list[dict]:
+    return sim_cluster.get_json("pods", "-n", NAMESPACE, "-l", f"jobset.sigs.k8s.io/jobset-name={name}")["items"]
+
+
+def bound_pods(sim_cluster, name: str, count: int) -> list[dict] | None:
+    pods = jobset_pods(sim_cluster, name)
+    return pods if len(pods) == count and all(p["spec"].get("nodeName") for p in pods) else None
+
+
+def delete_jobset(sim_cluster, name: str) -> None:
+    sim_cluster.kubectl("delete", "jobsets.jobset.x-k8s.io", name, "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+
+
+def test_queued_tpu_jobset_is_admitted_scheduled_on_tpu_nodes_and_completes(sim_cluster, queue_namespace):
+    stored = create(sim_cluster, tpu_jobset("train-ok"))
+    assert stored["spec"]["suspend"] is True, "Kueue's webhook must suspend a queued JobSet at creation"
+
+    wait_for(lambda: workload_admitted(sim_cluster, "train-ok"), TIMEOUT, "Workload of train-ok admitted")
+    hosts = TPU_V6E_4X4.node_count
+    pods = wait_for(lambda: bound_pods(sim_cluster, "train-ok", hosts), TIMEOUT, f"{hosts} pods of train-ok bound")
+    assert {p["spec"]["nodeName"] for p in pods} == set(TPU_V6E_4X4.node_names())
+    for pod in pods:
+        assert any(t["key"] == TPU_RESOURCE for t in pod["spec"].get("tolerations", [])), "flavor toleration injected"
+
+    wait_for(lambda: jobset_condition(sim_cluster, "train-ok", "Completed"), TIMEOUT, "JobSet train-ok Completed")
+    finished = jobset_pods(sim_cluster, "train-ok")
+    assert {p["status"]["phase"] for p in finished} == {"Succeeded"}
+    delete_jobset(sim_cluster, "train-ok")
+
+
+def test_second_tpu_jobset_waits_for_quota_until_the_first_is_gone(sim_cluster, queue_namespace):
+    create(sim_cluster, tpu_jobset("first", image=SLOW_IMAGE))
+    wait_for(lambda: workload_admitted(sim_cluster, "first"), TIMEOUT, "Workload of first admitted")
+    create(sim_cluster, tpu_jobset("second"))
+    wait_for(lambda: workload_of(sim_cluster, "second"), TIMEOUT, "Workload of second created")
+
+    time.sleep(3)  # give Kueue several scheduling cycles in which it must not admit `second`
+    assert not workload_admitted(sim_cluster, "second")
+    assert sim_cluster.get_json("jobsets.jobset.x-k8s.io", "second", "-n", NAMESPACE)["spec"]["suspend"] is True
+    assert not jobset_condition(sim_cluster, "first", "Completed"), "the slow image must still be running"
+
+    delete_jobset(sim_cluster, "first")
+    wait_for(lambda: workload_admitted(sim_cluster, "second"), TIMEOUT, "Workload of second admitted after first is gone")
+    wait_for(lambda: jobset_condition(sim_cluster, "second", "Completed"), TIMEOUT, "JobSet second Completed")
+    delete_jobset(sim_cluster, "second")
+
+
+def test_failing_image_fails_the_jobset_with_its_exit_code(sim_cluster, queue_namespace):
+    create(sim_cluster, tpu_jobset("train-fails", image=failing_image(3)))
+    wait_for(lambda: jobset_condition(sim_cluster, "train-fails", "Failed"), TIMEOUT, "JobSet train-fails Failed")
+    failed = [p for p in jobset_pods(sim_cluster, "train-fails") if p["status"]["phase"] == "Failed"]
+    assert failed
+    terminated = failed[0]["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert (terminated["exitCode"], terminated["reason"]) == (3, "Error")
+    delete_jobset(sim_cluster, "train-fails")
+
+
+def test_jobset_webhook_rejects_a_name_too_long_for_its_job_names(sim_cluster, queue_namespace):
+    manifest = tpu_jobset("j" * 60)
+    result = sim_cluster.kubectl("create", "-f", "-", input=yaml.safe_dump(manifest), check=False)
+    assert result.returncode != 0
+    assert "denied the request" in result.stderr and "63 characters" in result.stderr
+    assert not sim_cluster.kubectl("get", "jobsets.jobset.x-k8s.io", "-n", NAMESPACE, "-o", "name").stdout.count("j" * 60)

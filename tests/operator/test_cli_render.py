@@ -1,0 +1,53 @@
+"""`lorajob render FILE` prints the operator's JobSets for review, from the same rendering code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from lorajob_operator import render
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
+
+
+def _lorajob_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lorajob_operator.cli", *args], capture_output=True, text=True, cwd=REPO_ROOT)
+
+
+def test_render_prints_every_step_of_every_example_as_the_operator_renders_it():
+    result = _lorajob_cli("render", *map(str, EXAMPLES))
+    assert result.returncode == 0, result.stderr
+    printed = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    expected = []
+    for path in EXAMPLES:
+        body = yaml.safe_load(path.read_text())
+        spec, _ = render.parse_spec(body)
+        owner = render.Owner(body["metadata"]["name"], "default", "<uid>")
+        expected += render.render_all(spec, owner, render.RenderSettings())
+    assert printed == expected
+    assert [doc["metadata"]["name"] for doc in printed] == [
+        "gemma3-support-v2-convert", "gemma3-support-v2", "gemma3-support-v2-to-hf",
+        "llama31-ultrachat-mcjax",
+        "qwen3-gsm8k-convert", "qwen3-gsm8k", "qwen3-gsm8k-to-hf",
+    ]
+
+
+def test_render_does_not_need_a_kubernetes_client():
+    code = (
+        "import sys; from lorajob_operator import cli; cli.main(['render', 'examples/qwen3-gsm8k.yaml']);"
+        "assert 'kubernetes' not in sys.modules and 'kopf' not in sys.modules"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+
+
+def test_render_refuses_an_invalid_lorajob_with_the_reason(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((REPO_ROOT / "examples" / "invalid" / "run-name-too-long-pathways.yaml").read_text())
+    result = _lorajob_cli("render", str(bad))
+    assert result.returncode == 1
+    assert "cannot render" in result.stderr and "at most 22" in result.stderr

@@ -1,0 +1,279 @@
+"""Rendering LoRAJob specs into JobSets: names, labels, ownership, credentials and the per-backend shapes."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+import pytest
+from builders import GPU, NAMESPACE, UID, compute, lorajob, owner, parsed, spec_dict
+
+from lorajob_operator import accelerators, render, rules
+from lorajob_operator.settings import Images, RenderSettings
+from lorajob_trainer.config import TrainConfig
+
+DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+SETTINGS = RenderSettings()
+BACKENDS = ("pathways", "mcjax", "gpu")
+
+
+def _rendered(body: dict, settings: RenderSettings = SETTINGS) -> dict[str, dict]:
+    return {js["metadata"]["labels"][render.LABEL_PHASE]: js for js in render.render_all(parsed(body), owner(body), settings)}
+
+
+def _pod_templates(jobset: dict) -> dict[str, dict]:
+    return {rjob["name"]: rjob["template"]["spec"]["template"] for rjob in jobset["spec"]["replicatedJobs"]}
+
+
+def _env(container: dict) -> dict[str, dict]:
+    return {item["name"]: item for item in container.get("env", [])}
+
+
+def _longest_name_spec(backend: str) -> tuple[str, dict]:
+    """A spec running all three steps, and the longest run name the CRD admits for it."""
+    spec = spec_dict(compute=compute(backend, slices=64, topology="16x16" if backend != "gpu" else "4x4"))
+    if backend == "gpu":
+        spec["compute"] = {"backend": "gpu", "gpu": {**GPU, "nodes": 512}}
+    limit = rules.run_name_limit(parsed(lorajob(spec=spec))).limit
+    return "r" + "x" * (limit - 1), spec
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_names_and_labels_stay_within_kubernetes_limits_at_the_longest_allowed_run_name(backend):
+    name, spec = _longest_name_spec(backend)
+    jobsets = _rendered(lorajob(name, spec))
+    assert set(jobsets) == set(rules.PHASES)
+    for phase, jobset in jobsets.items():
+        assert jobset["metadata"]["name"] == rules.child_name(name, phase)
+        assert len(jobset["metadata"]["name"]) <= rules.WORKLOAD_NAME_MAX
+        for rjob in jobset["spec"]["replicatedJobs"]:
+            # The JobSet webhook's own checks: <jobset>-<rjob>-<lastJob> and <...>-<lastPod>-abcde are DNS-1035 labels.
+            job = f"{jobset['metadata']['name']}-{rjob['name']}-{rjob['replicas'] - 1}"
+            pod = f"{job}-{rjob['template']['spec']['completions'] - 1}-abcde"
+            for generated in (job, pod):
+                assert DNS1035.match(generated) and len(generated) <= 63, generated
+        if "coordinator" in jobset["spec"]:
+            coordinator = jobset["spec"]["coordinator"]
+            value = f"{jobset['metadata']['name']}-{coordinator['replicatedJob']}-0-0.{jobset['metadata']['name']}"
+            assert len(value) <= 63, value
+        labels = [jobset["metadata"]["labels"], *(t["metadata"]["labels"] for t in _pod_templates(jobset).values())]
+        for label_set in labels:
+            for key, value in label_set.items():
+                assert len(value) <= 63 and render.allowed_label(key), (key, value)
+
+
+def test_parent_labels_and_annotations_are_never_copied_to_children():
+    body = lorajob(
+        labels={"app.kubernetes.io/instance": "argocd-app", "cost-center": "cc-1234"},
+        annotations={"kubectl.kubernetes.io/last-applied-configuration": "{}", "argocd.argoproj.io/tracking-id": "x"},
+    )
+    for jobset in _rendered(body).values():
+        assert "annotations" not in jobset["metadata"]
+        text = repr(jobset)
+        for foreign in ("argocd", "app.kubernetes.io", "last-applied", "cost-center", "cc-1234"):
+            assert foreign not in text
+
+
+def test_children_are_controlled_by_the_lorajob():
+    for jobset in _rendered(lorajob()).values():
+        assert jobset["metadata"]["namespace"] == NAMESPACE
+        assert jobset["metadata"]["ownerReferences"] == [{
+            "apiVersion": "lorajob.dev/v1alpha1", "kind": "LoRAJob", "name": "qwen3-gsm8k", "uid": UID,
+            "controller": True, "blockOwnerDeletion": True,
+        }]
+
+
+def test_queue_and_priority_labels_are_on_the_jobset_only():
+    spec = spec_dict(scheduling={"queueName": "research", "priorityClass": "high"})
+    for jobset in _rendered(lorajob(spec=spec)).values():
+        assert jobset["metadata"]["labels"][render.KUEUE_QUEUE_LABEL] == "research"
+        assert jobset["metadata"]["labels"][render.KUEUE_PRIORITY_LABEL] == "high"
+        assert "suspend" not in jobset["spec"]  # Kueue's webhook suspends it; the operator never touches suspend
+        for template in _pod_templates(jobset).values():
+            assert not any(key.startswith("kueue.x-k8s.io/") for key in template["metadata"]["labels"])
+
+
+def test_without_a_queue_there_are_no_kueue_labels():
+    spec = spec_dict(scheduling=None)
+    for jobset in _rendered(lorajob(spec=spec)).values():
+        assert not any(key.startswith("kueue.x-k8s.io/") for key in jobset["metadata"]["labels"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_hugging_face_token_only_travels_as_a_secret_key_reference(backend):
+    spec = spec_dict(compute=compute(backend), credentials={"huggingFaceToken": {"name": "hf", "key": "token"}})
+    for jobset in _rendered(lorajob(spec=spec)).values():
+        for template in _pod_templates(jobset).values():
+            for container in template["spec"]["containers"] + template["spec"].get("initContainers", []):
+                env = _env(container)
+                if container["name"] == render.TRAINER_CONTAINER:
+                    assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+                else:
+                    assert "HF_TOKEN" not in env
+
+
+@pytest.mark.parametrize(
+    ("model", "lora", "export", "expected"),
+    [
+        ({"name": "qwen3-0.6b", "huggingFace": "Qwen/Qwen3-0.6B"}, {}, {}, ["convert", "train", "export"]),
+        ({"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://b/base/0/items"}, {}, {}, ["train", "export"]),
+        ({"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://b/base/0/items"}, {}, {"enabled": False}, ["train"]),
+        (
+            {"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://b/base/0/items"},
+            {"restoreFrom": {"huggingFace": "org/adapter"}}, {"enabled": False}, ["convert", "train"],
+        ),
+    ],
+    ids=["hf-base", "trainer-base", "no-export", "hf-adapter-only"],
+)
+def test_steps_the_spec_does_not_need_are_skipped(model, lora, export, expected):
+    spec = spec_dict(model=model, lora=lora, export=export)
+    assert [js["metadata"]["labels"][render.LABEL_PHASE] for js in render.render_all(parsed(lorajob(spec=spec)), owner(lorajob()), SETTINGS)] == expected
+
+
+def test_pathways_train_has_the_gke_shape():
+    spec = spec_dict(compute={"backend": "pathways", "tpu": {"machineType": "ct6e-standard-4t", "topology": "4x8", "slices": 2}})
+    jobset = _rendered(lorajob(spec=spec))["train"]
+    assert jobset["metadata"]["name"] == "qwen3-gsm8k"
+    assert jobset["spec"]["coordinator"] == {"replicatedJob": "pathways-head", "jobIndex": 0, "podIndex": 0}
+    assert jobset["spec"]["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["pathways-head"]}
+    head_rjob, worker_rjob = jobset["spec"]["replicatedJobs"]
+    assert (head_rjob["name"], head_rjob["replicas"], head_rjob["template"]["spec"]["parallelism"]) == ("pathways-head", 1, 1)
+
+    head = head_rjob["template"]["spec"]["template"]["spec"]
+    assert head["nodeSelector"] == {"cloud.google.com/gke-nodepool": "cpu-np"}
+    assert [(c["name"], c["restartPolicy"]) for c in head["initContainers"]] == [("pathways-rm", "Always"), ("pathways-proxy", "Always")]
+    rm = head["initContainers"][0]
+    assert "--instance_count=2" in rm["args"] and "--instance_type=tpuv6e:4x8" in rm["args"]
+    (trainer,) = head["containers"]
+    env = _env(trainer)
+    assert env["JAX_PLATFORMS"]["value"] == "proxy"
+    assert env["JAX_BACKEND_TARGET"]["value"] == "grpc://$(PATHWAYS_HEAD):29000"
+    assert env["ENABLE_PATHWAYS_PERSISTENCE"]["value"] == "1"
+    assert env["PATHWAYS_HEAD"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['jobset.sigs.k8s.io/coordinator']"
+    assert trainer["command"][:3] == ["python", "-m", "lorajob_trainer.train"]
+    assert "google.com/tpu" not in repr(head)
+
+    assert worker_rjob["name"] == "worker" and worker_rjob["replicas"] == 2  # one Job per slice
+    assert worker_rjob["template"]["metadata"]["annotations"] == {render.EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}
+    vms = accelerators.vms_per_slice("ct6e-standard-4t", "4x8")
+    assert worker_rjob["template"]["spec"]["parallelism"] == worker_rjob["template"]["spec"]["completions"] == vms == 8
+    worker = worker_rjob["template"]["spec"]["template"]["spec"]
+    assert worker["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice", "cloud.google.com/gke-tpu-topology": "4x8"}
+    assert worker["tolerations"] == [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}]
+    (server,) = worker["containers"]
+    assert server["resources"]["requests"] == {"google.com/tpu": "4"}
+    worker_env = _env(server)
+    for name in ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID", "PATHWAYS_HEAD"):
+        assert "valueFrom" in worker_env[name], name
+
+
+@pytest.mark.parametrize("backend", ["mcjax", "gpu"])
+def test_multi_controller_train_has_no_head_and_a_jax_coordinator(backend):
+    spec = spec_dict(compute=compute(backend, slices=2))
+    jobset = _rendered(lorajob(spec=spec))["train"]
+    (rjob,) = jobset["spec"]["replicatedJobs"]
+    assert rjob["name"] == "worker" and "coordinator" not in jobset["spec"]
+    pod = rjob["template"]["spec"]["template"]["spec"]
+    (trainer,) = pod["containers"]
+    env = _env(trainer)
+    assert env["JAX_COORDINATOR_ADDRESS"]["value"] == "qwen3-gsm8k-worker-0-0.qwen3-gsm8k:8476"
+    assert "JAX_PLATFORMS" not in env and "initContainers" not in pod
+    if backend == "mcjax":
+        assert rjob["replicas"] == 2 and rjob["template"]["spec"]["completions"] == 4
+        assert env["JAX_NUM_PROCESSES"]["value"] == "8"
+        assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "4x4"
+        assert trainer["resources"]["limits"] == {"google.com/tpu": "4"}
+    else:
+        assert rjob["replicas"] == 1 and rjob["template"]["spec"]["completions"] == GPU["nodes"]
+        assert env["JAX_NUM_PROCESSES"]["value"] == str(GPU["nodes"])
+        assert env["JAX_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+        assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": GPU["accelerator"]}
+        assert trainer["resources"]["limits"] == {"nvidia.com/gpu": str(GPU["gpusPerNode"])}
+
+
+@pytest.mark.parametrize("phase", ["convert", "export"])
+def test_convert_and_export_are_single_cpu_pods(phase):
+    spec = spec_dict(compute={**compute("pathways"), "cpuNodePool": "big-cpu"})
+    jobset = _rendered(lorajob(spec=spec))[phase]
+    (rjob,) = jobset["spec"]["replicatedJobs"]
+    assert rjob["replicas"] == 1 and rjob["template"]["spec"]["parallelism"] == 1
+    pod = rjob["template"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-nodepool": "big-cpu"}
+    assert "tolerations" not in pod and "google.com/tpu" not in repr(pod)
+    assert pod["containers"][0]["command"][2] == f"lorajob_trainer.{phase}"
+
+
+def test_train_arguments_parse_back_into_the_trainer_config():
+    spec = spec_dict(
+        lora={"rank": 8, "alpha": 16, "targetModules": ".*q_proj", "restoreFrom": {"checkpoint": "gs://b/old/lora"}},
+        training={"steps": 7, "learningRate": 1e-4, "schedule": "linear", "checkpointPeriod": 3},
+        dataset={"name": "openai/gsm8k", "dataDir": "main", "columns": ["question", "answer"], "evalSplit": "test"},
+    )
+    trainer = _pod_templates(_rendered(lorajob(spec=spec))["train"])["pathways-head"]["spec"]["containers"][0]
+    config = TrainConfig.from_args(trainer["command"][3:])
+    assert config == render.train_config(parsed(lorajob(spec=spec)), "qwen3-gsm8k")
+    assert (config.steps, config.learning_rate, config.lr_schedule, config.checkpoint_period) == (7, 1e-4, "linear", 3)
+    assert (config.lora.lora_rank, config.lora.lora_alpha, config.lora.lora_module_path) == (8, 16.0, ".*q_proj")
+    assert config.lora.lora_restore_path == "gs://b/old/lora"
+    assert config.load_parameters_path == "gs://bucket/runs/qwen3-gsm8k/base"  # the convert step's output
+    assert (config.hf_path, config.hf_data_dir, config.train_data_columns) == ("openai/gsm8k", "main", ["question", "answer"])
+    assert (config.hf_eval_split, config.eval_interval) == ("test", 3)
+    assert config.checkpoint_storage_use_zarr3 is False and config.checkpoint_storage_use_ocdbt is False
+
+
+def test_images_come_from_the_spec_then_the_operator_settings():
+    settings = RenderSettings(images=Images(trainer="registry/trainer:1", pathways_server="registry/server:1"))
+    spec = spec_dict(images={"pathwaysProxy": "registry/proxy:2"})
+    templates = _pod_templates(_rendered(lorajob(spec=spec), settings)["train"])
+    head = templates["pathways-head"]["spec"]
+    assert head["containers"][0]["image"] == "registry/trainer:1"
+    assert {c["name"]: c["image"] for c in head["initContainers"]} == {"pathways-rm": "registry/server:1", "pathways-proxy": "registry/proxy:2"}
+    assert templates["worker"]["spec"]["containers"][0]["image"] == "registry/server:1"
+
+
+def test_a_retry_is_labelled_with_its_attempt_and_keeps_the_name():
+    body = lorajob()
+    retry = render.render_phase("train", parsed(body), owner(body), SETTINGS, attempt=2)
+    assert retry["metadata"]["name"] == "qwen3-gsm8k"
+    assert retry["metadata"]["labels"][render.LABEL_ATTEMPT] == "2"
+
+
+def test_a_spec_the_crd_would_reject_is_reported_not_rendered():
+    body = lorajob("a" * 23)  # too long for pathways + convert/export
+    spec, errors = render.parse_spec(body)
+    assert spec is None and "at most 20" in errors[0]
+    spec, errors = render.parse_spec(lorajob(spec=spec_dict(training={"steps": 0})))
+    assert spec is None and errors[0].startswith("spec.training.steps")
+
+
+def _commands(container: dict) -> list[list[str]]:
+    """The entry-point argument lists of a container (a `sh -c 'a && b'` chain split up)."""
+    command = container["command"]
+    if command[:2] == ["/bin/sh", "-c"]:
+        return [shlex.split(part) for part in command[2].split(" && ")]
+    return [command]
+
+
+def test_convert_and_export_arguments_are_accepted_by_the_trainer_entry_points(monkeypatch):
+    convert = pytest.importorskip("lorajob_trainer.convert", reason="needs the trainer extra (JAX)")
+    export = pytest.importorskip("lorajob_trainer.export", reason="needs the trainer extra (JAX)")
+    calls = []
+    monkeypatch.setattr(convert, "convert_base", lambda *a, **k: calls.append(("base", a, k)))
+    monkeypatch.setattr(convert, "convert_adapter", lambda *a, **k: calls.append(("adapter", a, k)))
+    monkeypatch.setattr(export, "export_adapter", lambda *a, **k: calls.append(("export", a, k)))
+    monkeypatch.setattr(export, "export_merged", lambda *a, **k: calls.append(("merged", a, k)))
+    spec = spec_dict(
+        lora={"restoreFrom": {"huggingFace": "/data/old-adapter"}}, export={"merged": True},
+        output={"baseOutputDirectory": "/runs"},
+    )
+    jobsets = _rendered(lorajob(spec=spec))
+    for phase, module in (("convert", convert), ("export", export)):
+        (container,) = _pod_templates(jobsets[phase])[phase]["spec"]["containers"]
+        for command in _commands(container):
+            assert command[:3] == ["python", "-m", module.__name__]
+            module.main(command[3:])
+    assert [call[0] for call in calls] == ["base", "adapter", "export", "merged"]
+    base, adapter, exported = (tuple(map(str, call[1])) for call in calls[:3])
+    assert base == ("qwen3-0.6b", "Qwen/Qwen3-0.6B", "/runs/qwen3-gsm8k/base")
+    assert adapter == ("qwen3-0.6b", "/runs/qwen3-gsm8k/base", "/data/old-adapter", "/runs/qwen3-gsm8k/restore-adapter")
+    assert exported == ("/runs/qwen3-gsm8k/checkpoints", "/runs/qwen3-gsm8k/huggingface")

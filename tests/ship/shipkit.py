@@ -1,0 +1,39 @@
+"""Shared pieces of the shipping tests: where the chart is, the release under test, and a Helm runner."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import yaml
+
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "lorajob"
+RELEASE = "lorajob"
+RELEASE_NAMESPACE = "lorajob-system"
+FULLNAME = "lorajob"
+SERVICE_ACCOUNT = f"system:serviceaccount:{RELEASE_NAMESPACE}:{FULLNAME}"
+
+
+class Helm:
+    def __init__(self, binary: Path, kubeconfig: Path | None = None):
+        self.binary = binary
+        self.kubeconfig = kubeconfig
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        command = [str(self.binary), *args]
+        if self.kubeconfig is not None:
+            command.append(f"--kubeconfig={self.kubeconfig}")
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        if check and result.returncode != 0:
+            raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+        return result
+
+    def template(self, *values: str, include_crds: bool = False) -> list[dict]:
+        """Rendered objects for `--set`-style values (or `-f FILE` pairs passed through)."""
+        args = ["template", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE]
+        args += ["--include-crds"] if include_crds else []
+        for value in values:
+            args += ["--set-json" if value.startswith("json:") else "--set", value.removeprefix("json:")]
+        return [doc for doc in yaml.safe_load_all(self.run(*args).stdout) if doc]

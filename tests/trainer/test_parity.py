@@ -1,0 +1,127 @@
+"""Our JAX models against transformers' PyTorch models on tiny random checkpoints (fp32).
+
+Tolerance: max |logit difference| <= 1e-4 with logits of magnitude ~10 (observed ~1e-5).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from lorajob_trainer import export, lora, models, tiny  # noqa: E402
+from lorajob_trainer.checkpoint import CheckpointMetadata  # noqa: E402
+
+pytestmark = pytest.mark.torch
+FAMILIES = ["qwen3", "llama3", "gemma3"]
+ATOL = 1e-4
+SEQ = 40  # longer than the tiny Gemma 3 sliding window (4) and Llama 3.1's original context (64 / 4)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(request, tmp_path_factory):
+    family = request.param
+    return family, tiny.make_tiny_checkpoint(family, tmp_path_factory.mktemp(family), seed=3)
+
+
+def tokens(batch: int = 2, length: int = SEQ, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, tiny.VOCAB_SIZE, (batch, length))
+
+
+def jax_logits(model, ids: np.ndarray) -> np.ndarray:
+    positions = np.tile(np.arange(ids.shape[1]), (ids.shape[0], 1))
+    segments = np.ones_like(ids)
+    return np.asarray(models.forward(model, jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(segments)))
+
+
+def torch_logits(hf_model, ids: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return hf_model(input_ids=torch.tensor(ids)).logits.float().numpy()
+
+
+def load_hf(directory):
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+
+
+def test_logits_match_transformers(checkpoint, mesh):
+    family, directory = checkpoint
+    model, _ = models.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
+    ids = tokens()
+    np.testing.assert_allclose(jax_logits(model, ids), torch_logits(load_hf(directory), ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3"])
+def test_unpatched_tunix_rope_is_wrong(family, mesh, tmp_path):
+    """The Tunix 0.1.7 model with the same weights misses HF by far: the RoPE fix is what matters."""
+    directory = tiny.make_tiny_checkpoint(family, tmp_path / family, seed=3)
+    model, spec = models.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
+    plain = nnx.eval_shape(lambda: spec.family.model_class(spec.tunix_config, rngs=nnx.Rngs(0)))
+    graphdef, _ = nnx.split(plain)
+    unpatched = nnx.merge(graphdef, nnx.state(model))
+    ids = tokens()
+    reference = torch_logits(load_hf(directory), ids)
+    assert np.abs(jax_logits(unpatched, ids) - reference).max() > 100 * ATOL
+    np.testing.assert_allclose(jax_logits(model, ids), reference, atol=ATOL, rtol=0)
+
+
+def random_lora(model, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {key: 0.3 * rng.standard_normal(value.shape).astype(np.float32) for key, value in lora.get_lora_params(model).items()}
+
+
+def lora_model_with_random_adapters(family, directory, mesh, rank=4, alpha=8.0):
+    model, spec = models.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
+    regex = lora.module_path_regex(family)
+    model = lora.apply_lora(model, rank=rank, alpha=alpha, target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0))
+    params = random_lora(model, seed=5)
+    lora.set_lora_params(model, params)
+    metadata = CheckpointMetadata(
+        step=7,
+        lora_rank=rank,
+        lora_alpha=alpha,
+        target_modules=lora.default_targets(family),
+        lora_module_path="",
+        base_model=f"tiny-{family}",
+        family=family,
+        load_parameters_path=str(directory),
+    )
+    return model, params, metadata
+
+
+def test_exported_adapter_matches_peft(checkpoint, mesh, tmp_path):
+    from peft import PeftModel
+
+    family, directory = checkpoint
+    model, params, metadata = lora_model_with_random_adapters(family, directory, mesh)
+    step_dir = lora.save_adapter_checkpoint(tmp_path / "ckpt", params, metadata)
+    out = export.export_adapter(step_dir, tmp_path / "adapter")
+    base = load_hf(directory)
+    ids = tokens()
+    base_logits = torch_logits(base, ids)
+    peft_model = PeftModel.from_pretrained(base, out)
+    ours = jax_logits(model, ids)
+    assert np.abs(ours - base_logits).max() > 100 * ATOL  # the adapters do change the output
+    np.testing.assert_allclose(ours, torch_logits(peft_model, ids), atol=ATOL, rtol=0)
+
+
+def test_merged_export_matches_lora_model(checkpoint, mesh, tmp_path):
+    family, directory = checkpoint
+    model, params, metadata = lora_model_with_random_adapters(family, directory, mesh)
+    step_dir = lora.save_adapter_checkpoint(tmp_path / "ckpt", params, metadata)
+    merged = export.export_merged(step_dir, tmp_path / "merged")
+    ids = tokens()
+    np.testing.assert_allclose(jax_logits(model, ids), torch_logits(load_hf(merged), ids), atol=ATOL, rtol=0)

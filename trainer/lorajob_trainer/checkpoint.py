@@ -1,0 +1,145 @@
+"""Orbax checkpoints of a LoRA run: adapters, optimizer state, data position and metadata.
+
+Layout: `<base_output_directory>/<run_name>/checkpoints/<step>/` with three items
+
+- `lora`: the LoRA parameters, a flat `{NNX path: array}` dict nested on "." with string keys
+  (the layout lorajob_trainer.lora documents and export reads);
+- `optimizer`: the optax state;
+- `data`: `{"positions": int32[accumulation, global_batch]}`, examples consumed per batch row;
+
+and custom metadata (`CheckpointMetadata`: rank, alpha, target modules, base model, step) so
+export needs nothing else. Orbax writes a step to a temporary directory and renames it when
+complete, so `latest_step()` only ever sees complete checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from lorajob_trainer import weights
+
+log = logging.getLogger(__name__)
+
+ITEMS = ("lora", "optimizer", "data")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointMetadata:
+    step: int
+    lora_rank: int
+    lora_alpha: float
+    target_modules: list[str] | None
+    """Hugging Face projection names, or None when `lora_module_path` chose the layers."""
+    lora_module_path: str
+    base_model: str
+    """The model name (catalog) of the base model."""
+    family: str
+    load_parameters_path: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, values: dict[str, Any]) -> CheckpointMetadata:
+        return cls(**{field.name: values[field.name] for field in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageOptions:
+    use_zarr3: bool = True
+    use_ocdbt: bool = True
+    asynchronous: bool = True
+    max_to_keep: int = 3
+
+
+def _pytree_handler(options: StorageOptions) -> ocp.PyTreeCheckpointHandler:
+    return ocp.PyTreeCheckpointHandler(use_ocdbt=options.use_ocdbt, use_zarr3=options.use_zarr3)
+
+
+class Checkpointer:
+    """Saves and restores the trainable state of one run."""
+
+    def __init__(self, directory: Path, options: StorageOptions):
+        self.directory = Path(directory).absolute()
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            item_names=ITEMS,
+            item_handlers={item: _pytree_handler(options) for item in ITEMS},
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=options.max_to_keep,
+                enable_async_checkpointing=options.asynchronous,
+                create=True,
+            ),
+        )
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(
+        self, step: int, lora: dict[str, jax.Array], optimizer: Any, data_positions: jax.Array, metadata: CheckpointMetadata
+    ) -> None:
+        """Start writing step `step`; `lora` is the flat {NNX path: array} dict."""
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    lora=ocp.args.PyTreeSave(weights.nest(lora)),
+                    optimizer=ocp.args.PyTreeSave(optimizer),
+                    data=ocp.args.PyTreeSave({"positions": data_positions}),
+                ),
+                custom_metadata=metadata.to_json(),
+                force=True,
+            )
+            self._manager.check_for_errors()
+        except Exception as error:  # noqa: BLE001 - any storage failure ends the run with its step
+            raise CheckpointError(f"checkpoint write failed at step {step}: {error}") from error
+
+    def restore(
+        self, step: int, lora: dict[str, Any], optimizer: Any, data_positions: Any
+    ) -> tuple[dict[str, jax.Array], Any, jax.Array]:
+        """Restore into the shapes, dtypes and shardings of the given (abstract or concrete) trees."""
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                lora=_restore_args(weights.nest(lora)),
+                optimizer=_restore_args(optimizer),
+                data=_restore_args({"positions": data_positions}),
+            ),
+        )
+        return weights.flatten(restored["lora"]), restored["optimizer"], restored["data"]["positions"]
+
+    def metadata(self, step: int) -> CheckpointMetadata:
+        return CheckpointMetadata.from_json(self._manager.metadata(step).custom_metadata)
+
+    def wait(self, step: int | None = None) -> None:
+        """Block until pending writes are complete; CheckpointError (naming `step`) on failure."""
+        try:
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+        except Exception as error:  # noqa: BLE001
+            where = f" at step {step}" if step is not None else ""
+            raise CheckpointError(f"checkpoint write failed{where}: {error}") from error
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def _restore_args(target: Any) -> ocp.args.PyTreeRestore:
+    abstract = jax.tree.map(_abstract, target)
+    return ocp.args.PyTreeRestore(item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
+
+
+def _abstract(leaf: Any) -> Any:
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)

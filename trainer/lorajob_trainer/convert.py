@@ -1,0 +1,149 @@
+"""Convert Hugging Face checkpoints into the trainer's formats.
+
+    python -m lorajob_trainer.convert base --model-name NAME --hf DIR --out DIR [--dtype bfloat16]
+    python -m lorajob_trainer.convert adapter --model-name NAME --base DIR --adapter DIR --out ROOT
+
+`base` writes our Orbax base checkpoint (layout in weights.py) from an HF safetensors directory.
+`adapter` turns an HF PEFT adapter (adapter_model.safetensors + adapter_config.json) into a
+trainer LoRA checkpoint `ROOT/0` (layout in lora.py), usable as `lora.lora_restore_path` or by
+export. Only the base's config.json is read for an adapter, not its weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from lorajob_trainer import catalog, lora, models, weights
+from lorajob_trainer.checkpoint import CheckpointMetadata
+
+# adapter_config.json options that change the adapter's meaning, with the only value we accept
+# (an absent or empty value means the default too).
+_UNSUPPORTED_PEFT_OPTIONS = {
+    "use_rslora": False,
+    "use_dora": False,
+    "bias": "none",
+    "layers_to_transform": None,
+    "modules_to_save": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "fan_in_fan_out": False,
+}
+
+
+class ConvertError(ValueError):
+    """The input cannot be converted; the message says why."""
+
+
+def _default_mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()).reshape(-1, 1), ("fsdp", "tp"))
+
+
+def convert_base(model_name: str, hf_dir: str | Path, out: str | Path, *, dtype: Any = jnp.bfloat16) -> Path:
+    """HF safetensors directory -> our Orbax base checkpoint at `out`."""
+    out = Path(out).absolute()
+    if (out / "params").exists():
+        raise ConvertError(f"{out} already holds a base checkpoint")
+    model, spec = models.load_model(model_name, hf_dir, mesh=_default_mesh(), dtype=dtype, format="hf")
+    out.mkdir(parents=True, exist_ok=True)
+    params = {weights.path_key(path): v.get_value() for path, v in nnx.to_flat_state(nnx.state(model))}
+    weights.save_orbax_params(out / "params", params)
+    for name in (*models.TOKENIZER_FILES, "generation_config.json", "config.json"):
+        if (spec.checkpoint / name).is_file():
+            shutil.copy2(spec.checkpoint / name, out / name)
+    marker = {"format": weights.BASE_FORMAT, "family": spec.family.name, "dtype": jnp.dtype(dtype).name}
+    (out / weights.BASE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    return out
+
+
+def read_peft_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    from safetensors.numpy import load_file  # noqa: PLC0415
+
+    config_path, tensors_path = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
+    for path in (config_path, tensors_path):
+        if not path.is_file():
+            raise ConvertError(f"{adapter_dir} is not a PEFT adapter: {path.name} is missing")
+    config = json.loads(config_path.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ConvertError(f"peft_type {config['peft_type']!r} is not LORA")
+    for key, supported in _UNSUPPORTED_PEFT_OPTIONS.items():
+        if config.get(key) and config[key] != supported:
+            raise ConvertError(f"adapter_config.json sets {key}={config[key]!r}; only {supported!r} is supported")
+    if not isinstance(config.get("target_modules"), list):
+        raise ConvertError(
+            f"adapter_config.json target_modules={config.get('target_modules')!r}: only an explicit list is supported"
+        )
+    return config, load_file(tensors_path)
+
+
+def lora_template(family: models.Family, tunix_config: Any, hf_config: dict, rank: int, regex: str) -> dict[str, Any]:
+    """Shapes of the LoRA params Qwix creates for this model, without loading any weights."""
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+
+    def build() -> nnx.Module:
+        model = family.build(tunix_config, hf_config, nnx.Rngs(0))
+        return lora.apply_lora(model, rank=rank, alpha=float(rank), target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0))
+
+    return lora.get_lora_params(nnx.eval_shape(build))
+
+
+def convert_adapter(model_name: str, base: str | Path, adapter: str | Path, out: str | Path) -> Path:
+    """HF PEFT adapter -> trainer LoRA checkpoint step `out/0`; returns the step directory."""
+    base, adapter = Path(base).absolute(), Path(adapter).absolute()
+    config, tensors = read_peft_adapter(adapter)
+    hf_config = models.read_hf_config(base)
+    family = models.family_for_hf_config(hf_config)
+    if family.name != catalog.family_of(model_name):
+        raise ConvertError(f"{base} holds a {family.name} model but {model_name!r} is a {catalog.family_of(model_name)}")
+    tunix_config = family.config_from_hf(hf_config, jnp.float32)
+    rank, names = int(config["r"]), list(config["target_modules"])
+    targets = lora.target_modules(family.name, names)
+    template = lora_template(family, tunix_config, hf_config, rank, lora.module_path_regex(family.name, names))
+    params = lora.from_peft(tensors, family.name, targets, template)
+    metadata = CheckpointMetadata(
+        step=0,
+        lora_rank=rank,
+        lora_alpha=float(config["lora_alpha"]),
+        target_modules=names,
+        lora_module_path="",
+        base_model=model_name,
+        family=family.name,
+        load_parameters_path=str(base),
+    )
+    return lora.save_adapter_checkpoint(out, params, metadata)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    base = sub.add_parser("base", help="HF safetensors -> Orbax base checkpoint")
+    base.add_argument("--model-name", required=True, choices=sorted(catalog.MODELS))
+    base.add_argument("--hf", required=True, type=Path)
+    base.add_argument("--out", required=True, type=Path)
+    base.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    adapter = sub.add_parser("adapter", help="HF PEFT adapter -> trainer LoRA checkpoint")
+    adapter.add_argument("--model-name", required=True, choices=sorted(catalog.MODELS))
+    adapter.add_argument("--base", required=True, type=Path, help="base checkpoint directory (its config.json)")
+    adapter.add_argument("--adapter", required=True, type=Path)
+    adapter.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "base":
+            print(convert_base(args.model_name, args.hf, args.out, dtype=jnp.dtype(args.dtype)))
+        else:
+            print(convert_adapter(args.model_name, args.base, args.adapter, args.out))
+    except ValueError as error:  # WeightsError, LoraError, ModelConfigError, ConvertError
+        raise SystemExit(f"convert failed: {error}") from error
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Export a trainer LoRA checkpoint as a Hugging Face PEFT adapter, optionally also merged weights.
+
+    python -m lorajob_trainer.export --checkpoint CKPT --out DIR [--merged --base BASE]
+
+CKPT is a step directory (`.../checkpoints/<step>`) or a checkpoint root (its latest step is
+used); the checkpoint metadata supplies rank, alpha, target modules, family and base model.
+DIR receives `adapter_model.safetensors` + `adapter_config.json` (loadable with
+`peft.PeftModel.from_pretrained`), and with `--merged` a `merged/` HF model directory
+(config.json, safetensors, tokenizer files) whose weights hold W + (alpha/r)·B·A.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from lorajob_trainer import catalog, lora
+from lorajob_trainer.checkpoint import CheckpointMetadata
+
+log = logging.getLogger(__name__)
+
+MAX_SHARD_BYTES = 4 * 2**30
+
+
+class ExportError(ValueError):
+    """The checkpoint cannot be exported as asked."""
+
+
+def num_layers(params: dict[str, np.ndarray]) -> int:
+    return 1 + max(int(key.split(".")[1]) for key in params)
+
+
+def base_model_name_or_path(metadata: CheckpointMetadata) -> str:
+    info = catalog.MODELS.get(metadata.base_model)
+    return info.hf_repo if info and info.hf_repo else metadata.load_parameters_path or metadata.base_model
+
+
+def adapter_config(metadata: CheckpointMetadata, target_modules: list[str], base_name: str) -> dict:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_name,
+        "r": metadata.lora_rank,
+        "lora_alpha": metadata.lora_alpha,
+        "target_modules": target_modules,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+
+
+def export_adapter(checkpoint: str | Path, out: str | Path, *, base_name: str | None = None) -> Path:
+    """Write the PEFT adapter of `checkpoint` to `out`; returns `out`."""
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    params, metadata = lora.load_adapter_checkpoint(checkpoint)
+    tensors, found = lora.to_peft(params, metadata.family, num_layers(params), metadata.lora_rank)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = adapter_config(metadata, found, base_name or base_model_name_or_path(metadata))
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def export_merged(checkpoint: str | Path, out: str | Path, *, base: str | Path | None = None) -> Path:
+    """Write base + adapter as one HF model directory (host memory holds the whole model)."""
+    import jax  # noqa: PLC0415 - the adapter-only path needs no accelerator runtime
+    import jax.numpy as jnp  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+    from jax.sharding import Mesh  # noqa: PLC0415
+
+    from lorajob_trainer import models, weights  # noqa: PLC0415
+
+    params, metadata = lora.load_adapter_checkpoint(checkpoint)
+    base = Path(base or metadata.load_parameters_path)
+    if not str(base) or not base.is_dir():
+        raise ExportError(f"--merged needs the base checkpoint; {base} is not a directory (pass --base)")
+    if "text_config" in models.read_hf_config(base):
+        raise ExportError(f"{base} is a multimodal checkpoint; merged export writes text-only models only")
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    model, spec = models.load_model(metadata.base_model, base, mesh=mesh, dtype=jnp.float32)
+    regex = metadata.lora_module_path or lora.module_path_regex(spec.family.name, metadata.target_modules)
+    model = lora.apply_lora(
+        model, rank=metadata.lora_rank, alpha=metadata.lora_alpha, target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0)
+    )
+    lora.set_lora_params(model, params)
+    merged = lora.merged_base_params(model, metadata.lora_alpha, metadata.lora_rank)
+    dtype = _hf_dtype(spec.hf_config)
+    tensors = {k: v.astype(dtype) for k, v in weights.hf_tensors(merged, spec.tensor_maps()).items()}
+    out = Path(out)
+    total = sum(t.nbytes for t in tensors.values())
+    weights.save_hf_safetensors(out, tensors, shards=max(1, math.ceil(total / MAX_SHARD_BYTES)))
+    (out / "config.json").write_text(json.dumps(spec.hf_config, indent=2) + "\n")
+    for name in (*models.TOKENIZER_FILES, "generation_config.json"):
+        if (base / name).is_file():
+            shutil.copy2(base / name, out / name)
+    return out
+
+
+def _hf_dtype(hf_config: dict) -> np.dtype:
+    import ml_dtypes  # noqa: PLC0415
+
+    name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+    return {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(name, np.float32)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True, type=Path, help="step directory or checkpoint root")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--merged", action="store_true", help="also write merged full weights to OUT/merged")
+    parser.add_argument("--base", type=Path, help="base checkpoint for --merged (default: from the metadata)")
+    parser.add_argument("--base-model-name-or-path", help="adapter_config.json base_model_name_or_path")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    try:
+        print(export_adapter(args.checkpoint, args.out, base_name=args.base_model_name_or_path))
+        if args.merged:
+            print(export_merged(args.checkpoint, args.out / "merged", base=args.base))
+    except (ExportError, lora.LoraError, ValueError) as error:
+        raise SystemExit(f"export failed: {error}") from error
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""LoRA with Qwix on Tunix models, target modules per family, and the HF PEFT <-> trainer mapping.
+
+LoRA parameters as a flat dict
+    `get_lora_params(model)` returns {NNX path: array} with paths such as
+    `layers.0.attn.q_proj.w_lora_a` (Qwix names adapters `<weight>_lora_a` / `<weight>_lora_b`);
+    `set_lora_params(model, params)` writes such a dict back (same keys and shapes required).
+    Shapes follow Qwix: for an einsum weight, A is [contracting dims..., r] and B is
+    [r, remaining dims...] (q_proj: A [D, r], B [r, N, H]; o_proj: A [N, H, r], B [r, D]); for
+    nnx.Linear, A [in, r], B [r, out]. The update is x·A·B·alpha/r, as in PEFT.
+
+Trainer LoRA checkpoint layout (Orbax; checkpoint.py writes it during training, convert.py writes
+a single step from an HF PEFT adapter, export.py reads it):
+
+    <root>/<step>/lora/                   Orbax PyTree item (OCDBT/zarr3 as configured): the flat
+                                          dict nested on "." with string keys (`weights.nest`), e.g.
+                                          {"layers": {"0": {"attn": {"q_proj": {"w_lora_a": A}}}}}
+    <root>/<step>/optimizer/, data/       training runs only (checkpoint.py)
+    <root>/<step>/_CHECKPOINT_METADATA    custom metadata = checkpoint.CheckpointMetadata:
+                                          step, lora_rank, lora_alpha, target_modules (HF names),
+                                          lora_module_path, base_model, family, load_parameters_path
+
+HF PEFT adapter: `base_model.model.model.layers.<i>.<hf module>.lora_A.weight` [r, in] and
+`lora_B.weight` [out, r], where `lora_A = A.reshape(-1, r).T` and `lora_B = B.reshape(r, -1).T`
+(row-major flattening of heads x head_dim matches HF's projection layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import qwix
+import yaml
+from flax import nnx
+from jax.sharding import Mesh
+
+from lorajob_trainer import weights
+from lorajob_trainer.checkpoint import CheckpointMetadata
+
+PEFT_PREFIX = "base_model.model.model.layers"
+
+
+class LoraError(ValueError):
+    """Bad LoRA targets, shapes or adapter files."""
+
+
+# --- target modules ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetModule:
+    name: str
+    """HF projection name, e.g. q_proj."""
+    hf_path: str
+    """Path inside an HF decoder layer, e.g. self_attn.q_proj."""
+    tunix_path: str
+    """NNX module path inside a Tunix decoder layer, e.g. attn.q_proj."""
+    fused_index: int | None
+    """Slice of a fused einsum's output (Gemma 3 key/value), else None."""
+
+
+@functools.cache
+def _targets_table() -> dict[str, Any]:
+    return yaml.safe_load(resources.files("lorajob_trainer").joinpath("lora_targets.yaml").read_text())
+
+
+def _family_table(family: str) -> dict[str, Any]:
+    table = _targets_table()
+    if family not in table:
+        raise LoraError(f"no LoRA targets for family {family!r}; families: {', '.join(table)}")
+    return table[family]
+
+
+def default_targets(family: str) -> list[str]:
+    """The HF projection names adapted by default (attention q/k/v/o and MLP gate/up/down)."""
+    return list(_family_table(family)["default"])
+
+
+def target_modules_all(family: str) -> list[TargetModule]:
+    """Every projection LoRA can adapt in `family`, in lora_targets.yaml order."""
+    return [
+        TargetModule(name, spec["hf"], *_split_fused(spec["tunix"]))
+        for name, spec in _family_table(family)["modules"].items()
+    ]
+
+
+def _split_fused(tunix: str) -> tuple[str, int | None]:
+    match = re.fullmatch(r"(.*?)(?:\[(\d+)\])?", tunix)
+    return match.group(1), None if match.group(2) is None else int(match.group(2))
+
+
+def target_modules(family: str, names: list[str] | None = None) -> list[TargetModule]:
+    """TargetModules for HF projection `names` (default: the family default); LoraError if unknown."""
+    known = {t.name: t for t in target_modules_all(family)}
+    names = default_targets(family) if names is None else names
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise LoraError(f"unknown target modules {unknown} for {family}; known: {', '.join(known)}")
+    chosen = [known[name] for name in names]
+    for path in {t.tunix_path for t in chosen if t.fused_index is not None}:
+        siblings = {t.name for t in known.values() if t.tunix_path == path}
+        if not siblings <= set(names):
+            raise LoraError(f"{family} computes {' and '.join(sorted(siblings))} in one einsum: target all or none")
+    return chosen
+
+
+def module_path_regex(family: str, names: list[str] | None = None) -> str:
+    """The Qwix `module_path` regex (full match on `/`-joined paths) selecting `names`."""
+    paths = sorted({t.tunix_path.replace(".", "/") for t in target_modules(family, names)})
+    return r"layers/\d+/(" + "|".join(re.escape(p) for p in paths) + ")"
+
+
+def names_for_regex(family: str, regex: str, num_layers: int) -> list[str]:
+    """HF projection names whose Tunix modules `regex` selects in every layer (for adapter_config.json)."""
+    pattern = re.compile(regex)
+    return [
+        t.name
+        for t in target_modules_all(family)
+        if all(pattern.fullmatch(f"layers/{i}/{t.tunix_path.replace('.', '/')}") for i in range(num_layers))
+    ]
+
+
+# --- applying LoRA -----------------------------------------------------------------------------
+
+
+def apply_lora(
+    model: nnx.Module, *, rank: int, alpha: float, target_regex: str, mesh: Mesh, rngs: nnx.Rngs
+) -> nnx.Module:
+    """A copy of `model` with LoRA adapters (nnx.LoRAParam, A random, B zero) on matching modules.
+
+    `target_regex` is matched in full against `/`-joined module paths (`layers/0/attn/q_proj`);
+    see `module_path_regex`. Adapters take the sharding of their base weight over `mesh`.
+    LoraError when the regex selects nothing (training would otherwise silently do nothing).
+    """
+    if rank <= 0:
+        raise LoraError(f"LoRA rank must be positive, got {rank}")
+    provider = qwix.LoraProvider(module_path=target_regex, rank=rank, alpha=alpha)
+    batch = mesh.devices.size
+    inputs = (jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1), jnp.int32), None, jnp.ones((batch, 1, 1), bool))
+    with mesh:
+        lora_model = qwix.apply_lora_to_model(model, provider, *inputs, rngs=rngs)
+    state = nnx.state(lora_model, nnx.LoRAParam)
+    flat = nnx.to_flat_state(state)
+    if not flat:
+        raise LoraError(f"LoRA target regex {target_regex!r} matches no module of the model")
+    for _, variable in flat:
+        variable.set_value(jax.device_put(variable.get_value(), weights.variable_sharding(mesh, variable)))
+    nnx.update(lora_model, state)
+    return lora_model
+
+
+def get_lora_params(model: nnx.Module) -> dict[str, jax.Array]:
+    """{NNX path: array} of every LoRA parameter (see module docstring)."""
+    return {weights.path_key(path): v.get_value() for path, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}
+
+
+def set_lora_params(model: nnx.Module, params: Mapping[str, Any]) -> None:
+    """Overwrite the model's LoRA parameters; LoraError unless keys and shapes match exactly.
+
+    Values are placed with the sharding of the parameter they replace.
+    """
+    state = nnx.state(model, nnx.LoRAParam)
+    flat = nnx.to_flat_state(state)
+    current = {weights.path_key(path): v for path, v in flat}
+    if set(current) != set(params):
+        missing, extra = sorted(set(current) - set(params)), sorted(set(params) - set(current))
+        raise LoraError(f"LoRA parameters do not match the model: missing {missing[:4]}, unexpected {extra[:4]}")
+    for key, variable in current.items():
+        value, old = params[key], variable.get_value()
+        if tuple(value.shape) != tuple(old.shape):
+            raise LoraError(f"LoRA parameter {key} has shape {tuple(value.shape)}, model has {tuple(old.shape)}")
+        variable.set_value(jax.device_put(jnp.asarray(value, old.dtype), old.sharding))
+    nnx.update(model, state)
+
+
+# --- HF PEFT mapping ---------------------------------------------------------------------------
+
+
+def _peft_key(layer: int, target: TargetModule, which: str) -> str:
+    return f"{PEFT_PREFIX}.{layer}.{target.hf_path}.lora_{which}.weight"
+
+
+def _our_key(layer: int, target: TargetModule, weight: str, which: str) -> str:
+    return f"layers.{layer}.{target.tunix_path}.{weight}_lora_{which}"
+
+
+def _weight_name(params: Mapping[str, Any], layer: int, target: TargetModule) -> str | None:
+    prefix = f"layers.{layer}.{target.tunix_path}."
+    names = {k[len(prefix) :].rsplit("_lora_", 1)[0] for k in params if k.startswith(prefix) and "_lora_" in k}
+    if len(names) > 1:
+        raise LoraError(f"several adapted weights under {prefix}: {sorted(names)}")
+    return names.pop() if names else None
+
+
+def to_peft(params: Mapping[str, Any], family: str, num_layers: int, rank: int) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Trainer LoRA params -> (PEFT adapter tensors, target module names found)."""
+    tensors: dict[str, np.ndarray] = {}
+    found: list[str] = []
+    used: set[str] = set()
+    for target in target_modules_all(family):
+        for layer in range(num_layers):
+            weight = _weight_name(params, layer, target)
+            if weight is None:
+                continue
+            a_key, b_key = _our_key(layer, target, weight, "a"), _our_key(layer, target, weight, "b")
+            a, b = np.asarray(params[a_key]), np.asarray(params[b_key])
+            used.update((a_key, b_key))
+            if a.shape[-1] != rank or b.shape[0] != rank:
+                raise LoraError(f"{a_key}/{b_key} have rank {a.shape[-1]}/{b.shape[0]}, metadata says {rank}")
+            if target.fused_index is not None:
+                b = b[:, target.fused_index]
+            tensors[_peft_key(layer, target, "A")] = np.ascontiguousarray(a.reshape(-1, rank).T)
+            tensors[_peft_key(layer, target, "B")] = np.ascontiguousarray(b.reshape(rank, -1).T)
+            if target.name not in found:
+                found.append(target.name)
+    leftover = sorted(set(params) - used)
+    if leftover:
+        raise LoraError(f"LoRA parameters with no HF PEFT equivalent: {leftover[:4]}")
+    return tensors, found
+
+
+def from_peft(
+    tensors: Mapping[str, np.ndarray], family: str, targets: list[TargetModule], template: Mapping[str, Any]
+) -> dict[str, np.ndarray]:
+    """PEFT adapter tensors -> trainer LoRA params shaped like `template` (the model's LoRA params).
+
+    LoraError for missing or unexpected tensors, wrong shapes, or Gemma 3 key/value adapters
+    whose A matrices differ (the fused einsum has one A for both).
+    """
+    params: dict[str, np.ndarray] = {}
+    used: set[str] = set()
+    layers = sorted({int(k.split(".")[1]) for k in template})
+    for layer in layers:
+        for path, group in _group_fused(targets).items():
+            weight = _weight_name(template, layer, group[0])
+            if weight is None:
+                raise LoraError(f"the model has no adapter at layers.{layer}.{path}")
+            a_key, b_key = _our_key(layer, group[0], weight, "a"), _our_key(layer, group[0], weight, "b")
+            a_shape, b_shape = tuple(template[a_key].shape), tuple(template[b_key].shape)
+            rank = a_shape[-1]
+            a_list, b_list = [], []
+            for target in group:
+                a_name, b_name = _peft_key(layer, target, "A"), _peft_key(layer, target, "B")
+                for name in (a_name, b_name):
+                    if name not in tensors:
+                        raise LoraError(f"adapter lacks {name}")
+                used.update((a_name, b_name))
+                a_list.append(np.asarray(tensors[a_name]).T)
+                b_list.append(np.asarray(tensors[b_name]).T)
+            if any(not np.array_equal(a_list[0], other) for other in a_list[1:]):
+                raise LoraError(
+                    f"{family} layer {layer}: {', '.join(t.name for t in group)} share one LoRA A in the fused "
+                    "einsum, but the adapter's lora_A matrices differ"
+                )
+            a = a_list[0]
+            b = np.stack([x.reshape(rank, *b_shape[2:]) for x in b_list], axis=1) if len(group) > 1 else b_list[0]
+            if a.size != math.prod(a_shape) or b.size != math.prod(b_shape):
+                raise LoraError(
+                    f"adapter tensors for layers.{layer}.{path} have shapes {a.shape}/{b.shape}, model needs "
+                    f"{a_shape}/{b_shape} (rank {rank})"
+                )
+            params[a_key], params[b_key] = a.reshape(a_shape), b.reshape(b_shape)
+    unexpected = sorted(set(tensors) - used)
+    if unexpected:
+        raise LoraError(f"adapter tensors with no place in the model: {unexpected[:4]}")
+    return params
+
+
+def _group_fused(targets: list[TargetModule]) -> dict[str, list[TargetModule]]:
+    groups: dict[str, list[TargetModule]] = {}
+    for target in targets:
+        groups.setdefault(target.tunix_path, []).append(target)
+    return {path: sorted(group, key=lambda t: t.fused_index or 0) for path, group in groups.items()}
+
+
+def merged_base_params(model: nnx.Module, alpha: float, rank: int) -> dict[str, np.ndarray]:
+    """The model's base params (host arrays) with each adapter folded in: W += (A·B)·alpha/r."""
+    base = {
+        weights.path_key(path): np.asarray(v.get_value())
+        for path, v in nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
+    }
+    lora = get_lora_params(model)
+    modules = {weights.path_key(path): module for path, module in nnx.iter_graph(model) if isinstance(module, nnx.Module)}
+    for key in (k for k in lora if k.endswith("_lora_a")):
+        module_path, weight = key[: -len("_lora_a")].rsplit(".", 1)
+        a = np.asarray(lora[key], np.float32)
+        b = np.asarray(lora[f"{module_path}.{weight}_lora_b"], np.float32)
+        delta = (a.reshape(-1, rank) @ b.reshape(rank, -1) * (alpha / rank)).reshape(*a.shape[:-1], *b.shape[1:])
+        einsum_str = getattr(modules[module_path], "einsum_str", None)
+        if einsum_str is not None:
+            delta = delta.transpose(_einsum_weight_order(einsum_str))
+        w = base[f"{module_path}.{weight}"]
+        base[f"{module_path}.{weight}"] = (w.astype(np.float32) + delta).astype(w.dtype)
+    return base
+
+
+def _einsum_weight_order(einsum_str: str) -> list[int]:
+    # Qwix lays the delta out as (contracted weight axes..., remaining weight axes...); the
+    # weight's own axis order is the einsum's second operand.
+    lhs, rhs = einsum_str.split("->")[0].split(",")
+    delta_axes = [c for c in rhs if c in lhs] + [c for c in rhs if c not in lhs]
+    return [delta_axes.index(c) for c in rhs]
+
+
+# --- trainer LoRA checkpoints ------------------------------------------------------------------
+
+
+def save_adapter_checkpoint(root: str | Path, params: Mapping[str, Any], metadata: CheckpointMetadata) -> Path:
+    """Write a LoRA-only step `<root>/<metadata.step>` (layout above); returns the step directory."""
+    root = Path(root).absolute()
+    with ocp.CheckpointManager(
+        root,
+        item_names=("lora",),
+        item_handlers={"lora": ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=False)},
+        options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False),
+    ) as manager:
+        manager.save(
+            metadata.step,
+            args=ocp.args.Composite(lora=ocp.args.PyTreeSave(weights.nest(params))),
+            custom_metadata=metadata.to_json(),
+            force=True,
+        )
+    return root / str(metadata.step)
+
+
+def resolve_step_dir(path: str | Path) -> Path:
+    """A step directory: `path` itself if it holds a `lora` item, else the latest step under it."""
+    path = Path(path).absolute()
+    if (path / "lora").is_dir():
+        return path
+    steps = sorted((int(p.name), p) for p in path.glob("*") if p.name.isdigit() and (p / "lora").is_dir())
+    if not steps:
+        raise LoraError(f"{path} is not a LoRA checkpoint (no lora/ item, no <step>/lora/ below it)")
+    return steps[-1][1]
+
+
+def load_adapter_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], CheckpointMetadata]:
+    """(flat LoRA params as host arrays, metadata) of a step directory or checkpoint root."""
+    step_dir = resolve_step_dir(path)
+    with ocp.CheckpointManager(step_dir.parent, item_names=("lora",)) as manager:
+        custom = manager.metadata(int(step_dir.name)).custom_metadata
+    if not custom:
+        raise LoraError(f"{step_dir} has no LoRA metadata (rank, alpha, base model)")
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+        tree = checkpointer.restore(step_dir / "lora")
+    params = {key: np.asarray(value) for key, value in weights.flatten(tree).items()}
+    return params, CheckpointMetadata.from_json(custom)

@@ -1,0 +1,160 @@
+"""Training metrics: LoRA FLOPs model, MFU, JSON lines, TensorBoard and the progress file.
+
+MFU counts model FLOPs of LoRA training, not full fine-tuning's 6N: per token, the frozen
+weights cost a forward (2N) and an activation-gradient backward (2N) but no weight gradient;
+causal attention costs 6 * seq_len * (sum over layers of heads * head_dim) forward + backward;
+each adapter costs 6 FLOPs per parameter (forward, activation and weight gradient). N counts
+matmul weights: every base parameter with 2+ dimensions, except the embedding table when the
+model has a separate output projection (an embedding lookup is not a matmul). Tokens are real
+(non-padding) tokens, so MFU measures useful work.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PEAK_BF16_FLOPS = {
+    # Dense bf16 peak per device, by a substring of jax.Device.device_kind.
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "TPU v6 lite": 918e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v4": 275e12,
+}
+
+
+@dataclass(frozen=True)
+class LoraFlops:
+    frozen_matmul_params: int
+    """N: base weights used as matmuls."""
+    attention_width: int
+    """Sum over layers of query heads * head_dim."""
+    adapter_params: int
+    seq_len: int
+
+    @property
+    def per_token(self) -> float:
+        return 4 * self.frozen_matmul_params + 6 * self.seq_len * self.attention_width + 6 * self.adapter_params
+
+
+def frozen_matmul_params(base_shapes: dict[str, tuple[int, ...]]) -> int:
+    """N from `{dotted path: shape}` of the base (non-LoRA) parameters."""
+    has_output_projection = any("lm_head" in path for path in base_shapes)
+    total = 0
+    for path, shape in base_shapes.items():
+        if len(shape) < 2:
+            continue
+        if has_output_projection and "embed" in path:
+            continue
+        total += math.prod(shape)
+    return total
+
+
+def peak_flops_per_device(device_kind: str, override_tflops: float | None) -> float | None:
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    for kind, flops in PEAK_BF16_FLOPS.items():
+        if kind in device_kind:
+            return flops
+    return None
+
+
+def mfu(tokens_per_second: float, flops: LoraFlops, num_devices: int, peak_per_device: float | None) -> float | None:
+    if peak_per_device is None:
+        return None
+    return tokens_per_second * flops.per_token / (num_devices * peak_per_device)
+
+
+def peak_host_memory_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_device_memory_bytes(devices) -> int | None:
+    peaks = []
+    for device in devices:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(stats["peak_bytes_in_use"])
+    return max(peaks) if peaks else None
+
+
+class StepTimer:
+    """Wall time per step and an ETA from the recent average."""
+
+    def __init__(self, window: int = 20):
+        self._durations: deque[float] = deque(maxlen=window)
+        self._last = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        duration, self._last = now - self._last, now
+        self._durations.append(duration)
+        return duration
+
+    def reset(self) -> None:
+        self._last = time.perf_counter()
+
+    def eta_seconds(self, remaining_steps: int) -> float:
+        if not self._durations:
+            return float("nan")
+        return remaining_steps * sum(self._durations) / len(self._durations)
+
+
+class MetricsWriter:
+    """Writes metrics on the lead process: `metrics.jsonl`, TensorBoard events and `progress.json`."""
+
+    def __init__(self, run_directory: Path, total_steps: int, *, enabled: bool, tensorboard: bool):
+        self.total_steps = total_steps
+        self.enabled = enabled
+        self.metrics_path = run_directory / "metrics.jsonl"
+        self.progress_path = run_directory / "progress.json"
+        self._tensorboard = None
+        if enabled:
+            run_directory.mkdir(parents=True, exist_ok=True)
+            if tensorboard:
+                from tensorboardX import SummaryWriter
+
+                self._tensorboard = SummaryWriter(str(run_directory / "tensorboard"))
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "time": time.time(), **values}
+        with self.metrics_path.open("a") as stream:
+            stream.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None:
+            for name, value in values.items():
+                if isinstance(value, (int, float)) and value is not None and math.isfinite(value):
+                    self._tensorboard.add_scalar(name, value, step)
+
+    def progress(self, step: int, *, loss: float, tokens_per_second: float, eta_seconds: float, state: str) -> None:
+        """Atomically replace the progress file the operator reads."""
+        if not self.enabled:
+            return
+        progress = {
+            "step": step,
+            "total_steps": self.total_steps,
+            "loss": loss,
+            "tokens_per_second": tokens_per_second,
+            "eta_seconds": eta_seconds if math.isfinite(eta_seconds) else None,
+            "state": state,
+            "updated": time.time(),
+        }
+        partial = self.progress_path.with_suffix(".json.tmp")
+        partial.write_text(json.dumps(progress))
+        os.replace(partial, self.progress_path)
+
+    def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()

@@ -1,0 +1,279 @@
+"""Model families: Hugging Face config.json -> Tunix ModelConfig, and the HF <-> Tunix tensor layout.
+
+Each family names the Tunix model class, turns an HF config dict into a Tunix config (rejecting
+what Tunix cannot represent), and lists its parameters as `TensorMap`s. A `TensorMap` says how
+one Tunix parameter is laid out relative to one HF tensor (or, for Gemma 3's fused key/value
+einsum, a stack of two) with einops-style axis patterns; weights.py reads it in one direction,
+export.py writes it in the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from tunix.models.gemma3 import model as gemma3_lib
+from tunix.models.llama3 import model as llama3_lib
+from tunix.models.qwen3 import model as qwen3_lib
+
+from lorajob_trainer.models.rope import RopeSpec, patch_attention
+
+
+class ModelConfigError(ValueError):
+    """config.json describes a model this trainer cannot run faithfully."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+    """One Tunix parameter and where its values live in an HF checkpoint.
+
+    `ours` is the dotted NNX path with `{i}` for the layer index. `hf` holds the HF tensor names
+    (relative to the decoder prefix such as `model.`, `{i}` likewise); with two names the tensors
+    are stacked along the first axis of `ours_axes`. `hf_axes` / `ours_axes` are einops-style
+    patterns over the same axis names, e.g. `(n h) d` -> `d n h`.
+    """
+
+    ours: str
+    hf: tuple[str, ...]
+    hf_axes: str | None = None
+    ours_axes: str | None = None
+    """None: the tensor is copied unchanged."""
+    prefixed: bool = True
+    """False for tensors outside the decoder (`lm_head.weight`), which take no `model.` prefix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    hf_model_types: tuple[str, ...]
+    model_class: type
+    config_from_hf: Callable[[dict[str, Any], Any], Any]
+    tensor_maps: Callable[[Any], list[TensorMap]]
+    """The TensorMaps of a model with this Tunix config (one entry per parameter, layers expanded)."""
+    patch_rope: bool = False
+    """Tunix ignores this family's rope_theta / rope scaling (0.1.7): swap in `rope.patch_attention`."""
+
+    def build(self, config: Any, hf_config: dict[str, Any], rngs: Any) -> Any:
+        """The Tunix model for `config` (made from `hf_config`), with RoPE fixed where needed."""
+        model = self.model_class(config, rngs=rngs)
+        if self.patch_rope:
+            spec = rope_spec(hf_config)
+            for layer in model.layers:
+                layer.attn.__class__ = patch_attention(type(layer.attn), spec)
+        return model
+
+
+def _required(hf: dict[str, Any], key: str) -> Any:
+    if hf.get(key) is None:
+        raise ModelConfigError(f"config.json lacks {key!r}")
+    return hf[key]
+
+
+def _head_dim(hf: dict[str, Any]) -> int:
+    return hf.get("head_dim") or _required(hf, "hidden_size") // _required(hf, "num_attention_heads")
+
+
+def rope_spec(hf: dict[str, Any], layer_type: str | None = None) -> RopeSpec:
+    """The RoPE of an HF config, in the transformers 5 (`rope_parameters`) or 4.x layout."""
+    parameters = hf.get("rope_parameters")
+    if parameters is not None:
+        if layer_type is not None and isinstance(parameters.get(layer_type), dict):
+            parameters = parameters[layer_type]
+        return RopeSpec.from_hf(parameters)
+    legacy = {"rope_theta": hf.get("rope_theta"), **(hf.get("rope_scaling") or {})}
+    if layer_type == "sliding_attention":
+        legacy = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+    return RopeSpec.from_hf(legacy)
+
+
+def _reject(hf: dict[str, Any], **unsupported: Any) -> None:
+    for key, supported in unsupported.items():
+        if hf.get(key, supported) != supported:
+            raise ModelConfigError(f"config.json sets {key}={hf[key]!r}; only {supported!r} is supported")
+
+
+# --- Qwen3 / Llama 3 ---------------------------------------------------------------------------
+
+
+def _decoder_maps(num_layers: int, *, qk_norm: bool, tied: bool, head: str) -> list[TensorMap]:
+    per_layer = [
+        TensorMap("layers.{i}.attn.q_proj.w", ("layers.{i}.self_attn.q_proj.weight",), "(n h) d", "d n h"),
+        TensorMap("layers.{i}.attn.k_proj.w", ("layers.{i}.self_attn.k_proj.weight",), "(n h) d", "d n h"),
+        TensorMap("layers.{i}.attn.v_proj.w", ("layers.{i}.self_attn.v_proj.weight",), "(n h) d", "d n h"),
+        TensorMap("layers.{i}.attn.o_proj.w", ("layers.{i}.self_attn.o_proj.weight",), "d (n h)", "n h d"),
+        TensorMap("layers.{i}.mlp.gate_proj.kernel", ("layers.{i}.mlp.gate_proj.weight",), "f d", "d f"),
+        TensorMap("layers.{i}.mlp.up_proj.kernel", ("layers.{i}.mlp.up_proj.weight",), "f d", "d f"),
+        TensorMap("layers.{i}.mlp.down_proj.kernel", ("layers.{i}.mlp.down_proj.weight",), "d f", "f d"),
+        TensorMap("layers.{i}.input_layernorm.w", ("layers.{i}.input_layernorm.weight",)),
+        TensorMap("layers.{i}.post_attention_layernorm.w", ("layers.{i}.post_attention_layernorm.weight",)),
+    ]
+    if qk_norm:
+        per_layer += [
+            TensorMap("layers.{i}.attn.q_norm.w", ("layers.{i}.self_attn.q_norm.weight",)),
+            TensorMap("layers.{i}.attn.k_norm.w", ("layers.{i}.self_attn.k_norm.weight",)),
+        ]
+    maps = [
+        TensorMap("embedder.input_embedding", ("embed_tokens.weight",)),
+        TensorMap("final_norm.w", ("norm.weight",)),
+    ]
+    if not tied:
+        maps.append(TensorMap(head, ("lm_head.weight",), "v d", "d v", prefixed=False))
+    return maps + _expand(per_layer, num_layers)
+
+
+def _expand(per_layer: list[TensorMap], num_layers: int) -> list[TensorMap]:
+    return [
+        dataclasses.replace(m, ours=m.ours.format(i=i), hf=tuple(name.format(i=i) for name in m.hf))
+        for i, m in itertools.product(range(num_layers), per_layer)
+    ]
+
+
+def _qwen3_config(hf: dict[str, Any], dtype: Any) -> qwen3_lib.ModelConfig:
+    _reject(hf, hidden_act="silu", attention_bias=False, use_sliding_window=False, num_experts=None)
+    spec = rope_spec(hf)
+    return qwen3_lib.ModelConfig(
+        num_layers=_required(hf, "num_hidden_layers"),
+        vocab_size=_required(hf, "vocab_size"),
+        embed_dim=_required(hf, "hidden_size"),
+        hidden_dim=_required(hf, "intermediate_size"),
+        num_heads=_required(hf, "num_attention_heads"),
+        head_dim=_head_dim(hf),
+        num_kv_heads=_required(hf, "num_key_value_heads"),
+        rope_theta=spec.theta,
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        use_tied_embedding=bool(hf.get("tie_word_embeddings", False)),
+        dtype=dtype,
+        param_dtype=dtype,
+    )
+
+
+def _llama3_config(hf: dict[str, Any], dtype: Any) -> llama3_lib.ModelConfig:
+    _reject(hf, hidden_act="silu", attention_bias=False, mlp_bias=False)
+    spec = rope_spec(hf)
+    return llama3_lib.ModelConfig(
+        num_layers=_required(hf, "num_hidden_layers"),
+        vocab_size=_required(hf, "vocab_size"),
+        embed_dim=_required(hf, "hidden_size"),
+        hidden_dim=_required(hf, "intermediate_size"),
+        num_heads=_required(hf, "num_attention_heads"),
+        head_dim=_head_dim(hf),
+        num_kv_heads=_required(hf, "num_key_value_heads"),
+        rope_theta=spec.theta,
+        norm_eps=hf.get("rms_norm_eps", 1e-5),
+        weight_tying=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+QWEN3 = Family(
+    name="qwen3",
+    hf_model_types=("qwen3",),
+    model_class=qwen3_lib.Qwen3,
+    config_from_hf=_qwen3_config,
+    tensor_maps=lambda c: _decoder_maps(c.num_layers, qk_norm=True, tied=c.use_tied_embedding, head="lm_head.w"),
+    patch_rope=True,
+)
+LLAMA3 = Family(
+    name="llama3",
+    hf_model_types=("llama",),
+    model_class=llama3_lib.Llama3,
+    config_from_hf=_llama3_config,
+    tensor_maps=lambda c: _decoder_maps(c.num_layers, qk_norm=False, tied=c.weight_tying, head="lm_head.w"),
+    patch_rope=True,
+)
+
+
+# --- Gemma 3 -----------------------------------------------------------------------------------
+
+_GEMMA3_LAYER_TYPES = {
+    gemma3_lib.AttentionType.LOCAL_SLIDING: "sliding_attention",
+    gemma3_lib.AttentionType.GLOBAL: "full_attention",
+}
+
+
+def _gemma3_config(hf: dict[str, Any], dtype: Any) -> gemma3_lib.ModelConfig:
+    hf = hf.get("text_config") or hf
+    _reject(
+        hf,
+        hidden_activation="gelu_pytorch_tanh",
+        attention_bias=False,
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        rms_norm_eps=1e-6,
+        use_bidirectional_attention=False,
+    )
+    num_layers = _required(hf, "num_hidden_layers")
+    tunix_types = [
+        _GEMMA3_LAYER_TYPES[t] for _, t in zip(range(num_layers), itertools.cycle(gemma3_lib.GEMMA3_ATTENTION_PATTERN))
+    ]
+    if hf.get("layer_types", tunix_types) != tunix_types:
+        raise ModelConfigError(f"Gemma 3 layer_types {hf['layer_types']} differ from Tunix's fixed pattern {tunix_types}")
+    head_dim, embed_dim, num_heads = _head_dim(hf), _required(hf, "hidden_size"), _required(hf, "num_attention_heads")
+    num_kv_heads = _required(hf, "num_key_value_heads")
+    if num_kv_heads == num_heads:
+        raise ModelConfigError("Gemma 3 with num_key_value_heads == num_attention_heads (fused qkv) is not supported")
+    query_scalars = {
+        head_dim: gemma3_lib.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_HEAD_DIM,
+        embed_dim // num_heads: gemma3_lib.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS,
+    }
+    scalar = hf.get("query_pre_attn_scalar", head_dim)
+    if scalar not in query_scalars:
+        raise ModelConfigError(f"Gemma 3 query_pre_attn_scalar={scalar} is neither head_dim nor hidden/heads")
+    local, glob = rope_spec(hf, "sliding_attention"), rope_spec(hf, "full_attention")
+    for spec in (local, glob):
+        if spec.rope_type == "llama3":
+            raise ModelConfigError("Gemma 3 with llama3 rope scaling is not supported")
+    return gemma3_lib.ModelConfig(
+        num_layers=num_layers,
+        num_embed=_required(hf, "vocab_size"),
+        embed_dim=embed_dim,
+        hidden_dim=_required(hf, "intermediate_size"),
+        num_heads=num_heads,
+        head_dim=head_dim,
+        num_kv_heads=num_kv_heads,
+        sliding_window_size=hf.get("sliding_window"),
+        local_base_frequency=local.theta,
+        global_base_frequency=glob.theta,
+        local_scale_factor=local.factor,
+        global_scale_factor=glob.factor,
+        query_pre_attn_norm=query_scalars[scalar],
+        param_dtype=dtype,
+    )
+
+
+def _gemma3_maps(config: gemma3_lib.ModelConfig) -> list[TensorMap]:
+    per_layer = [
+        TensorMap("layers.{i}.attn.q_einsum.w", ("layers.{i}.self_attn.q_proj.weight",), "(n h) d", "n d h"),
+        TensorMap(
+            "layers.{i}.attn.kv_einsum.w",
+            ("layers.{i}.self_attn.k_proj.weight", "layers.{i}.self_attn.v_proj.weight"),
+            "(n h) d",
+            "c n d h",
+        ),
+        TensorMap("layers.{i}.attn.attn_vec_einsum.w", ("layers.{i}.self_attn.o_proj.weight",), "d (n h)", "n h d"),
+        TensorMap("layers.{i}.attn._query_norm.scale", ("layers.{i}.self_attn.q_norm.weight",)),
+        TensorMap("layers.{i}.attn._key_norm.scale", ("layers.{i}.self_attn.k_norm.weight",)),
+        TensorMap("layers.{i}.mlp.gate_proj.kernel", ("layers.{i}.mlp.gate_proj.weight",), "f d", "d f"),
+        TensorMap("layers.{i}.mlp.up_proj.kernel", ("layers.{i}.mlp.up_proj.weight",), "f d", "d f"),
+        TensorMap("layers.{i}.mlp.down_proj.kernel", ("layers.{i}.mlp.down_proj.weight",), "d f", "f d"),
+        TensorMap("layers.{i}.pre_attention_norm.scale", ("layers.{i}.input_layernorm.weight",)),
+        TensorMap("layers.{i}.post_attention_norm.scale", ("layers.{i}.post_attention_layernorm.weight",)),
+        TensorMap("layers.{i}.pre_ffw_norm.scale", ("layers.{i}.pre_feedforward_layernorm.weight",)),
+        TensorMap("layers.{i}.post_ffw_norm.scale", ("layers.{i}.post_feedforward_layernorm.weight",)),
+    ]
+    return [
+        TensorMap("embedder.input_embedding", ("embed_tokens.weight",)),
+        TensorMap("final_norm.scale", ("norm.weight",)),
+    ] + _expand(per_layer, config.num_layers)
+
+
+GEMMA3 = Family(
+    name="gemma3",
+    hf_model_types=("gemma3_text", "gemma3"),
+    model_class=gemma3_lib.Gemma3,
+    config_from_hf=_gemma3_config,
+    tensor_maps=_gemma3_maps,
+)
+
+FAMILIES: dict[str, Family] = {family.name: family for family in (QWEN3, LLAMA3, GEMMA3)}

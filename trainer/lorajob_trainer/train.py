@@ -1,0 +1,517 @@
+"""LoRA fine-tuning entry point: `python -m lorajob_trainer.train [config.yaml] key=value...`.
+
+One optimizer step is one jitted call: it scans over the gradient-accumulation micro-batches,
+differentiates only the LoRA parameters (the frozen base weights are a plain input, so no
+weight-gradient GEMMs are built for them), normalises by the number of trained tokens of the
+whole step, clips and applies AdamW. The run resumes from the latest complete checkpoint in
+`<base_output_directory>/<run_name>/checkpoints`, including the data position.
+
+Exit status: 0 when all steps ran; 1 when the run cannot complete (NaN loss, failed checkpoint
+write, data exhausted with epoch_policy=fail), with a message naming what and the step; 2 for
+an invalid config.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from lorajob_trainer import checkpoint as ckpt
+from lorajob_trainer import data as data_lib
+from lorajob_trainer import distributed
+from lorajob_trainer import lora as lora_lib
+from lorajob_trainer import mesh as mesh_lib
+from lorajob_trainer import metrics as metrics_lib
+from lorajob_trainer import models, weights
+from lorajob_trainer.config import ConfigError, TrainConfig, resolve_target_modules
+from lorajob_trainer.optim import build_optimizer, learning_rate_schedule
+
+log = logging.getLogger("lorajob_trainer.train")
+
+Batch = dict[str, jax.Array]
+
+
+class TrainingFailed(RuntimeError):
+    """The run cannot complete its requested steps; the message names what and the step."""
+
+
+# ---------------------------------------------------------------- model
+
+
+@dataclass
+class LoraModel:
+    """A base model with LoRA adapters applied, its arrays placed on the mesh."""
+
+    model: nnx.Module
+    target_modules: list[str] | None
+    attention_width: int
+    """Sum over layers of query heads * head_dim (for the FLOPs model)."""
+
+
+def compute_dtype(config: TrainConfig) -> jnp.dtype:
+    if config.dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return jnp.dtype(config.dtype)
+
+
+def load_lora_model(config: TrainConfig, mesh: Mesh, dtype: jnp.dtype) -> LoraModel:
+    """Load the base weights (sharded over `mesh`) and apply the configured LoRA adapters."""
+    model, spec = models.load_model(config.model_name, config.load_parameters_path, mesh=mesh, dtype=dtype)
+    family = spec.family.name
+    targets = resolve_target_modules(config, lora_lib.default_targets(family))
+    if targets is None:
+        regex = config.lora.lora_module_path
+        targets = lora_lib.names_for_regex(family, regex, spec.tunix_config.num_layers) or None
+    else:
+        regex = lora_lib.module_path_regex(family, targets)
+    model = lora_lib.apply_lora(
+        model, rank=config.lora.lora_rank, alpha=config.lora.lora_alpha, target_regex=regex, mesh=mesh,
+        rngs=nnx.Rngs(config.seed),
+    )
+    return LoraModel(model, targets, attention_width(spec.tunix_config))
+
+
+def attention_width(tunix_config: Any) -> int:
+    """Sum over layers of query heads * head_dim, from a Tunix ModelConfig."""
+    return tunix_config.num_layers * tunix_config.num_heads * tunix_config.head_dim
+
+
+class LoraLayout:
+    """Converts between the trainer's flat `{NNX path: array}` adapters and the NNX state the model merges."""
+
+    def __init__(self, state: nnx.State):
+        self._template = list(nnx.to_flat_state(state))
+
+    def flat(self, state: nnx.State) -> dict[str, jax.Array]:
+        return {weights.path_key(path): variable.value for path, variable in nnx.to_flat_state(state)}
+
+    def state(self, flat: dict[str, jax.Array]) -> nnx.State:
+        return nnx.from_flat_state(
+            [(path, variable.replace(flat[weights.path_key(path)])) for path, variable in self._template]
+        )
+
+
+# ---------------------------------------------------------------- loss and steps
+
+
+def token_losses(model: nnx.Module, micro_batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """(sum of masked next-token NLL, number of trained tokens) of one micro-batch."""
+    logits = models.forward(model, micro_batch["inputs"], micro_batch["positions"], micro_batch["segment_ids"])
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(log_probs, micro_batch["targets"][..., None], axis=-1)[..., 0]
+    weights = micro_batch["weights"]
+    return jnp.sum(nll * weights), jnp.sum(weights)
+
+
+@dataclass
+class StepFunctions:
+    train: Callable[..., Any]
+    evaluate: Callable[..., Any]
+    traces: dict[str, int] = field(default_factory=lambda: {"train": 0, "eval": 0})
+
+
+def build_step_functions(
+    graphdef: nnx.GraphDef,
+    layout: LoraLayout,
+    optimizer: optax.GradientTransformation,
+    dtype: jnp.dtype,
+    shardings: dict[str, Any],
+) -> StepFunctions:
+    """Jitted train and eval steps with fixed in/out shardings, so each compiles once."""
+    traces = {"train": 0, "eval": 0}
+
+    def losses(lora, base, micro_batch):
+        adapters = layout.state({name: value.astype(dtype) for name, value in lora.items()})
+        return token_losses(nnx.merge(graphdef, adapters, base), micro_batch)
+
+    grad_fn = jax.value_and_grad(losses, has_aux=True)
+
+    def train_step(lora, opt_state, base, batch):
+        traces["train"] += 1
+
+        def accumulate(carry, micro_batch):
+            grads, loss_sum, weight_sum = carry
+            (micro_loss, micro_weight), micro_grads = grad_fn(lora, base, micro_batch)
+            return (jax.tree.map(jnp.add, grads, micro_grads), loss_sum + micro_loss, weight_sum + micro_weight), None
+
+        zeros = jax.tree.map(jnp.zeros_like, lora)
+        (grads, loss_sum, weight_sum), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), batch)
+        scale = 1.0 / jnp.maximum(weight_sum, 1.0)
+        grads = jax.tree.map(lambda g: g * scale, grads)
+        updates, opt_state = optimizer.update(grads, opt_state, lora)
+        step_metrics = {
+            "loss": loss_sum * scale,
+            "trained_tokens": weight_sum,
+            "real_tokens": jnp.sum(batch["segment_ids"] != 0),
+            "grad_norm": optax.global_norm(grads),
+        }
+        return optax.apply_updates(lora, updates), opt_state, step_metrics
+
+    def eval_step(lora, base, batch):
+        traces["eval"] += 1
+
+        def accumulate(carry, micro_batch):
+            loss_sum, weight_sum = losses(lora, base, micro_batch)
+            return (carry[0] + loss_sum, carry[1] + weight_sum), None
+
+        (loss_sum, weight_sum), _ = jax.lax.scan(accumulate, (0.0, 0.0), batch)
+        return {"loss_sum": loss_sum, "weight_sum": weight_sum}
+
+    replicated = shardings["replicated"]
+    train = jax.jit(
+        train_step,
+        in_shardings=(shardings["lora"], shardings["optimizer"], shardings["base"], shardings["batch"]),
+        out_shardings=(shardings["lora"], shardings["optimizer"], replicated),
+        donate_argnums=(0, 1),
+    )
+    evaluate = jax.jit(
+        eval_step,
+        in_shardings=(shardings["lora"], shardings["base"], shardings["batch"]),
+        out_shardings=replicated,
+    )
+    return StepFunctions(train, evaluate, traces)
+
+
+# ---------------------------------------------------------------- data on the mesh
+
+
+@dataclass
+class DataFeed:
+    """This process's rows of `[accumulation, global_batch, seq_len]` batches, as global arrays."""
+
+    packer: data_lib.PackedRows
+    sharding: NamedSharding
+    position_sharding: NamedSharding
+    global_shape: tuple[int, int, int]
+    local_rows: range
+
+    @property
+    def local_shape(self) -> tuple[int, int, int]:
+        return (self.global_shape[0], len(self.local_rows), self.global_shape[2])
+
+    def next_batch(self, step: int) -> Batch:
+        rows = self.packer.next_rows(step)
+        return {
+            name: jax.make_array_from_process_local_data(self.sharding, values.reshape(self.local_shape), self.global_shape)
+            for name, values in rows.items()
+        }
+
+    def positions(self) -> jax.Array:
+        local = self.packer.state().astype(np.int32).reshape(self.local_shape[:2])
+        return jax.make_array_from_process_local_data(self.position_sharding, local, self.global_shape[:2])
+
+    def restore(self, positions: jax.Array) -> None:
+        local = np.zeros(self.local_shape[:2], dtype=np.int64)
+        for shard in positions.addressable_shards:
+            rows = shard.index[1]
+            start = (rows.start or 0) - self.local_rows.start
+            local[:, start : start + shard.data.shape[1]] = np.asarray(shard.data)
+        self.packer.restore(local.reshape(-1))
+
+
+def make_feed(
+    dataset, encode, mesh: Mesh, accumulation: int, rows_per_micro_batch: int, options: data_lib.PackingOptions
+) -> DataFeed:
+    global_shape = (accumulation, rows_per_micro_batch, options.seq_len)
+    sharding = mesh_lib.batch_sharding(mesh, leading_dims=1)
+    local_rows = mesh_lib.local_batch_rows(sharding, global_shape, batch_dim=1)
+    row_ids = [a * rows_per_micro_batch + row for a in range(accumulation) for row in local_rows]
+    packer = data_lib.PackedRows(len(dataset), encode, row_ids, accumulation * rows_per_micro_batch, options)
+    return DataFeed(packer, sharding, mesh_lib.batch_sharding(mesh, leading_dims=1), global_shape, local_rows)
+
+
+# ---------------------------------------------------------------- the run
+
+
+@dataclass
+class RunResult:
+    final_step: int
+    final_loss: float | None
+    resumed_from: int | None
+    eval_loss: float | None = None
+
+
+class Trainer:
+    """Holds the objects of one run; `run()` trains to `config.steps`."""
+
+    def __init__(self, config: TrainConfig, lora_model: LoraModel, mesh: Mesh):
+        self.config = config
+        self.mesh = mesh
+        self.dtype = compute_dtype(config)
+        self.lora_model = lora_model
+        graphdef, lora, base = nnx.split(lora_model.model, nnx.LoRAParam, ...)
+        self.layout = LoraLayout(lora)
+        # Adapters are trained in float32 whatever the compute dtype; they are cast per step.
+        self.lora = {name: value.astype(jnp.float32) for name, value in self.layout.flat(lora).items()}
+        self.base = base
+        self.optimizer = build_optimizer(config)
+        self.schedule = learning_rate_schedule(config)
+        self.opt_state = jax.jit(self.optimizer.init)(self.lora)
+        self.steps = build_step_functions(graphdef, self.layout, self.optimizer, self.dtype, self._shardings())
+        self.tokenizer = data_lib.load_tokenizer(config.tokenizer_directory, config.chat_template_path)
+        self.train_feed = self._feed(self._load(self._train_source()), config.gradient_accumulation_steps,
+                                     config.epoch_policy)
+        self.eval_data = self._load(self._eval_source()) if config.eval_interval else None
+        self.is_lead = jax.process_index() == 0
+        self.writer = metrics_lib.MetricsWriter(
+            config.run_directory, config.steps, enabled=self.is_lead, tensorboard=config.enable_tensorboard
+        )
+        self.flops = metrics_lib.LoraFlops(
+            frozen_matmul_params=metrics_lib.frozen_matmul_params(_shapes(base)),
+            attention_width=lora_model.attention_width,
+            adapter_params=sum(x.size for x in jax.tree.leaves(self.lora)),
+            seq_len=config.max_target_length,
+        )
+        self.peak_flops = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind, config.peak_tflops_per_device)
+        self.checkpointer = self._checkpointer()
+        self.current_step = 0
+
+    # Setup helpers.
+    def _shardings(self) -> dict[str, Any]:
+        return {
+            "lora": jax.tree.map(lambda x: x.sharding, self.lora),
+            "optimizer": jax.tree.map(lambda x: x.sharding, self.opt_state),
+            "base": jax.tree.map(lambda x: x.sharding, self.base),
+            "batch": mesh_lib.batch_sharding(self.mesh, leading_dims=1),
+            "replicated": NamedSharding(self.mesh, PartitionSpec()),
+        }
+
+    def _rows_per_micro_batch(self) -> int:
+        return self.config.per_device_batch_size * self.mesh.size
+
+    def _train_source(self) -> data_lib.DataSource:
+        c = self.config
+        return data_lib.DataSource(c.hf_path, c.hf_name, c.hf_data_dir, c.train_split, tuple(c.hf_train_files or ()))
+
+    def _eval_source(self) -> data_lib.DataSource:
+        c = self.config
+        return data_lib.DataSource(c.hf_path, c.hf_name, c.hf_data_dir, c.hf_eval_split, tuple(c.hf_eval_files or ()))
+
+    def _load(self, source: data_lib.DataSource) -> tuple[Any, Callable[[int], data_lib.EncodedExample]]:
+        columns = self.config.train_data_columns
+        dataset = data_lib.load_dataset_split(source, columns)
+        return dataset, data_lib.make_encoder(dataset, self.tokenizer, columns)
+
+    def _feed(self, loaded, accumulation: int, on_end: data_lib.OnDataEnd) -> DataFeed:
+        c = self.config
+        dataset, encode = loaded
+        training = on_end != "pad"
+        options = data_lib.PackingOptions(
+            seq_len=c.max_target_length,
+            packing=c.packing,
+            shuffle=c.shuffle and training,
+            seed=c.data_shuffle_seed,
+            on_end=on_end,
+        )
+        return make_feed(dataset, encode, self.mesh, accumulation, self._rows_per_micro_batch(), options)
+
+    def _checkpointer(self) -> ckpt.Checkpointer | None:
+        c = self.config
+        if not c.enable_checkpointing:
+            return None
+        pathways = distributed.is_pathways()
+        if pathways and (c.checkpoint_storage_use_ocdbt or c.checkpoint_storage_use_zarr3):
+            log.warning("Pathways: writing checkpoints without OCDBT/zarr3 (its array handler cannot read them)")
+        options = ckpt.StorageOptions(
+            use_zarr3=c.checkpoint_storage_use_zarr3 and not pathways,
+            use_ocdbt=c.checkpoint_storage_use_ocdbt and not pathways,
+            asynchronous=c.async_checkpointing,
+            max_to_keep=c.max_num_checkpoints_to_keep,
+        )
+        return ckpt.Checkpointer(c.checkpoint_directory, options)
+
+    def metadata(self, step: int) -> ckpt.CheckpointMetadata:
+        c = self.config
+        return ckpt.CheckpointMetadata(
+            step=step,
+            lora_rank=c.lora.lora_rank,
+            lora_alpha=c.lora.lora_alpha,
+            target_modules=self.lora_model.target_modules,
+            lora_module_path=c.lora.lora_module_path,
+            base_model=c.model_name,
+            family=c.family,
+            load_parameters_path=c.load_parameters_path,
+        )
+
+    # Start point.
+    def restore_or_start(self) -> int:
+        """Resume from the latest complete checkpoint, else start (from lora_restore_path if set)."""
+        latest = self.checkpointer.latest_step() if self.checkpointer else None
+        if latest is not None:
+            self.lora, self.opt_state, positions = self.checkpointer.restore(
+                latest, self.lora, self.opt_state, self.train_feed.positions()
+            )
+            self.train_feed.restore(positions)
+            log.info("resumed from checkpoint step %d in %s", latest, self.checkpointer.directory)
+            return latest
+        if self.config.lora.lora_restore_path:
+            self.lora = self._adapter_from(self.config.lora.lora_restore_path)
+        return 0
+
+    def _adapter_from(self, path: str) -> dict[str, jax.Array]:
+        """LoRA weights of an earlier adapter checkpoint, placed like the current ones."""
+        params, metadata = lora_lib.load_adapter_checkpoint(path)
+        if metadata.lora_rank != self.config.lora.lora_rank or set(params) != set(self.lora):
+            raise lora_lib.LoraError(
+                f"lora.lora_restore_path {path}: adapter has rank {metadata.lora_rank} and "
+                f"{len(params)} tensors, this run has lora.lora_rank={self.config.lora.lora_rank} and {len(self.lora)}"
+            )
+        log.info("starting from adapter %s (step %d of %s)", path, metadata.step, metadata.base_model)
+        return {
+            name: jax.make_array_from_callback(
+                current.shape, current.sharding, lambda index, host=params[name]: host[index].astype(current.dtype)
+            )
+            for name, current in self.lora.items()
+        }
+
+    # Loop.
+    def run(self) -> RunResult:
+        start = self.current_step = self.restore_or_start()
+        total = self.config.steps
+        result = RunResult(final_step=start, final_loss=None, resumed_from=start or None)
+        if start >= total:
+            log.info("nothing to do: checkpoint step %d >= steps=%d", start, total)
+            return result
+        timer = metrics_lib.StepTimer()
+        pending: tuple[int, dict[str, jax.Array]] | None = None
+        with self.mesh:
+            for step in range(start + 1, total + 1):
+                batch = self._next_batch(step)
+                self.lora, self.opt_state, step_metrics = self.steps.train(self.lora, self.opt_state, self.base, batch)
+                if pending is not None:
+                    result.final_loss = self._report(*pending, timer)
+                pending = (step, step_metrics)
+                if self._checkpoint_due(step) or self._eval_due(step):
+                    result.final_loss = self._report(*pending, timer)
+                    pending = None
+                    if self._eval_due(step):
+                        result.eval_loss = self._evaluate(step)
+                    if self._checkpoint_due(step):
+                        self._save(step)
+                    timer.reset()
+                result.final_step = self.current_step = step
+            if pending is not None:
+                result.final_loss = self._report(*pending, timer)
+        if self.checkpointer:
+            self.checkpointer.wait(total)
+        self.writer.progress(total, loss=result.final_loss, tokens_per_second=0.0, eta_seconds=0.0, state="succeeded")
+        return result
+
+    def _next_batch(self, step: int) -> Batch:
+        try:
+            return self.train_feed.next_batch(step)
+        except data_lib.DataExhausted as error:
+            raise TrainingFailed(str(error)) from None
+
+    def _checkpoint_due(self, step: int) -> bool:
+        return self.checkpointer is not None and (step % self.config.checkpoint_period == 0 or step == self.config.steps)
+
+    def _eval_due(self, step: int) -> bool:
+        interval = self.config.eval_interval
+        return interval > 0 and (step % interval == 0 or step == self.config.steps)
+
+    def _save(self, step: int) -> None:
+        try:
+            self.checkpointer.save(step, self.lora, self.opt_state, self.train_feed.positions(), self.metadata(step))
+        except ckpt.CheckpointError as error:
+            raise TrainingFailed(str(error)) from None
+
+    def _report(self, step: int, step_metrics: dict[str, jax.Array], timer: metrics_lib.StepTimer) -> float:
+        values = {name: float(value) for name, value in jax.device_get(step_metrics).items()}
+        if not math.isfinite(values["loss"]):
+            raise TrainingFailed(f"loss is {values['loss']} at step {step}")
+        step_time = timer.lap()
+        tokens_per_second = values["real_tokens"] / step_time
+        eta = timer.eta_seconds(self.config.steps - step)
+        if step % self.config.log_period == 0 or step == self.config.steps:
+            record = {
+                **values,
+                "learning_rate": float(self.schedule(step - 1)),
+                "step_time_s": step_time,
+                "tokens_per_second": tokens_per_second,
+                "mfu": metrics_lib.mfu(tokens_per_second, self.flops, jax.device_count(), self.peak_flops),
+                "peak_host_memory_bytes": metrics_lib.peak_host_memory_bytes(),
+                "peak_device_memory_bytes": metrics_lib.peak_device_memory_bytes(jax.local_devices()),
+            }
+            self.writer.write(step, record)
+            log.info("step %d/%d loss %.4f  %.0f tok/s  %.3f s/step", step, self.config.steps, values["loss"],
+                     tokens_per_second, step_time)
+        self.writer.progress(step, loss=values["loss"], tokens_per_second=tokens_per_second, eta_seconds=eta,
+                             state="running")
+        return values["loss"]
+
+    def _evaluate(self, step: int) -> float | None:
+        feed = self._feed(self.eval_data, accumulation=1, on_end="pad")
+        loss_sum = weight_sum = 0.0
+        for _ in range(self.config.eval_steps):
+            totals = jax.device_get(self.steps.evaluate(self.lora, self.base, feed.next_batch(step)))
+            loss_sum += float(totals["loss_sum"])
+            weight_sum += float(totals["weight_sum"])
+        if weight_sum == 0:
+            log.warning("evaluation at step %d saw no trained tokens", step)
+            return None
+        eval_loss = loss_sum / weight_sum
+        self.writer.write(step, {"eval_loss": eval_loss, "eval_tokens": weight_sum})
+        log.info("step %d eval loss %.4f", step, eval_loss)
+        return eval_loss
+
+    def close(self) -> None:
+        if self.checkpointer:
+            self.checkpointer.close()
+        self.writer.close()
+
+
+def _shapes(state: nnx.State) -> dict[str, tuple[int, ...]]:
+    return {
+        "/".join(str(part) for part in path): tuple(value.shape)
+        for path, value in state.flat_state()
+    }
+
+
+def train(config: TrainConfig, load_model: Callable[[TrainConfig, Mesh, jnp.dtype], LoraModel] = load_lora_model) -> RunResult:
+    mesh = mesh_lib.build_mesh(config.mesh)
+    with mesh:
+        lora_model = load_model(config, mesh, compute_dtype(config))
+    trainer = Trainer(config, lora_model, mesh)
+    try:
+        return trainer.run()
+    except TrainingFailed as error:
+        trainer.writer.progress(trainer.current_step, loss=float("nan"), tokens_per_second=0.0,
+                                eta_seconds=float("nan"), state=f"failed: {error}")
+        raise
+    finally:
+        trainer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = TrainConfig.from_args(sys.argv[1:] if argv is None else argv)
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    distributed.initialize()
+    started = time.time()
+    try:
+        result = train(config)
+    except TrainingFailed as error:
+        print(f"training failed: {error}", file=sys.stderr)
+        return 1
+    log.info("done: step %d, loss %s, %.1f s", result.final_step, result.final_loss, time.time() - started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
