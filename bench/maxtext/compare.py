@@ -189,7 +189,8 @@ def convert_for_maxtext(workspace: Workspace, maxtext_python: Path) -> None:
         f"base_output_directory={workspace.maxtext_checkpoint}",
         f"hf_model_path={workspace.model_dir}",
         "scan_layers=True", "hardware=cpu", "skip_jax_distributed_system=True",
-        "save_dtype=float32", "simulated_cpu_devices_count=1", "lazy_load_tensors=False",
+        "save_dtype=float32", "simulated_cpu_devices_count=1",
+        "lazy_load_tensors=False",
     ]
     completed = subprocess.run(command, capture_output=True, text=True, env=maxtext_env())
     if completed.returncode != 0 or not items.is_dir():

@@ -13,7 +13,9 @@ Two changes are made to MaxText, in this process only (site-packages stays untou
   iterator closes, so a benchmark would kill other people's jobs; here it becomes a no-op.
 - `to_maxtext` builds its name mapping from the *published* HF config of `model_name` (28 layers for
   qwen3-0.6b), so a shrunk model (`override_model_config=True`) cannot be converted. The `to_maxtext`
-  command takes our checkpoint's config.json and registers it under `model_name` first.
+  command takes our checkpoint's config.json and registers it under `model_name` first. Its eager
+  loader also opens safetensors as torch tensors, and maxtext[tpu] has no torch (its lazy loader's
+  proxies are not accepted by Orbax's v1 save path), so without torch the files are read as numpy.
 
 If MaxText renames either patched name, the launcher stops instead of running unguarded.
 
@@ -82,6 +84,20 @@ def register_hf_config(model_name: str, config_json: str) -> None:
     hf_model_configs.HF_MODEL_CONFIGS[model_name] = config_class(**values)
 
 
+def read_safetensors_without_torch() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        return
+    import safetensors
+    from maxtext.checkpoint_conversion.utils import utils
+
+    def numpy_safe_open(path, framework="numpy", **kwargs):
+        return safetensors.safe_open(path, framework="numpy" if framework == "pt" else framework, **kwargs)
+
+    utils.safe_open = numpy_safe_open
+
+
 def default_sft_config() -> str:
     return str(resources.files("maxtext") / "configs" / "post_train" / "sft.yml")
 
@@ -109,6 +125,7 @@ def main(argv: list[str]) -> None:
         return
     config_json, arguments = arguments[0], arguments[1:]
     register_hf_config(option(arguments, "model_name"), config_json)
+    read_safetensors_without_torch()
     sys.argv = [CONVERT_MODULE, *arguments]
     runpy.run_module(CONVERT_MODULE, run_name="__main__", alter_sys=True)
 

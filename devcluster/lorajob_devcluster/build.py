@@ -34,8 +34,10 @@ class BuildError(RuntimeError):
 class Component:
     name: str
     binaries: tuple[str, ...]
+    module: str
     version: Callable[[VersionSet], str]
-    build: Callable[["BuildContext"], None]
+    build: Callable[["BuildContext", "Component"], None]
+    main_package: str = ""  # for components built in a wrapper module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +84,6 @@ def download_module(module: str, version: str, env: dict[str, str]) -> Path:
     return Path(info["Dir"])
 
 
-def module_dir(module: str, version: str) -> Path:
-    """Where a downloaded module's files are (CRD and webhook YAMLs are read from there)."""
-    return download_module(module, version, go_environment())
-
-
 def staging_modules(kubernetes_go_mod: Path) -> list[str]:
     """The k8s.io staging modules that k8s.io/kubernetes requires at the unpublished v0.0.0."""
     return sorted(set(re.findall(r"^\s*(k8s\.io/[\w.-]+) v0\.0\.0\s*$", kubernetes_go_mod.read_text(), re.M)))
@@ -103,9 +100,9 @@ def version_ldflags(versions: VersionSet) -> str:
 KUBE_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
 
 
-def build_kubernetes(ctx: BuildContext) -> None:
+def build_kubernetes(ctx: BuildContext, component: Component) -> None:
     versions = ctx.versions
-    kubernetes_dir = download_module("k8s.io/kubernetes", versions.kubernetes, ctx.env)
+    kubernetes_dir = download_module(component.module, component.version(versions), ctx.env)
     go_mod = kubernetes_dir / "go.mod"
     replaces = "\n".join(f"\t{m} => {m} {versions.staging_version}" for m in staging_modules(go_mod))
     tools = "\n".join(f"\tk8s.io/kubernetes/cmd/{c}" for c in KUBE_COMMANDS)
@@ -122,44 +119,46 @@ def build_kubernetes(ctx: BuildContext) -> None:
     ctx.go("build", "-ldflags", ldflags, "-o", f"{ctx.bin}/", *packages, cwd=wrapper)
 
 
-def build_etcd(ctx: BuildContext) -> None:
-    # Its own wrapper module, so etcd's grpc/otel choices never change the Kubernetes build.
-    wrapper = ctx.src / "etcd"
-    write_wrapper_module(
-        wrapper,
-        "module local/lorajob-etcd\n\ngo 1.25.0\n\ntool go.etcd.io/etcd/server/v3\n\n"
-        f"require go.etcd.io/etcd/server/v3 {ctx.versions.etcd}\n",
-    )
-    download_module("go.etcd.io/etcd/server/v3", ctx.versions.etcd, ctx.env)
-    ctx.go("mod", "tidy", cwd=wrapper)
-    ctx.go("build", "-ldflags", GO_LDFLAGS_STRIP, "-o", str(ctx.bin / "etcd"), "go.etcd.io/etcd/server/v3", cwd=wrapper)
-
-
 def write_wrapper_module(directory: Path, go_mod: str) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "go.mod").write_text(go_mod)
     (directory / "go.sum").unlink(missing_ok=True)
 
 
-def go_install(module: str, package: str, version_of: Callable[[VersionSet], str]) -> Callable[[BuildContext], None]:
-    def build(ctx: BuildContext) -> None:
-        version = version_of(ctx.versions)
-        download_module(module, version, ctx.env)
-        env_bin = dict(ctx.env, GOBIN=str(ctx.bin))
-        BuildContext(ctx.versions, ctx.bin, ctx.src, env_bin).go("install", "-ldflags", GO_LDFLAGS_STRIP, f"{package}@{version}")
+def build_in_wrapper_module(ctx: BuildContext, component: Component) -> None:
+    """Build the component's main package inside a one-line wrapper module.
 
-    return build
+    Not `go install pkg@version`: that also fetches the module's version list (for deprecation notices),
+    which the proxy refuses for some modules (403 for sigs.k8s.io/jobset), and it rejects modules whose
+    go.mod has replace lines (etcd). Each wrapper is separate, so no component changes another's deps.
+    """
+    version = component.version(ctx.versions)
+    download_module(component.module, version, ctx.env)
+    (binary,) = component.binaries
+    wrapper = ctx.src / binary
+    # `go mod tidy` raises the go line to what the module needs.
+    write_wrapper_module(
+        wrapper, f"module local/lorajob-{binary}\n\ngo 1.24.0\n\ntool {component.main_package}\n\nrequire {component.module} {version}\n"
+    )
+    ctx.go("mod", "tidy", cwd=wrapper)
+    ctx.go("build", "-ldflags", GO_LDFLAGS_STRIP, "-o", str(ctx.bin / binary), component.main_package, cwd=wrapper)
 
 
 COMPONENTS: tuple[Component, ...] = (
-    Component("kubernetes", KUBE_COMMANDS, lambda v: v.kubernetes, build_kubernetes),
-    Component("etcd", ("etcd",), lambda v: v.etcd, build_etcd),
-    Component("kwok", ("kwok",), lambda v: v.kwok, go_install("sigs.k8s.io/kwok", "sigs.k8s.io/kwok/cmd/kwok", lambda v: v.kwok)),
-    Component("jobset", ("jobset",), lambda v: v.jobset, go_install("sigs.k8s.io/jobset", "sigs.k8s.io/jobset", lambda v: v.jobset)),
-    Component("kueue", ("kueue",), lambda v: v.kueue, go_install("sigs.k8s.io/kueue", "sigs.k8s.io/kueue/cmd/kueue", lambda v: v.kueue)),
-    Component("helm", ("helm",), lambda v: v.helm, go_install("helm.sh/helm/v3", "helm.sh/helm/v3/cmd/helm", lambda v: v.helm)),
+    Component("kubernetes", KUBE_COMMANDS, "k8s.io/kubernetes", lambda v: v.kubernetes, build_kubernetes),
+    Component("etcd", ("etcd",), "go.etcd.io/etcd/server/v3", lambda v: v.etcd, build_in_wrapper_module, "go.etcd.io/etcd/server/v3"),
+    Component("kwok", ("kwok",), "sigs.k8s.io/kwok", lambda v: v.kwok, build_in_wrapper_module, "sigs.k8s.io/kwok/cmd/kwok"),
+    Component("jobset", ("jobset",), "sigs.k8s.io/jobset", lambda v: v.jobset, build_in_wrapper_module, "sigs.k8s.io/jobset"),
+    Component("kueue", ("kueue",), "sigs.k8s.io/kueue", lambda v: v.kueue, build_in_wrapper_module, "sigs.k8s.io/kueue/cmd/kueue"),
+    Component("helm", ("helm",), "helm.sh/helm/v3", lambda v: v.helm, build_in_wrapper_module, "helm.sh/helm/v3/cmd/helm"),
 )
 COMPONENT_NAMES = tuple(c.name for c in COMPONENTS)
+
+
+def component_module_dir(name: str, versions: VersionSet = DEFAULT_VERSIONS) -> Path:
+    """Where a component's Go module download is (its CRD, webhook and Stage YAMLs are read from there)."""
+    component = next(c for c in COMPONENTS if c.name == name)
+    return download_module(component.module, component.version(versions), go_environment())
 
 
 def stamp_path(bin_path: Path, component: Component) -> Path:
@@ -196,7 +195,7 @@ def build(
                 continue
             log(f"building {component.name} {component.version(versions)} ...")
             started = time.monotonic()
-            component.build(ctx)
+            component.build(ctx, component)
             seconds = round(time.monotonic() - started, 1)
             stamp = {"version": component.version(versions), "cold_build_seconds": seconds}
             stamp_path(bin_path, component).write_text(json.dumps(stamp))

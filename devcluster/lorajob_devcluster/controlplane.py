@@ -65,6 +65,8 @@ class ControlPlane:
             state_dir, owns = Path(tempfile.mkdtemp(prefix="lorajob-devcluster-", dir=default_state_parent())), True
         else:
             state_dir, owns = config.state_dir, False
+            if state_dir.exists() and any(state_dir.iterdir()):
+                raise ValueError(f"state directory {state_dir} is not empty; give a new or empty one (each run starts a fresh cluster)")
             state_dir.mkdir(parents=True, exist_ok=True)
         plane = cls(config, bin_dir, state_dir, owns)
         try:

@@ -21,7 +21,6 @@ from . import build, kwok_stages, manifests, topology
 from .documents import as_kubectl_input
 from .controlplane import ControlPlane, ControlPlaneConfig, wait_for
 from .process import ManagedProcess, free_loopback_port
-from .versions import DEFAULT_VERSIONS
 
 KUEUE_NAMESPACE = "kueue-system"
 # Kueue loads these unconditionally when its internal cert management is off (cmd/kueue/main.go).
@@ -144,7 +143,7 @@ class SimCluster:
 
     def _start_kwok(self) -> None:
         plane = self.plane
-        kwok_dir = build.module_dir("sigs.k8s.io/kwok", DEFAULT_VERSIONS.kwok)
+        kwok_dir = build.component_module_dir("kwok")
         stages = kwok_stages.write_kwok_config(plane.state_dir / "kwok-stages.yaml", kwok_dir, self.config.pod_timing)
         health_port = free_loopback_port()
         annotation = "=".join(topology.KWOK_NODE_ANNOTATION)
@@ -171,7 +170,7 @@ class SimCluster:
 
     def _start_jobset(self) -> None:
         plane = self.plane
-        module_dir = build.module_dir("sigs.k8s.io/jobset", DEFAULT_VERSIONS.jobset)
+        module_dir = build.component_module_dir("jobset")
         webhook_port, health_port = free_loopback_port(), free_loopback_port()
         plane.apply_documents(manifests.jobset_crds(module_dir))
         plane.wait_crds_established(["jobsets.jobset.x-k8s.io"])
@@ -196,7 +195,7 @@ class SimCluster:
 
     def _start_kueue(self) -> None:
         plane = self.plane
-        module_dir = build.module_dir("sigs.k8s.io/kueue", DEFAULT_VERSIONS.kueue)
+        module_dir = build.component_module_dir("kueue")
         webhook_port, health_port = free_loopback_port(), free_loopback_port()
         crds = manifests.kueue_crds(module_dir, webhook_port, plane.pki.ca_pem())
         plane.apply_documents(crds)

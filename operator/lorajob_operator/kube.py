@@ -263,13 +263,14 @@ class Resync:
     def __init__(self, reconciler: Reconciler, namespaces: list[str] | None):
         self.reconciler = reconciler
         self.namespaces = namespaces
-        self.last_pass: float | None = None
+        self.last_pass = 0.0
         self._due: dict[tuple[str, str], float] = {}
         self._due_lock = threading.Lock()  # kopf's handler threads schedule while the loop reads
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lorajob-resync", daemon=True)
 
     def start(self) -> None:
+        self.last_pass = time.monotonic()
         self._thread.start()
 
     def stop(self) -> None:
@@ -294,7 +295,7 @@ class Resync:
 
     def alive(self) -> bool:
         interval = self.reconciler.settings.reconcile.resync_seconds
-        return self._thread.is_alive() and self.last_pass is not None and time.monotonic() - self.last_pass < 5 * interval + 60
+        return self._thread.is_alive() and time.monotonic() - self.last_pass < 5 * interval + 60
 
     def _run(self) -> None:
         interval = self.reconciler.settings.reconcile.resync_seconds

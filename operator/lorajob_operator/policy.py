@@ -234,19 +234,23 @@ class PolicyRule:
     detail: tuple[str | Value, ...]
     """Message parts after the common prefix: literal text and interpolated values."""
 
+    def _parts(self) -> tuple[str | Value, ...]:
+        return ('LoRAJobPolicy "', _POLICY_NAME, f'" rule {self.name}: ', *self.detail)
+
     def message(self, check: Check) -> str:
-        parts = (part if isinstance(part, str) else part.py(check) for part in self.detail)
-        return f'LoRAJobPolicy "{check.policy.name}" rule {self.name}: ' + "".join(parts)
+        return "".join(part if isinstance(part, str) else part.py(check) for part in self._parts())
 
     def cel_message(self) -> str:
-        parts = ('LoRAJobPolicy "', Value(lambda c: c.policy.name, "params.metadata.name"), f'" rule {self.name}: ', *self.detail)
         pieces: list[str] = []
-        for literal, group in itertools.groupby(parts, key=lambda part: isinstance(part, str)):
+        for literal, group in itertools.groupby(self._parts(), key=lambda part: isinstance(part, str)):
             pieces += [_cel_string("".join(group))] if literal else [f"({part.cel})" for part in group]
         return " + ".join(pieces)
 
     def cel_validation(self) -> str:
         return f"!variables.namespaceSelected || !({self.applies.cel}) || ({self.holds.cel})"
+
+
+_POLICY_NAME = Value(lambda c: c.policy.name, "params.metadata.name")
 
 
 def _cel_string(text: str) -> str:

@@ -484,7 +484,7 @@ def _queued(o: Observed, draft: _Draft, phase: str, child: ChildState | None, me
 def _running(o: Observed, draft: _Draft, phase: str, child: ChildState) -> None:
     queued_by_kueue = o.spec.scheduling.queue_name and (child.workload is None or not child.workload.admitted)
     if queued_by_kueue or (child.suspended and not o.spec.scheduling.queue_name):
-        _queued(o, draft, phase, child, f"JobSet {child.name} is suspended")
+        _queued(o, draft, phase, child, f"JobSet {child.name} waits for admission")
         return
     draft.phase = RUNNING_PHASE[phase].value
     draft.message = f"{phase} step running (JobSet {child.name})"

@@ -25,7 +25,7 @@ import pydantic
 from lorajob_operator import accelerators, api, rules
 from lorajob_operator.settings import RenderSettings, Resources
 from lorajob_trainer import catalog
-from lorajob_trainer.config import TrainConfig
+from lorajob_trainer.config import ConfigError, TrainConfig
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
 
@@ -106,7 +106,12 @@ def parse_spec(body: dict) -> tuple[api.LoRAJobSpec | None, tuple[str, ...]]:
         return None, tuple(
             f"spec.{'.'.join(str(p) for p in item['loc'])}: {item['msg']}" for item in error.errors()
         )
-    errors = rules.run_name_errors(run_name(spec, body["metadata"]["name"]), spec)
+    run = run_name(spec, body["metadata"]["name"])
+    errors = rules.run_name_errors(run, spec)
+    try:
+        train_config(spec, run)
+    except ConfigError as error:  # a combination the trainer refuses: fail now, not in the pod
+        errors.append(str(error))
     return (None, tuple(errors)) if errors else (spec, ())
 
 

@@ -60,7 +60,7 @@ class Lorajobs:
     def events(self, name: str) -> list[dict]:
         listing = json.loads(self.kubectl("get", "events", "--field-selector", f"involvedObject.name={name}", "-o", "json").stdout)
         ours = [e for e in listing["items"] if e.get("source", {}).get("component") == "lorajob-operator"]
-        return sorted(ours, key=lambda e: (e.get("lastTimestamp") or "", e["metadata"]["creationTimestamp"]))
+        return sorted(ours, key=lambda e: int(e["metadata"]["resourceVersion"]))  # creation order
 
     def wait(self, name: str, predicate, what: str, timeout: float = 120.0, interval: float = 0.5) -> dict:
         deadline = time.monotonic() + timeout

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lorajob_devcluster import build
-from lorajob_devcluster.versions import DEFAULT_VERSIONS, VersionSet
+from lorajob_devcluster.versions import VersionSet
 
 
 def test_a_pin_the_proxy_does_not_serve_fails_with_module_and_version():
@@ -14,7 +14,7 @@ def test_a_pin_the_proxy_does_not_serve_fails_with_module_and_version():
 
 
 def test_staging_modules_come_from_the_kubernetes_go_mod():
-    kubernetes_dir = build.module_dir("k8s.io/kubernetes", DEFAULT_VERSIONS.kubernetes)
+    kubernetes_dir = build.component_module_dir("kubernetes")
     modules = build.staging_modules(kubernetes_dir / "go.mod")
     assert {"k8s.io/api", "k8s.io/client-go", "k8s.io/apiserver", "k8s.io/kubectl"} <= set(modules)
     assert "k8s.io/utils" not in modules  # pinned to a pseudo-version, not a staging module

@@ -125,9 +125,25 @@ def test_failing_image_fails_the_jobset_with_its_exit_code(sim_cluster, queue_na
     delete_jobset(sim_cluster, "train-fails")
 
 
-def test_jobset_webhook_rejects_a_name_too_long_for_its_job_names(sim_cluster, queue_namespace):
-    manifest = tpu_jobset("j" * 60)
+def with_coordinator(manifest: dict) -> dict:
+    manifest["spec"]["coordinator"] = {"replicatedJob": "workers", "jobIndex": 0, "podIndex": 0}
+    return manifest
+
+
+@pytest.mark.parametrize(
+    ("manifest", "expected"),
+    [
+        # <name>-workers-0 exceeds 63 characters.
+        (tpu_jobset("j" * 60), "job names generated for this JobSet will exceed 63 characters"),
+        # The coordinator label <name>-workers-0-0.<subdomain = name> exceeds 63 characters.
+        (with_coordinator(tpu_jobset("c" * 30)), "coordinator label"),
+    ],
+    ids=["job-name", "coordinator-label"],
+)
+def test_jobset_webhook_rejects_names_too_long_for_generated_labels(sim_cluster, queue_namespace, manifest, expected):
     result = sim_cluster.kubectl("create", "-f", "-", input=yaml.safe_dump(manifest), check=False)
     assert result.returncode != 0
-    assert "denied the request" in result.stderr and "63 characters" in result.stderr
-    assert not sim_cluster.kubectl("get", "jobsets.jobset.x-k8s.io", "-n", NAMESPACE, "-o", "name").stdout.count("j" * 60)
+    assert 'admission webhook "vjobset.kb.io" denied the request' in result.stderr
+    assert expected in result.stderr
+    listed = sim_cluster.kubectl("get", "jobsets.jobset.x-k8s.io", "-n", NAMESPACE, "-o", "name").stdout
+    assert manifest["metadata"]["name"] not in listed

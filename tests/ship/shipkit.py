@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from lorajob_devcluster.versions import DEFAULT_VERSIONS
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "lorajob"
@@ -14,6 +15,8 @@ RELEASE = "lorajob"
 RELEASE_NAMESPACE = "lorajob-system"
 FULLNAME = "lorajob"
 SERVICE_ACCOUNT = f"system:serviceaccount:{RELEASE_NAMESPACE}:{FULLNAME}"
+# `helm template` has no cluster to ask; render for the Kubernetes version the harness runs.
+TEMPLATE_KUBE_VERSION = DEFAULT_VERSIONS.kubernetes
 
 
 class Helm:
@@ -32,7 +35,7 @@ class Helm:
 
     def template(self, *values: str, include_crds: bool = False) -> list[dict]:
         """Rendered objects for `--set`-style values (or `-f FILE` pairs passed through)."""
-        args = ["template", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE]
+        args = ["template", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE, "--kube-version", TEMPLATE_KUBE_VERSION]
         args += ["--include-crds"] if include_crds else []
         for value in values:
             args += ["--set-json" if value.startswith("json:") else "--set", value.removeprefix("json:")]

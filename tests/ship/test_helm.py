@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shipkit import CHART, FULLNAME, RELEASE_NAMESPACE
+from shipkit import CHART, FULLNAME, RELEASE_NAMESPACE, TEMPLATE_KUBE_VERSION
 from lorajob_operator import accelerators, policy
 from lorajob_operator.settings import OperatorSettings
 
@@ -197,7 +197,7 @@ def test_schema_accelerators_are_the_catalogues():
     ],
 )
 def test_bad_values_fail_with_the_field_named(helm, value, complaint):
-    args = ["template", "x", str(CHART), "--namespace", RELEASE_NAMESPACE]
+    args = ["template", "x", str(CHART), "--namespace", RELEASE_NAMESPACE, "--kube-version", TEMPLATE_KUBE_VERSION]
     args += ["--set-json" if value.startswith("json:") else "--set", value.removeprefix("json:")]
     result = helm.run(*args, check=False)
     assert result.returncode != 0

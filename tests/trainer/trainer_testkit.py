@@ -1,4 +1,4 @@
-"""Shared builders for the trainer-loop tests: a byte-level tokenizer, datasets, a tiny LoRA model.
+"""Shared builders for the trainer-loop tests: tiny checkpoints (with tokenizer) and datasets.
 
 Everything is generated locally; nothing comes from the Hugging Face Hub.
 """
@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-
-import numpy as np
 
 
 def tiny_checkpoint(directory: Path, family: str = "qwen3", **overrides) -> Path:
@@ -37,20 +35,19 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def interim_lora_loader(config, mesh, dtype):
-    """`load_model` for `train()` until lorajob_trainer.lora lands: part A's loader + qwix LoRA."""
-    import qwix
-    from flax import nnx
-
-    from lorajob_trainer import models
-    from lorajob_trainer.train import LoraModel, attention_width
-
-    model, spec = models.load_model(config.model_name, config.load_parameters_path, mesh=mesh, dtype=dtype)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    provider = qwix.LoraProvider(
-        module_path="|".join(f".*{t}" for t in targets), rank=config.lora.lora_rank, alpha=config.lora.lora_alpha
-    )
-    dummy = {"input_tokens": np.ones((mesh.size, 1), np.int32), "positions": np.zeros((mesh.size, 1), np.int32),
-             "cache": None, "attention_mask": np.ones((mesh.size, 1, 1), bool)}
-    model = qwix.apply_lora_to_model(model, provider, rngs=nnx.Rngs(config.seed), **dummy)
-    return LoraModel(model, targets, attention_width(spec.tunix_config))
+def base_args(model_dir: Path, output_dir: Path, train_file: Path, *overrides: str) -> list[str]:
+    """`key=value` arguments of a small run on a tiny model with question/answer data."""
+    return [
+        "run_name=run",
+        f"base_output_directory={output_dir}",
+        "model_name=tiny-qwen3",
+        f"load_parameters_path={model_dir}",
+        f"hf_train_files=['{train_file}']",
+        "train_data_columns=['question','answer']",
+        "max_target_length=64",
+        "per_device_batch_size=4",
+        "lora.lora_rank=4",
+        "lora.lora_alpha=8",
+        "learning_rate=1e-2",
+        *overrides,
+    ]

@@ -82,13 +82,19 @@ class Checkpointer:
             ),
         )
 
+        self._unfinished_step: int | None = None
+
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
     def save(
         self, step: int, lora: dict[str, jax.Array], optimizer: Any, data_positions: jax.Array, metadata: CheckpointMetadata
     ) -> None:
-        """Start writing step `step`; `lora` is the flat {NNX path: array} dict."""
+        """Start writing step `step`; `lora` is the flat {NNX path: array} dict.
+
+        A failure of the previous (asynchronous) write is reported with that write's step.
+        """
+        self.wait()
         try:
             self._manager.save(
                 step,
@@ -103,6 +109,7 @@ class Checkpointer:
             self._manager.check_for_errors()
         except Exception as error:  # noqa: BLE001 - any storage failure ends the run with its step
             raise CheckpointError(f"checkpoint write failed at step {step}: {error}") from error
+        self._unfinished_step = step
 
     def restore(
         self, step: int, lora: dict[str, Any], optimizer: Any, data_positions: Any
@@ -121,14 +128,16 @@ class Checkpointer:
     def metadata(self, step: int) -> CheckpointMetadata:
         return CheckpointMetadata.from_json(self._manager.metadata(step).custom_metadata)
 
-    def wait(self, step: int | None = None) -> None:
-        """Block until pending writes are complete; CheckpointError (naming `step`) on failure."""
+    def wait(self) -> None:
+        """Block until the last write is complete; CheckpointError naming its step on failure."""
+        step, self._unfinished_step = self._unfinished_step, None
         try:
             self._manager.wait_until_finished()
             self._manager.check_for_errors()
         except Exception as error:  # noqa: BLE001
-            where = f" at step {step}" if step is not None else ""
-            raise CheckpointError(f"checkpoint write failed{where}: {error}") from error
+            raise CheckpointError(f"checkpoint write failed at step {step}: {error}") from error
+        if step is not None and self._manager.latest_step() != step:
+            raise CheckpointError(f"checkpoint write failed at step {step}: it did not complete")
 
     def close(self) -> None:
         self._manager.close()

@@ -50,7 +50,7 @@ def _default_mesh() -> Mesh:
 
 def convert_base(model_name: str, hf_dir: str | Path, out: str | Path, *, dtype: Any = jnp.bfloat16) -> Path:
     """HF safetensors directory -> our Orbax base checkpoint at `out`."""
-    out = Path(out).absolute()
+    out = Path(out).resolve()
     if (out / "params").exists():
         raise ConvertError(f"{out} already holds a base checkpoint")
     model, spec = models.load_model(model_name, hf_dir, mesh=_default_mesh(), dtype=dtype, format="hf")
@@ -98,7 +98,7 @@ def lora_template(family: models.Family, tunix_config: Any, hf_config: dict, ran
 
 def convert_adapter(model_name: str, base: str | Path, adapter: str | Path, out: str | Path) -> Path:
     """HF PEFT adapter -> trainer LoRA checkpoint step `out/0`; returns the step directory."""
-    base, adapter = Path(base).absolute(), Path(adapter).absolute()
+    base, adapter = Path(base).resolve(), Path(adapter).resolve()
     config, tensors = read_peft_adapter(adapter)
     hf_config = models.read_hf_config(base)
     family = models.family_for_hf_config(hf_config)

@@ -317,7 +317,7 @@ def _einsum_weight_order(einsum_str: str) -> list[int]:
 
 def save_adapter_checkpoint(root: str | Path, params: Mapping[str, Any], metadata: CheckpointMetadata) -> Path:
     """Write a LoRA-only step `<root>/<metadata.step>` (layout above); returns the step directory."""
-    root = Path(root).absolute()
+    root = Path(root).resolve()
     with ocp.CheckpointManager(
         root,
         item_names=("lora",),
@@ -335,7 +335,7 @@ def save_adapter_checkpoint(root: str | Path, params: Mapping[str, Any], metadat
 
 def resolve_step_dir(path: str | Path) -> Path:
     """A step directory: `path` itself if it holds a `lora` item, else the latest step under it."""
-    path = Path(path).absolute()
+    path = Path(path).resolve()
     if (path / "lora").is_dir():
         return path
     steps = sorted((int(p.name), p) for p in path.glob("*") if p.name.isdigit() and (p / "lora").is_dir())

@@ -138,17 +138,20 @@ class MetricsWriter:
                 if isinstance(value, (int, float)) and value is not None and math.isfinite(value):
                     self._tensorboard.add_scalar(name, value, step)
 
-    def progress(self, step: int, *, loss: float, tokens_per_second: float, eta_seconds: float, state: str) -> None:
+    def progress(
+        self, step: int, *, loss: float | None, tokens_per_second: float, eta_seconds: float, state: str, message: str = ""
+    ) -> None:
         """Atomically replace the progress file the operator reads."""
         if not self.enabled:
             return
         progress = {
             "step": step,
             "total_steps": self.total_steps,
-            "loss": loss,
+            "loss": loss if loss is not None and math.isfinite(loss) else None,
             "tokens_per_second": tokens_per_second,
             "eta_seconds": eta_seconds if math.isfinite(eta_seconds) else None,
             "state": state,
+            "message": message,
             "updated": time.time(),
         }
         partial = self.progress_path.with_suffix(".json.tmp")

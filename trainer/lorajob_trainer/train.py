@@ -253,8 +253,9 @@ class Trainer:
         self.lora_model = lora_model
         graphdef, lora, base = nnx.split(lora_model.model, nnx.LoRAParam, ...)
         self.layout = LoraLayout(lora)
-        # Adapters are trained in float32 whatever the compute dtype; they are cast per step.
-        self.lora = {name: value.astype(jnp.float32) for name, value in self.layout.flat(lora).items()}
+        # Adapters are trained in float32 whatever the compute dtype (cast per step), in buffers of
+        # their own: the step donates them, and the model's own adapters must stay valid.
+        self.lora = {name: jnp.copy(value).astype(jnp.float32) for name, value in self.layout.flat(lora).items()}
         self.base = base
         self.optimizer = build_optimizer(config)
         self.schedule = learning_rate_schedule(config)
@@ -277,6 +278,7 @@ class Trainer:
         self.peak_flops = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind, config.peak_tflops_per_device)
         self.checkpointer = self._checkpointer()
         self.current_step = 0
+        self.last_tokens_per_second = 0.0
 
     # Setup helpers.
     def _shardings(self) -> dict[str, Any]:
@@ -388,7 +390,12 @@ class Trainer:
         pending: tuple[int, dict[str, jax.Array]] | None = None
         with self.mesh:
             for step in range(start + 1, total + 1):
-                batch = self._next_batch(step)
+                try:
+                    batch = self._next_batch(step)
+                except TrainingFailed:
+                    if pending is not None:
+                        self._report(*pending, timer)
+                    raise
                 self.lora, self.opt_state, step_metrics = self.steps.train(self.lora, self.opt_state, self.base, batch)
                 if pending is not None:
                     result.final_loss = self._report(*pending, timer)
@@ -405,8 +412,9 @@ class Trainer:
             if pending is not None:
                 result.final_loss = self._report(*pending, timer)
         if self.checkpointer:
-            self.checkpointer.wait(total)
-        self.writer.progress(total, loss=result.final_loss, tokens_per_second=0.0, eta_seconds=0.0, state="succeeded")
+            self._finish_checkpoints()
+        self.writer.progress(total, loss=result.final_loss, tokens_per_second=self.last_tokens_per_second,
+                             eta_seconds=0.0, state="succeeded")
         return result
 
     def _next_batch(self, step: int) -> Batch:
@@ -414,6 +422,8 @@ class Trainer:
             return self.train_feed.next_batch(step)
         except data_lib.DataExhausted as error:
             raise TrainingFailed(str(error)) from None
+        except data_lib.DataError as error:
+            raise TrainingFailed(f"data error at step {step}: {error}") from None
 
     def _checkpoint_due(self, step: int) -> bool:
         return self.checkpointer is not None and (step % self.config.checkpoint_period == 0 or step == self.config.steps)
@@ -428,12 +438,18 @@ class Trainer:
         except ckpt.CheckpointError as error:
             raise TrainingFailed(str(error)) from None
 
+    def _finish_checkpoints(self) -> None:
+        try:
+            self.checkpointer.wait()
+        except ckpt.CheckpointError as error:
+            raise TrainingFailed(str(error)) from None
+
     def _report(self, step: int, step_metrics: dict[str, jax.Array], timer: metrics_lib.StepTimer) -> float:
         values = {name: float(value) for name, value in jax.device_get(step_metrics).items()}
         if not math.isfinite(values["loss"]):
             raise TrainingFailed(f"loss is {values['loss']} at step {step}")
         step_time = timer.lap()
-        tokens_per_second = values["real_tokens"] / step_time
+        tokens_per_second = self.last_tokens_per_second = values["real_tokens"] / step_time
         eta = timer.eta_seconds(self.config.steps - step)
         if step % self.config.log_period == 0 or step == self.config.steps:
             record = {
@@ -480,16 +496,22 @@ def _shapes(state: nnx.State) -> dict[str, tuple[int, ...]]:
     }
 
 
-def train(config: TrainConfig, load_model: Callable[[TrainConfig, Mesh, jnp.dtype], LoraModel] = load_lora_model) -> RunResult:
+def build_trainer(
+    config: TrainConfig, load_model: Callable[[TrainConfig, Mesh, jnp.dtype], LoraModel] = load_lora_model
+) -> Trainer:
     mesh = mesh_lib.build_mesh(config.mesh)
     with mesh:
         lora_model = load_model(config, mesh, compute_dtype(config))
-    trainer = Trainer(config, lora_model, mesh)
+    return Trainer(config, lora_model, mesh)
+
+
+def train(config: TrainConfig) -> RunResult:
+    trainer = build_trainer(config)
     try:
         return trainer.run()
     except TrainingFailed as error:
         trainer.writer.progress(trainer.current_step, loss=float("nan"), tokens_per_second=0.0,
-                                eta_seconds=float("nan"), state=f"failed: {error}")
+                                eta_seconds=float("nan"), state="failed", message=str(error))
         raise
     finally:
         trainer.close()

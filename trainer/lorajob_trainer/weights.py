@@ -64,7 +64,7 @@ class SafetensorsDir:
     """All tensors of a directory of `*.safetensors` files (sharded or not), memory-mapped by name."""
 
     def __init__(self, directory: str | Path):
-        self.directory = Path(directory).absolute()
+        self.directory = Path(directory).resolve()
         files = sorted(self.directory.glob("*.safetensors"))
         if not files:
             raise WeightsError(f"{self.directory} holds no *.safetensors files")
@@ -329,14 +329,14 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def save_orbax_params(directory: str | Path, params: Mapping[str, jax.Array]) -> None:
-    """Write a flat {nnx path: array} dict as an Orbax PyTree at `directory` (absolute-ised)."""
+    """Write a flat {nnx path: array} dict as an Orbax PyTree at `directory` (resolved to an absolute path)."""
     with ocp.Checkpointer(_handler()) as checkpointer:
-        checkpointer.save(Path(directory).absolute(), args=ocp.args.PyTreeSave(nest(params)))
+        checkpointer.save(Path(directory).resolve(), args=ocp.args.PyTreeSave(nest(params)))
 
 
 def restore_orbax_params(directory: str | Path, targets: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
     """Restore into the shapes, dtypes and shardings of `targets` (flat); WeightsError on mismatch."""
-    directory = Path(directory).absolute()
+    directory = Path(directory).resolve()
     if not directory.is_dir():
         raise WeightsError(f"{directory} is not an Orbax checkpoint directory")
     abstract = nest(targets)

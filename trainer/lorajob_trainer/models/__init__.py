@@ -106,13 +106,14 @@ def load_model(
 ) -> tuple[nnx.Module, ModelSpec]:
     """Load base weights into a Tunix model sharded over `mesh`; offline, from explicit files only.
 
-    `checkpoint` is an HF directory (config.json + *.safetensors, sharded files fine), our Orbax
-    base checkpoint (see weights.py), or a MaxText checkpoint; `format` None detects it. The
-    path is made absolute first (Orbax requires it). The family comes from config.json and must
-    agree with `model_name`'s family in the catalog. Parameters are created directly in their
-    shardings; each process reads only the slices its devices hold.
+    `checkpoint` is an HF directory (config.json + *.safetensors, sharded files fine) or our Orbax
+    base checkpoint (see weights.py); `format` None detects it. MaxText checkpoints are detected
+    but rejected (not implemented). The path is resolved to an absolute one first (Orbax requires
+    it). The family comes from config.json and must agree with `model_name`'s family in the
+    catalog. Parameters are created directly in their shardings; each process reads only the
+    slices its devices hold.
     """
-    directory = Path(checkpoint).absolute()
+    directory = Path(checkpoint).resolve()
     if not directory.is_dir():
         raise weights.WeightsError(f"base checkpoint {directory} does not exist")
     format = format or detect_format(directory)

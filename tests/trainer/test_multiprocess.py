@@ -1,0 +1,117 @@
+"""Two processes x two virtual CPU devices (jax.distributed on loopback) train like one process x four.
+
+Each process runs the real entry point with the environment the operator's JobSets set
+(JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). The global batch is the same in
+both layouts, so the losses must match; and since every process loads only the shards its own
+devices hold, a process's peak memory grows with half the model, not all of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from trainer_testkit import arithmetic_rows, base_args, tiny_checkpoint, write_jsonl
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 900
+
+# Runs the entry point, then reports this process's peak RSS on the last line of stderr.
+LAUNCHER = (
+    "import resource, runpy, sys\n"
+    "try:\n"
+    "    runpy.run_module('lorajob_trainer.train', run_name='__main__', alter_sys=True)\n"
+    "finally:\n"
+    "    print('PEAK_RSS_BYTES', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)\n"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(args: list[str], *, devices: int, process_id: int = 0, num_processes: int = 1, port: int = 0):
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT / "trainer"),
+        "JAX_PLATFORMS": "cpu",
+        "HF_HUB_OFFLINE": "1",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_NUM_PROCESSES": str(num_processes),
+        "JAX_PROCESS_ID": str(process_id),
+        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+    }
+    return subprocess.Popen([sys.executable, "-c", LAUNCHER, *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def finish(process) -> int:
+    """Wait; fail with the output unless the run succeeded; return its peak RSS in bytes."""
+    _, stderr = process.communicate(timeout=TIMEOUT)
+    assert process.returncode == 0, stderr[-4000:]
+    return int(stderr.strip().splitlines()[-1].split()[-1])
+
+
+def run_single(args: list[str]) -> int:
+    return finish(launch(args, devices=4))
+
+
+def run_two_processes(args: list[str]) -> list[int]:
+    port = free_port()
+    processes = [launch(args, devices=2, process_id=i, num_processes=2, port=port) for i in range(2)]
+    return [finish(process) for process in processes]
+
+
+def losses(output_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (output_dir / "run" / "metrics.jsonl").read_text().splitlines()]
+    return [record["loss"] for record in records if "loss" in record]
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_single_process_losses(tmp_path):
+    model_dir = tiny_checkpoint(tmp_path / "model")
+    train_file = write_jsonl(tmp_path / "train.jsonl", arithmetic_rows(100))
+    common = ("steps=6", "per_device_batch_size=2", "gradient_accumulation_steps=2", "checkpoint_period=3",
+              "enable_tensorboard=False")
+
+    run_single(base_args(model_dir, tmp_path / "single", train_file, *common))
+    run_two_processes(base_args(model_dir, tmp_path / "multi", train_file, *common))
+
+    single, multi = losses(tmp_path / "single"), losses(tmp_path / "multi")
+    assert len(single) == len(multi) == 6
+    np.testing.assert_allclose(multi, single, rtol=1e-5)
+    assert sorted(p.name for p in (tmp_path / "multi" / "run" / "checkpoints").iterdir() if p.name.isdigit()) == ["3", "6"]
+
+
+@pytest.mark.slow
+def test_each_process_holds_about_half_the_model(tmp_path):
+    """A ~1.7 GB model: each of two processes peaks well below the single process that holds it all."""
+    model_dir = tmp_path / "wide"
+    overrides = {"hidden_size": 1024, "intermediate_size": 16384, "num_hidden_layers": 8,
+                 "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128}
+    subprocess.run(
+        [sys.executable, "-c",
+         f"from lorajob_trainer import tiny; tiny.make_tiny_checkpoint('qwen3', {str(model_dir)!r}, **{overrides!r})"],
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "trainer"), "JAX_PLATFORMS": "cpu"}, check=True,
+    )
+    model_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    train_file = write_jsonl(tmp_path / "train.jsonl", arithmetic_rows(40))
+    common = ("steps=2", "per_device_batch_size=1", "max_target_length=16", "enable_checkpointing=False",
+              "enable_tensorboard=False", "lora.lora_rank=2")
+
+    single_rss = run_single(base_args(model_dir, tmp_path / "single", train_file, *common))
+    process_rss = run_two_processes(base_args(model_dir, tmp_path / "multi", train_file, *common))
+
+    print(f"model {model_bytes / 2**30:.2f} GiB; peak RSS single {single_rss / 2**30:.2f} GiB, "
+          f"per process {[round(r / 2**30, 2) for r in process_rss]} GiB")
+    for rss in process_rss:
+        # Ideal saving is half the model; demand at least a third of it.
+        assert single_rss - rss > model_bytes / 3, (model_bytes, single_rss, process_rss)
