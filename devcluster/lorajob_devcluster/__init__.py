@@ -2,12 +2,14 @@
 kwok fake TPU nodes, JobSet and Kueue, all built from the Go module proxy and run on loopback."""
 
 from . import build
-from .controlplane import ControlPlane, ControlPlaneConfig, KubectlError, wait_for
+from .controlplane import ControlPlane, ControlPlaneConfig, KubectlError, condition_is_true, wait_for
+from .process import ComponentFailed
 from .kwok_stages import HANG_IMAGE, RUN_DURATION_ANNOTATION, SLOW_IMAGE, PodTiming, failing_image
 from .simcluster import SimCluster, SimClusterConfig, SimClusterError
 
 __all__ = [
     "build",
+    "ComponentFailed",
     "ControlPlane",
     "ControlPlaneConfig",
     "HANG_IMAGE",
@@ -18,6 +20,7 @@ __all__ = [
     "SimCluster",
     "SimClusterConfig",
     "SimClusterError",
+    "condition_is_true",
     "failing_image",
     "wait_for",
 ]

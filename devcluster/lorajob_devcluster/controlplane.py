@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import ssl
 import subprocess
@@ -15,11 +16,11 @@ import yaml
 
 from . import build, pki
 from .documents import as_kubectl_input, load_documents
-from .process import ComponentFailed, ManagedProcess, free_loopback_port
+from .process import ManagedProcess, free_loopback_port
 
 SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
 STARTUP_TIMEOUT_SECONDS = 120.0
-CRD_ESTABLISHED_TIMEOUT = "60s"
+CRD_ESTABLISHED_TIMEOUT = 60.0
 
 
 class KubectlError(subprocess.CalledProcessError):
@@ -209,8 +210,33 @@ class ControlPlane:
         return names
 
     def wait_crds_established(self, names: list[str]) -> None:
-        if names:
-            self.kubectl("wait", "--for=condition=Established", f"--timeout={CRD_ESTABLISHED_TIMEOUT}", *(f"crd/{n}" for n in names))
+        # Not `kubectl wait`: it errors out on a CRD whose status has no conditions yet.
+        wait_for(lambda: set(names) <= self._established_crds(), CRD_ESTABLISHED_TIMEOUT, f"CRDs {names} Established")
+
+    def wait_condition(self, resource: str, name: str, condition: str, namespace: str | None = None, timeout: float = 60.0) -> dict:
+        """Wait until object `resource/name` has status condition `condition` True; return the object."""
+        scope = ["-n", namespace] if namespace else []
+
+        def current() -> dict | None:
+            found = self.kubectl("get", resource, name, *scope, "-o", "json", "--ignore-not-found").stdout
+            obj = json.loads(found) if found.strip() else {}
+            return obj if condition_is_true(obj, condition) else None
+
+        return wait_for(current, timeout, f"{resource}/{name} {condition}")
+
+    def _established_crds(self) -> set[str]:
+        listing = json.loads(self.kubectl("get", "crd", "-o", "json").stdout)
+        return {
+            crd["metadata"]["name"]
+            for crd in listing["items"]
+            if condition_is_true(crd, "Established")
+        }
+
+
+def condition_is_true(obj: dict, condition_type: str) -> bool:
+    """Whether a Kubernetes object's status condition `condition_type` is "True" (absent status: no)."""
+    conditions = (obj.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == condition_type and c.get("status") == "True" for c in conditions)
 
 
 def wait_for(condition, timeout: float, what: str, interval: float = 0.5):
@@ -225,4 +251,4 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.5):
         time.sleep(interval)
 
 
-__all__ = ["ComponentFailed", "ControlPlane", "ControlPlaneConfig", "KubectlError", "wait_for"]
+__all__ = ["ControlPlane", "ControlPlaneConfig", "KubectlError", "condition_is_true", "wait_for"]

@@ -18,8 +18,8 @@ from typing import Iterator
 import yaml
 
 from . import build, kwok_stages, manifests, topology
+from .controlplane import ControlPlane, ControlPlaneConfig, condition_is_true, wait_for
 from .documents import as_kubectl_input
-from .controlplane import ControlPlane, ControlPlaneConfig, wait_for
 from .process import ManagedProcess, free_loopback_port
 
 KUEUE_NAMESPACE = "kueue-system"
@@ -61,9 +61,12 @@ class SimCluster:
     def __init__(self, plane: ControlPlane, config: SimClusterConfig):
         self.plane = plane
         self.config = config
+        self.state_dir = plane.state_dir
         self.kubeconfig = plane.kubeconfig
         self.kubectl = plane.kubectl
         self.api_client = plane.api_client
+        self.apply_documents = plane.apply_documents
+        self.wait_condition = plane.wait_condition
         self.webhook_cert_dir = plane.state_dir / "webhook-certs"
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -74,7 +77,6 @@ class SimCluster:
         cls, config: SimClusterConfig = SimClusterConfig(), plane_config: ControlPlaneConfig = ControlPlaneConfig()
     ) -> Iterator["SimCluster"]:
         """`with SimCluster.start() as cluster:` runs a fresh control plane plus the simulated cluster."""
-        build.build()
         with ControlPlane.start(plane_config) as plane:
             yield cls.upgrade(plane, config)
 
@@ -235,16 +237,13 @@ class SimCluster:
         listing = json.loads(self.plane.kubectl("get", "nodes", "-o", "json").stdout)
         usable = set()
         for node in listing["items"]:
-            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions", []))
-            tainted = any(t["key"].startswith("node.kubernetes.io/") for t in node["spec"].get("taints", []))
-            if ready and not tainted:
+            tainted = any(t["key"].startswith("node.kubernetes.io/") for t in node["spec"].get("taints") or [])
+            if condition_is_true(node, "Ready") and not tainted:
                 usable.add(node["metadata"]["name"])
         return usable
 
     def _wait_cluster_queue_active(self) -> None:
-        self.plane.kubectl(
-            "wait", "--for=condition=Active", "--timeout=60s", f"clusterqueues.kueue.x-k8s.io/{topology.CLUSTER_QUEUE_NAME}"
-        )
+        self.plane.wait_condition("clusterqueues.kueue.x-k8s.io", topology.CLUSTER_QUEUE_NAME, "Active")
 
     # --- helpers for tests and the demo ----------------------------------------------------
 
@@ -254,7 +253,7 @@ class SimCluster:
         if not existing:
             self.kubectl("create", "namespace", namespace)
         self.plane.apply_documents([topology.local_queue(namespace, queue)])
-        self.kubectl("wait", "--for=condition=Active", "--timeout=30s", "-n", namespace, f"localqueues.kueue.x-k8s.io/{queue}")
+        self.plane.wait_condition("localqueues.kueue.x-k8s.io", queue, "Active", namespace)
         return namespace
 
     def get_json(self, *args: str) -> dict:

@@ -43,7 +43,6 @@ EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 COORDINATOR_LABEL = "jobset.sigs.k8s.io/coordinator"
 JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
 REPLICAS_LABEL = "jobset.sigs.k8s.io/replicatedjob-replicas"
-COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
 TPU_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
 TPU_TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
@@ -223,10 +222,6 @@ def _env(name: str, value: str) -> dict:
 
 def _env_from_label(name: str, label: str) -> dict:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{label}']"}}}
-
-
-def _env_from_annotation(name: str, annotation: str) -> dict:
-    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{annotation}']"}}}
 
 
 def _credential_env(spec: api.LoRAJobSpec) -> list[dict]:
@@ -454,28 +449,37 @@ def _pathways_train(spec, owner, run, settings, attempt) -> dict:
     )
 
 
-def _jax_distributed_env(jobset_name: str, processes: int) -> list[dict]:
-    # The coordinator is pod 0 of Job 0, addressed through the JobSet's headless service. It is passed
-    # as a literal (not JobSet's coordinator label) so the name needs no room for a doubled label value.
-    coordinator = f"{jobset_name}-{WORKER}-0-0.{jobset_name}"
-    return [
+JOB_INDEX_ENV = "JOB_INDEX"
+PROCESS_ID_FROM_INDICES = 'export JAX_PROCESS_ID=$(( JOB_INDEX * {pods} + JOB_COMPLETION_INDEX )); exec "$0" "$@"'
+"""Process id = <Job index in the JobSet> x <pods per Job> + <pod index in its Job> (JOB_COMPLETION_INDEX
+is set by Kubernetes in Indexed Jobs); the shell computes it and then becomes the trainer."""
+
+
+def _multi_controller_trainer(spec, settings, run: str, jobs: int, pods: int, env: list[dict], resources: dict) -> dict:
+    """The trainer of one of `jobs` x `pods` jax.distributed processes, coordinated by process 0."""
+    name = rules.child_name(run, "train")
+    # Pod 0 of Job 0, addressed through the JobSet's headless service; a literal (not JobSet's
+    # coordinator label) so the name needs no room for a doubled label value.
+    coordinator = f"{name}-{WORKER}-0-0.{name}"
+    distributed_env = [
         _env("JAX_COORDINATOR_ADDRESS", f"{coordinator}:{JAX_COORDINATOR_PORT}"),
-        _env("JAX_NUM_PROCESSES", str(processes)),
+        _env("JAX_NUM_PROCESSES", str(jobs * pods)),
+        _env_from_label(JOB_INDEX_ENV, JOB_INDEX_LABEL),
     ]
+    command = ["/bin/sh", "-c", PROCESS_ID_FROM_INDICES.format(pods=pods), *train_command(spec, run)]
+    return _trainer_container(spec, settings, command, [*distributed_env, *env], resources)
 
 
 def _mcjax_train(spec, owner, run, settings, attempt) -> dict:
     name = rules.child_name(run, "train")
     labels = _labels(run, "train", attempt)
     slices, vms = spec.compute.tpu.slices, _vms_per_slice(spec)
-    env = [
-        *_jax_distributed_env(name, slices * vms),
-        _env("JAX_PROCESSES_PER_SLICE", str(vms)),
+    megascale = [
         _env("MEGASCALE_COORDINATOR_ADDRESS", f"{name}-{WORKER}-0-0.{name}"),
         _env_from_label("MEGASCALE_NUM_SLICES", REPLICAS_LABEL),
         _env_from_label("MEGASCALE_SLICE_ID", JOB_INDEX_LABEL),
     ]
-    container = _trainer_container(spec, settings, train_command(spec, run), env, _tpu_resources(spec))
+    container = _multi_controller_trainer(spec, settings, run, slices, vms, megascale, _tpu_resources(spec))
     pod = _pod_spec(
         [container], _tpu_node_selector(spec), settings,
         tolerations=[TPU_TOLERATION], hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet",
@@ -490,13 +494,9 @@ def _gpu_train(spec, owner, run, settings, attempt) -> dict:
     name = rules.child_name(run, "train")
     labels = _labels(run, "train", attempt)
     gpu = spec.compute.gpu
-    env = [
-        *_jax_distributed_env(name, gpu.nodes),
-        _env_from_annotation("JAX_PROCESS_ID", COMPLETION_INDEX_ANNOTATION),
-    ]
     gpus = str(gpu.gpus_per_node)
     resources = {"requests": {GPU_RESOURCE: gpus}, "limits": {GPU_RESOURCE: gpus}}
-    container = _trainer_container(spec, settings, train_command(spec, run), env, resources)
+    container = _multi_controller_trainer(spec, settings, run, 1, gpu.nodes, [], resources)
     pod = _pod_spec([container], {GPU_ACCELERATOR_LABEL: gpu.accelerator}, settings, tolerations=[GPU_TOLERATION])
     job = _replicated_job(WORKER, replicas=1, pods=gpu.nodes, pod_spec=pod, pod_labels=labels)
     return _jobset(name, owner, labels, _queue_labels(spec), [job])

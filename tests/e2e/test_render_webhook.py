@@ -45,3 +45,16 @@ def test_rendered_jobsets_pass_the_jobset_and_kueue_webhooks(sim_cluster, exampl
     if queue:
         # Kueue's webhook took the JobSets: it suspends them until their Workload is admitted.
         assert all(item["spec"]["suspend"] is True for item in items)
+
+
+def test_the_webhook_check_can_fail_a_name_past_the_pathways_limit(sim_cluster):
+    """The same dry run rejects what the CRD's name rule exists for (the coordinator label over 63)."""
+    namespace = "render-dry-run"
+    sim_cluster.create_namespace_with_queue(namespace)
+    body = yaml.safe_load((EXAMPLES[-1]).read_text())
+    spec, _ = render.parse_spec(body)
+    name = "x" * (rules.PATHWAYS_NAME_MAX + 1)
+    jobset = render.render_phase("train", spec, render.Owner(name, namespace, "6f1b0c1e-0000-4000-8000-000000000000"), RenderSettings())
+    result = sim_cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(jobset), check=False)
+    assert result.returncode != 0
+    assert "coordinator" in result.stderr.lower(), result.stderr

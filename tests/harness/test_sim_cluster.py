@@ -8,8 +8,15 @@ import time
 import pytest
 import yaml
 
-from lorajob_devcluster import SLOW_IMAGE, failing_image, wait_for
-from lorajob_devcluster.topology import ACCELERATOR_LABEL, QUEUE_NAME_LABEL, TOPOLOGY_LABEL, TPU_RESOURCE, TPU_V6E_4X4
+from lorajob_devcluster import SLOW_IMAGE, condition_is_true, failing_image, wait_for
+from lorajob_devcluster.topology import (
+    ACCELERATOR_LABEL,
+    CLUSTER_QUEUE_NAME,
+    QUEUE_NAME_LABEL,
+    TOPOLOGY_LABEL,
+    TPU_RESOURCE,
+    TPU_V6E_4X4,
+)
 
 pytestmark = pytest.mark.cluster
 NAMESPACE = "harness-sim"
@@ -51,8 +58,7 @@ def create(sim_cluster, manifest: dict) -> dict:
 
 
 def jobset_condition(sim_cluster, name: str, condition: str) -> bool:
-    jobset = sim_cluster.get_json("jobsets.jobset.x-k8s.io", name, "-n", NAMESPACE)
-    return any(c["type"] == condition and c["status"] == "True" for c in jobset.get("status", {}).get("conditions", []))
+    return condition_is_true(sim_cluster.get_json("jobsets.jobset.x-k8s.io", name, "-n", NAMESPACE), condition)
 
 
 def workload_of(sim_cluster, jobset_name: str) -> dict | None:
@@ -63,9 +69,7 @@ def workload_of(sim_cluster, jobset_name: str) -> dict | None:
 
 
 def workload_admitted(sim_cluster, jobset_name: str) -> bool:
-    workload = workload_of(sim_cluster, jobset_name)
-    conditions = (workload or {}).get("status", {}).get("conditions", [])
-    return any(c["type"] == "Admitted" and c["status"] == "True" for c in conditions)
+    return condition_is_true(workload_of(sim_cluster, jobset_name) or {}, "Admitted")
 
 
 def jobset_pods(sim_cluster, name: str) -> list[dict]:
@@ -147,3 +151,10 @@ def test_jobset_webhook_rejects_names_too_long_for_generated_labels(sim_cluster,
     assert expected in result.stderr
     listed = sim_cluster.kubectl("get", "jobsets.jobset.x-k8s.io", "-n", NAMESPACE, "-o", "name").stdout
     assert manifest["metadata"]["name"] not in listed
+
+
+def test_kueue_converts_between_its_served_versions_through_the_loopback_webhook(sim_cluster):
+    # Stored as v1beta2 with conversion strategy Webhook: a v1beta1 read fails unless Kueue's /convert answers.
+    old = sim_cluster.get_json(f"clusterqueues.v1beta1.kueue.x-k8s.io/{CLUSTER_QUEUE_NAME}")
+    assert old["apiVersion"] == "kueue.x-k8s.io/v1beta1"
+    assert old["spec"]["resourceGroups"][0]["coveredResources"] == ["cpu", "memory", TPU_RESOURCE]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 from builders import GPU, NAMESPACE, UID, compute, lorajob, owner, parsed, spec_dict
@@ -167,6 +169,15 @@ def test_pathways_train_has_the_gke_shape():
         assert "valueFrom" in worker_env[name], name
 
 
+def _process_id(container: dict, job_index: int, completion_index: int) -> int:
+    """Run the container's command with the trainer replaced by a probe: the JAX_PROCESS_ID it would get."""
+    shell, flag, script, *trainer = container["command"]
+    assert trainer[:3] == ["python", "-m", "lorajob_trainer.train"]
+    probe = [sys.executable, "-c", "import os; print(os.environ['JAX_PROCESS_ID'])"]
+    env = {"JOB_INDEX": str(job_index), "JOB_COMPLETION_INDEX": str(completion_index), "PATH": "/usr/bin:/bin"}
+    return int(subprocess.run([shell, flag, script, *probe], env=env, capture_output=True, text=True, check=True).stdout)
+
+
 @pytest.mark.parametrize("backend", ["mcjax", "gpu"])
 def test_multi_controller_train_has_no_head_and_a_jax_coordinator(backend):
     spec = spec_dict(compute=compute(backend, slices=2))
@@ -177,16 +188,19 @@ def test_multi_controller_train_has_no_head_and_a_jax_coordinator(backend):
     (trainer,) = pod["containers"]
     env = _env(trainer)
     assert env["JAX_COORDINATOR_ADDRESS"]["value"] == "qwen3-gsm8k-worker-0-0.qwen3-gsm8k:8476"
+    assert env["JOB_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['jobset.sigs.k8s.io/job-index']"
     assert "JAX_PLATFORMS" not in env and "initContainers" not in pod
+    jobs, pods = rjob["replicas"], rjob["template"]["spec"]["completions"]
+    assert env["JAX_NUM_PROCESSES"]["value"] == str(jobs * pods)
+    ids = [_process_id(trainer, job, index) for job in range(jobs) for index in range(pods)]
+    assert ids == list(range(jobs * pods))  # every process gets a distinct id, 0 on the coordinator
     if backend == "mcjax":
-        assert rjob["replicas"] == 2 and rjob["template"]["spec"]["completions"] == 4
-        assert env["JAX_NUM_PROCESSES"]["value"] == "8"
+        assert (jobs, pods) == (2, 4)  # one Job per slice, one pod per v6e VM
         assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "4x4"
         assert trainer["resources"]["limits"] == {"google.com/tpu": "4"}
+        assert env["MEGASCALE_COORDINATOR_ADDRESS"]["value"] == "qwen3-gsm8k-worker-0-0.qwen3-gsm8k"
     else:
-        assert rjob["replicas"] == 1 and rjob["template"]["spec"]["completions"] == GPU["nodes"]
-        assert env["JAX_NUM_PROCESSES"]["value"] == str(GPU["nodes"])
-        assert env["JAX_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+        assert (jobs, pods) == (1, GPU["nodes"])
         assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": GPU["accelerator"]}
         assert trainer["resources"]["limits"] == {"nvidia.com/gpu": str(GPU["gpusPerNode"])}
 

@@ -4,6 +4,7 @@ LoRAJob), rendered by kustomize, validated offline, and dry-run against the real
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -21,10 +22,20 @@ SOURCE = REPO / APPLICATION["spec"]["source"]["path"]
 
 
 @pytest.fixture(scope="module")
-def rendered() -> list[dict]:
+def rendered_text() -> str:
+    """What Argo CD applies: `kustomize build` of the Application's path."""
     kubectl = build.build(("kubernetes",)) / "kubectl"
-    output = subprocess.run([str(kubectl), "kustomize", str(SOURCE)], capture_output=True, text=True, check=True).stdout
-    return [doc for doc in yaml.safe_load_all(output) if doc]
+    return subprocess.run([str(kubectl), "kustomize", str(SOURCE)], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture(scope="module")
+def rendered(rendered_text) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(rendered_text) if doc]
+
+
+def _documents_of_kind(text: str, kind: str) -> str:
+    """The YAML documents of one kind, as kustomize wrote them (no re-serialisation)."""
+    return "---\n".join(doc for doc in text.split("---\n") if re.search(rf"^kind: {kind}$", doc, re.M))
 
 
 def test_application_points_at_the_kustomization():
@@ -42,10 +53,11 @@ def test_kustomization_renders_namespace_queue_and_lorajob(rendered):
     assert kinds["LoRAJob"]["spec"]["scheduling"]["queueName"] == kinds["LocalQueue"]["metadata"]["name"]
 
 
-def test_lorajobs_pass_offline_validation(rendered, tmp_path, capsys):
+def test_lorajobs_pass_offline_validation(rendered_text, tmp_path, capsys):
+    """`kubectl kustomize … > out.yaml && lorajob validate out.yaml`, as a pull-request check would run it."""
     path = tmp_path / "rendered.yaml"
-    path.write_text(yaml.safe_dump_all([o for o in rendered if o["kind"] == api.KIND]))
-    assert lorajob_cli(["validate", str(path)]) == 0
+    path.write_text(_documents_of_kind(rendered_text, api.KIND))
+    assert lorajob_cli(["validate", str(path)]) == 0, capsys.readouterr().out
     assert "is valid" in capsys.readouterr().out
 
 
@@ -56,20 +68,16 @@ def test_git_managed_lorajobs_have_no_ttl(rendered):
 
 
 @pytest.mark.apiserver
-def test_the_api_server_accepts_the_lorajob(kube, rendered):
+def test_the_api_server_accepts_the_lorajob(kube, rendered, rendered_text):
     namespace = next(o for o in rendered if o["kind"] == "Namespace")
     kube.kubectl("apply", "-f", "-", input=json.dumps(namespace))
-    job = next(o for o in rendered if o["kind"] == api.KIND)
-    result = kube.kubectl("apply", "--dry-run=server", "--server-side", "-f", "-", input=json.dumps(job), check=False)
+    job = _documents_of_kind(rendered_text, api.KIND)
+    result = kube.kubectl("apply", "--dry-run=server", "--server-side", "-f", "-", input=job, check=False)
     assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.cluster
-def test_the_whole_kustomization_dry_runs_with_kueue_installed(sim_cluster, rendered):
-    namespace = next(o for o in rendered if o["kind"] == "Namespace")
-    sim_cluster.kubectl("apply", "-f", "-", input=json.dumps(namespace))
-    others = [o for o in rendered if o["kind"] != "Namespace"]
-    result = sim_cluster.kubectl(
-        "apply", "--dry-run=server", "--server-side", "-f", "-", input=yaml.safe_dump_all(others), check=False
-    )
+def test_the_whole_kustomization_dry_runs_with_kueue_installed(sim_cluster, rendered_text):
+    sim_cluster.kubectl("apply", "-f", "-", input=_documents_of_kind(rendered_text, "Namespace"))
+    result = sim_cluster.kubectl("apply", "--dry-run=server", "--server-side", "-f", "-", input=rendered_text, check=False)
     assert result.returncode == 0, result.stderr

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
-
-from lorajob_trainer import lora, models, tiny  # noqa: E402
-from lorajob_trainer.models import families, rope  # noqa: E402
+from flax import nnx
+from jax.sharding import Mesh
+from lorajob_trainer import lora, models, tiny
+from lorajob_trainer.models import families, rope
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +137,9 @@ def test_packed_sequences_equal_separate_ones(family, tmp_path, mesh):
     positions = np.concatenate([np.arange(7), np.arange(5), [0, 0]])[None]
     segments = np.array([[1] * 7 + [2] * 5 + [0, 0]])
     out = run(model, packed, positions, segments)[0]
-    alone = [run(model, seq[None], np.arange(len(seq))[None], np.ones((1, len(seq)), int))[0] for seq in (first, second)]
+    alone = [
+        run(model, seq[None], np.arange(len(seq))[None], np.ones((1, len(seq)), int))[0] for seq in (first, second)
+    ]
     np.testing.assert_allclose(out[:7], alone[0], atol=1e-5)
     np.testing.assert_allclose(out[7:12], alone[1], atol=1e-5)
 
@@ -149,7 +149,15 @@ def test_packed_sequences_equal_separate_ones(family, tmp_path, mesh):
 
 def test_default_targets_cover_attention_and_mlp():
     for family in ("qwen3", "llama3", "gemma3"):
-        assert lora.default_targets(family) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        assert lora.default_targets(family) == [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
 
 
 def test_target_regexes():

@@ -5,16 +5,14 @@ Tolerance: max |logit difference| <= 1e-4 with logits of magnitude ~10 (observed
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
-
-from lorajob_trainer import export, lora, models, tiny  # noqa: E402
-from lorajob_trainer.checkpoint import CheckpointMetadata  # noqa: E402
+from flax import nnx
+from jax.sharding import Mesh
+from lorajob_trainer import export, lora, models, tiny
+from lorajob_trainer.checkpoint import CheckpointMetadata
 
 pytestmark = pytest.mark.torch
 FAMILIES = ["qwen3", "llama3", "gemma3"]
@@ -54,7 +52,9 @@ def load_hf(directory):
     import torch
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager"
+    )
 
 
 def test_logits_match_transformers(checkpoint, mesh):
@@ -80,7 +80,10 @@ def test_unpatched_tunix_rope_is_wrong(family, mesh, tmp_path):
 
 def random_lora(model, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {key: 0.3 * rng.standard_normal(value.shape).astype(np.float32) for key, value in lora.get_lora_params(model).items()}
+    return {
+        key: 0.3 * rng.standard_normal(value.shape).astype(np.float32)
+        for key, value in lora.get_lora_params(model).items()
+    }
 
 
 def lora_model_with_random_adapters(family, directory, mesh, rank=4, alpha=8.0):

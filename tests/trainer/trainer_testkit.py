@@ -5,9 +5,11 @@ Everything is generated locally; nothing comes from the Hugging Face Hub.
 
 from __future__ import annotations
 
-import json
-import random
 from pathlib import Path
+
+from lorajob_trainer.demo import arithmetic_rows, write_jsonl
+
+__all__ = ["arithmetic_rows", "base_args", "tiny_checkpoint", "write_jsonl"]
 
 
 def tiny_checkpoint(directory: Path, family: str = "qwen3", **overrides) -> Path:
@@ -17,22 +19,6 @@ def tiny_checkpoint(directory: Path, family: str = "qwen3", **overrides) -> Path
     if not (directory / "config.json").is_file():
         tiny.make_tiny_checkpoint(family, directory, **overrides)
     return directory
-
-
-def arithmetic_rows(count: int, seed: int = 0) -> list[dict[str, str]]:
-    """Question/answer rows with a learnable pattern (two-digit addition)."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(count):
-        a, b = rng.randrange(10, 50), rng.randrange(10, 50)
-        rows.append({"question": f"{a}+{b}=", "answer": str(a + b)})
-    return rows
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 def base_args(model_dir: Path, output_dir: Path, train_file: Path, *overrides: str) -> list[str]:

@@ -103,7 +103,9 @@ def convert_adapter(model_name: str, base: str | Path, adapter: str | Path, out:
     hf_config = models.read_hf_config(base)
     family = models.family_for_hf_config(hf_config)
     if family.name != catalog.family_of(model_name):
-        raise ConvertError(f"{base} holds a {family.name} model but {model_name!r} is a {catalog.family_of(model_name)}")
+        raise ConvertError(
+            f"{base} holds a {family.name} model but {model_name!r} is a {catalog.family_of(model_name)}"
+        )
     tunix_config = family.config_from_hf(hf_config, jnp.float32)
     rank, names = int(config["r"]), list(config["target_modules"])
     targets = lora.target_modules(family.name, names)

@@ -11,9 +11,9 @@ LoRA parameters as a flat dict
 Trainer LoRA checkpoint layout (Orbax; checkpoint.py writes it during training, convert.py writes
 a single step from an HF PEFT adapter, export.py reads it):
 
-    <root>/<step>/lora/                   Orbax PyTree item (OCDBT/zarr3 as configured): the flat
-                                          dict nested on "." with string keys (`weights.nest`), e.g.
-                                          {"layers": {"0": {"attn": {"q_proj": {"w_lora_a": A}}}}}
+    <root>/<step>/lora/                   Orbax PyTree item: the flat dict above
+                                          ({"layers.0.attn.q_proj.w_lora_a": A, ...});
+                                          `load_adapter_checkpoint` also accepts it nested on "."
     <root>/<step>/optimizer/, data/       training runs only (checkpoint.py)
     <root>/<step>/_CHECKPOINT_METADATA    custom metadata = checkpoint.CheckpointMetadata:
                                           step, lora_rank, lora_alpha, target_modules (HF names),
@@ -21,7 +21,9 @@ a single step from an HF PEFT adapter, export.py reads it):
 
 HF PEFT adapter: `base_model.model.model.layers.<i>.<hf module>.lora_A.weight` [r, in] and
 `lora_B.weight` [out, r], where `lora_A = A.reshape(-1, r).T` and `lora_B = B.reshape(r, -1).T`
-(row-major flattening of heads x head_dim matches HF's projection layout).
+(row-major flattening of heads x head_dim matches HF's projection layout). Gemma 3 computes key
+and value in one `kv_einsum`: its B is [r, 2, K, H] (slice 0 = k_proj, 1 = v_proj) and the two
+PEFT adapters share its A.
 """
 
 from __future__ import annotations
@@ -202,7 +204,9 @@ def _weight_name(params: Mapping[str, Any], layer: int, target: TargetModule) ->
     return names.pop() if names else None
 
 
-def to_peft(params: Mapping[str, Any], family: str, num_layers: int, rank: int) -> tuple[dict[str, np.ndarray], list[str]]:
+def to_peft(
+    params: Mapping[str, Any], family: str, num_layers: int, rank: int
+) -> tuple[dict[str, np.ndarray], list[str]]:
     """Trainer LoRA params -> (PEFT adapter tensors, target module names found)."""
     tensors: dict[str, np.ndarray] = {}
     found: list[str] = []
@@ -290,7 +294,9 @@ def merged_base_params(model: nnx.Module, alpha: float, rank: int) -> dict[str, 
         for path, v in nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
     }
     lora = get_lora_params(model)
-    modules = {weights.path_key(path): module for path, module in nnx.iter_graph(model) if isinstance(module, nnx.Module)}
+    modules = {
+        weights.path_key(path): module for path, module in nnx.iter_graph(model) if isinstance(module, nnx.Module)
+    }
     for key in (k for k in lora if k.endswith("_lora_a")):
         module_path, weight = key[: -len("_lora_a")].rsplit(".", 1)
         a = np.asarray(lora[key], np.float32)
@@ -326,7 +332,7 @@ def save_adapter_checkpoint(root: str | Path, params: Mapping[str, Any], metadat
     ) as manager:
         manager.save(
             metadata.step,
-            args=ocp.args.Composite(lora=ocp.args.PyTreeSave(weights.nest(params))),
+            args=ocp.args.Composite(lora=ocp.args.PyTreeSave(dict(params))),
             custom_metadata=metadata.to_json(),
             force=True,
         )

@@ -161,3 +161,44 @@ class MetricsWriter:
     def close(self) -> None:
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def read_metrics(metrics_path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+
+
+def plot_loss_curve(metrics_path: Path, png_path: Path) -> Path:
+    """Training (and evaluation) loss against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    records = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    evaluation = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    if not train:
+        raise ValueError(f"{metrics_path} holds no training loss")
+    figure, axes = pyplot.subplots(figsize=(6, 4))
+    axes.plot(*zip(*train), label="train loss")
+    if evaluation:
+        axes.plot(*zip(*evaluation), "o-", label="eval loss")
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss (nats/token)")
+    axes.legend()
+    figure.tight_layout()
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(png_path, dpi=100)
+    pyplot.close(figure)
+    return png_path
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Plot the loss curve of a run's metrics.jsonl.")
+    parser.add_argument("metrics", type=Path)
+    parser.add_argument("png", type=Path)
+    arguments = parser.parse_args()
+    print(plot_loss_curve(arguments.metrics, arguments.png))

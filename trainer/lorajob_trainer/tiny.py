@@ -114,8 +114,9 @@ def random_hf_weights(hf_config: dict[str, Any], seed: int = 0) -> dict[str, np.
     rng = np.random.default_rng(seed)
     neutral_norm = 0.0 if family.name == "gemma3" else 1.0  # Gemma scales by (1 + w)
     params = {
-        key: (neutral_norm + 0.1 * rng.standard_normal(shape) if len(shape) == 1 else 0.2 * rng.standard_normal(shape))
-        .astype(np.float32)
+        key: (
+            neutral_norm + 0.1 * rng.standard_normal(shape) if len(shape) == 1 else 0.2 * rng.standard_normal(shape)
+        ).astype(np.float32)
         for key, shape in sorted(shapes.items())
     }
     return weights.hf_tensors(params, family.tensor_maps(tunix_config))

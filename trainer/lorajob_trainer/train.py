@@ -184,6 +184,45 @@ def build_step_functions(
     return StepFunctions(train, evaluate, traces)
 
 
+def init_optimizer_state(optimizer: optax.GradientTransformation, lora: dict[str, jax.Array], mesh: Mesh) -> Any:
+    """Optimizer state on the mesh: per-parameter moments sharded like their parameter, scalars replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def sharding(path, leaf):
+        for entry in reversed(path):
+            name = getattr(entry, "key", None)
+            if name in lora and leaf.shape == lora[name].shape:
+                return lora[name].sharding
+        return replicated
+
+    abstract = jax.eval_shape(optimizer.init, lora)
+    return jax.jit(optimizer.init, out_shardings=jax.tree_util.tree_map_with_path(sharding, abstract))(lora)
+
+
+def step_shardings(lora: dict[str, jax.Array], opt_state: Any, base: nnx.State, mesh: Mesh) -> dict[str, Any]:
+    return {
+        "lora": jax.tree.map(lambda x: x.sharding, lora),
+        "optimizer": jax.tree.map(lambda x: x.sharding, opt_state),
+        "base": jax.tree.map(lambda x: x.sharding, base),
+        "batch": mesh_lib.batch_sharding(mesh, leading_dims=1),
+        "replicated": NamedSharding(mesh, PartitionSpec()),
+    }
+
+
+def trainable_adapters(layout: LoraLayout, lora: nnx.State) -> dict[str, jax.Array]:
+    """float32 adapters in buffers of their own: the step donates them, the model's own must stay valid."""
+    return {name: jnp.copy(value).astype(jnp.float32) for name, value in layout.flat(lora).items()}
+
+
+def lora_flops(base: nnx.State, lora: dict[str, jax.Array], attention_width_sum: int, seq_len: int) -> metrics_lib.LoraFlops:
+    return metrics_lib.LoraFlops(
+        frozen_matmul_params=metrics_lib.frozen_matmul_params(_shapes(base)),
+        attention_width=attention_width_sum,
+        adapter_params=sum(x.size for x in lora.values()),
+        seq_len=seq_len,
+    )
+
+
 # ---------------------------------------------------------------- data on the mesh
 
 
@@ -253,14 +292,14 @@ class Trainer:
         self.lora_model = lora_model
         graphdef, lora, base = nnx.split(lora_model.model, nnx.LoRAParam, ...)
         self.layout = LoraLayout(lora)
-        # Adapters are trained in float32 whatever the compute dtype (cast per step), in buffers of
-        # their own: the step donates them, and the model's own adapters must stay valid.
-        self.lora = {name: jnp.copy(value).astype(jnp.float32) for name, value in self.layout.flat(lora).items()}
+        self.lora = trainable_adapters(self.layout, lora)
         self.base = base
         self.optimizer = build_optimizer(config)
         self.schedule = learning_rate_schedule(config)
-        self.opt_state = jax.jit(self.optimizer.init)(self.lora)
-        self.steps = build_step_functions(graphdef, self.layout, self.optimizer, self.dtype, self._shardings())
+        self.opt_state = init_optimizer_state(self.optimizer, self.lora, mesh)
+        self.steps = build_step_functions(
+            graphdef, self.layout, self.optimizer, self.dtype, step_shardings(self.lora, self.opt_state, base, mesh)
+        )
         self.tokenizer = data_lib.load_tokenizer(config.tokenizer_directory, config.chat_template_path)
         self.train_feed = self._feed(self._load(self._train_source()), config.gradient_accumulation_steps,
                                      config.epoch_policy)
@@ -269,27 +308,13 @@ class Trainer:
         self.writer = metrics_lib.MetricsWriter(
             config.run_directory, config.steps, enabled=self.is_lead, tensorboard=config.enable_tensorboard
         )
-        self.flops = metrics_lib.LoraFlops(
-            frozen_matmul_params=metrics_lib.frozen_matmul_params(_shapes(base)),
-            attention_width=lora_model.attention_width,
-            adapter_params=sum(x.size for x in jax.tree.leaves(self.lora)),
-            seq_len=config.max_target_length,
-        )
+        self.flops = lora_flops(base, self.lora, lora_model.attention_width, config.max_target_length)
         self.peak_flops = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind, config.peak_tflops_per_device)
         self.checkpointer = self._checkpointer()
         self.current_step = 0
         self.last_tokens_per_second = 0.0
 
     # Setup helpers.
-    def _shardings(self) -> dict[str, Any]:
-        return {
-            "lora": jax.tree.map(lambda x: x.sharding, self.lora),
-            "optimizer": jax.tree.map(lambda x: x.sharding, self.opt_state),
-            "base": jax.tree.map(lambda x: x.sharding, self.base),
-            "batch": mesh_lib.batch_sharding(self.mesh, leading_dims=1),
-            "replicated": NamedSharding(self.mesh, PartitionSpec()),
-        }
-
     def _rows_per_micro_batch(self) -> int:
         return self.config.per_device_batch_size * self.mesh.size
 
@@ -496,6 +521,10 @@ def _shapes(state: nnx.State) -> dict[str, tuple[int, ...]]:
     }
 
 
+SETUP_ERRORS = (data_lib.DataError, mesh_lib.MeshError, lora_lib.LoraError, weights.WeightsError, models.ModelConfigError)
+"""Bad inputs found while setting up (data, mesh, adapters, base weights): reported without a traceback."""
+
+
 def build_trainer(
     config: TrainConfig, load_model: Callable[[TrainConfig, Mesh, jnp.dtype], LoraModel] = load_lora_model
 ) -> Trainer:
@@ -524,12 +553,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    distributed.initialize()
+    try:
+        distributed.initialize()
+    except distributed.DistributedConfigError as error:
+        print(f"distributed config error: {error}", file=sys.stderr)
+        return 2
     started = time.time()
     try:
         result = train(config)
     except TrainingFailed as error:
         print(f"training failed: {error}", file=sys.stderr)
+        return 1
+    except SETUP_ERRORS as error:
+        print(f"training failed before step 1: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     log.info("done: step %d, loss %s, %.1f s", result.final_step, result.final_loss, time.time() - started)
     return 0

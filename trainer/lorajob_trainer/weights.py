@@ -142,7 +142,9 @@ def save_hf_safetensors(directory: str | Path, tensors: Mapping[str, np.ndarray]
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def hf_tensors(params: Mapping[str, np.ndarray], tensor_maps: list[TensorMap], prefix: str = "model.") -> dict[str, np.ndarray]:
+def hf_tensors(
+    params: Mapping[str, np.ndarray], tensor_maps: list[TensorMap], prefix: str = "model."
+) -> dict[str, np.ndarray]:
     """Tunix params (flat) -> HF-named tensors, the inverse of `load_safetensors_state`."""
     tensors = {}
     for tmap in tensor_maps:
@@ -180,7 +182,9 @@ def read_slice(
     sizes = dict(zip(ours, shape))
     stacked = len(names) > 1
     selected = [names[i] for i in ranges[ours[0]]] if stacked else names
-    parts = [_read_one(source.array(name), _parse_axes(tmap.hf_axes), ours[stacked:], ranges, sizes) for name in selected]
+    parts = [
+        _read_one(source.array(name), _parse_axes(tmap.hf_axes), ours[stacked:], ranges, sizes) for name in selected
+    ]
     return np.stack(parts) if stacked else parts[0]
 
 
@@ -198,9 +202,7 @@ def _read_one(
     chunk = np.asarray(tensor[tuple(hf_index)]).reshape(chunk_shape)
     chunk = chunk.transpose([chunk_axes.index(name) for name in ours])
     outers = {group[0] for group in groups}
-    inner_cut = tuple(
-        slice(None) if name in outers else slice(ranges[name].start, ranges[name].stop) for name in ours
-    )
+    inner_cut = tuple(slice(None) if name in outers else slice(ranges[name].start, ranges[name].stop) for name in ours)
     return chunk[inner_cut]
 
 
@@ -356,7 +358,9 @@ def restore_orbax_params(directory: str | Path, targets: Mapping[str, jax.ShapeD
 def load_orbax_state(abstract_state: nnx.State, directory: str | Path, *, mesh: Mesh, dtype: Any) -> nnx.State:
     flat = nnx.to_flat_state(abstract_state)
     targets = {
-        path_key(path): jax.ShapeDtypeStruct(variable.get_value().shape, dtype, sharding=variable_sharding(mesh, variable))
+        path_key(path): jax.ShapeDtypeStruct(
+            variable.get_value().shape, dtype, sharding=variable_sharding(mesh, variable)
+        )
         for path, variable in flat
     }
     values = restore_orbax_params(directory, targets)

@@ -130,7 +130,9 @@ def load_model(
     tunix_config = family.config_from_hf(hf_config, dtype)
     graphdef, state = nnx.split(abstract_model(family, tunix_config, hf_config))
     if format == "hf":
-        state = weights.load_safetensors_state(state, family.tensor_maps(tunix_config), directory, mesh=mesh, dtype=dtype)
+        state = weights.load_safetensors_state(
+            state, family.tensor_maps(tunix_config), directory, mesh=mesh, dtype=dtype
+        )
     else:
         weights.read_base_marker(directory)
         state = weights.load_orbax_state(state, directory / "params", mesh=mesh, dtype=dtype)

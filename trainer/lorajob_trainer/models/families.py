@@ -208,7 +208,9 @@ def _gemma3_config(hf: dict[str, Any], dtype: Any) -> gemma3_lib.ModelConfig:
         _GEMMA3_LAYER_TYPES[t] for _, t in zip(range(num_layers), itertools.cycle(gemma3_lib.GEMMA3_ATTENTION_PATTERN))
     ]
     if hf.get("layer_types", tunix_types) != tunix_types:
-        raise ModelConfigError(f"Gemma 3 layer_types {hf['layer_types']} differ from Tunix's fixed pattern {tunix_types}")
+        raise ModelConfigError(
+            f"Gemma 3 layer_types {hf['layer_types']} differ from Tunix's fixed pattern {tunix_types}"
+        )
     head_dim, embed_dim, num_heads = _head_dim(hf), _required(hf, "hidden_size"), _required(hf, "num_attention_heads")
     num_kv_heads = _required(hf, "num_key_value_heads")
     if num_kv_heads == num_heads:

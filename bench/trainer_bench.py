@@ -1,0 +1,242 @@
+"""LoRA training throughput: our JAX trainer step vs HF transformers + PEFT (PyTorch), same shape and device.
+
+    python bench/trainer_bench.py --shape tiny [--steps 10] [--batch 8] [--seq 128] [--rank 16]
+                                  [--peak-tflops 989] [--frameworks jax,torch]
+
+Shapes are Qwen3 configurations with random weights made on the device (no files, no network):
+`tiny` (the test model), `small` (~40M), `0.6b` (Qwen3-0.6B) and `8b` (Qwen3-8B). Each framework
+runs in a child process of its own (clean peak-memory figures): a few warm-up steps (compilation),
+then `--steps` timed optimizer steps on a fixed random batch, LoRA on all seven projections,
+AdamW with clipping, bf16 on accelerators and float32 on CPU. Prints tokens/s, step time, MFU
+(LoRA model FLOPs: 4N + attention + adapters, see lorajob_trainer.metrics), peak memory, and the
+JAX/PyTorch throughput ratio. On CPU, MFU needs `--peak-tflops`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+WARMUP_STEPS = 2
+
+QWEN3 = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_act": "silu", "rms_norm_eps": 1e-6,
+         "rope_theta": 1_000_000.0, "attention_bias": False, "max_position_embeddings": 40960,
+         "torch_dtype": "bfloat16"}
+SHAPES = {
+    "tiny": None,  # lorajob_trainer.tiny's qwen3 config
+    "small": {**QWEN3, "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "tie_word_embeddings": True},
+    "0.6b": {**QWEN3, "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True},
+    "8b": {**QWEN3, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False},
+}
+
+
+def hf_config(shape: str) -> dict:
+    if SHAPES[shape] is not None:
+        return dict(SHAPES[shape])
+    from lorajob_trainer import tiny
+
+    return tiny.tiny_config("qwen3")
+
+
+def peak_host_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ---------------------------------------------------------------- JAX (this project's step)
+
+
+def bench_jax(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from lorajob_trainer import lora as lora_lib
+    from lorajob_trainer import mesh as mesh_lib
+    from lorajob_trainer import metrics, models, weights
+    from lorajob_trainer import train as train_lib
+    from lorajob_trainer.config import MeshConfig, TrainConfig
+    from lorajob_trainer.optim import build_optimizer
+
+    hf = hf_config(args.shape)
+    on_cpu = jax.default_backend() == "cpu"
+    dtype = jnp.float32 if on_cpu else jnp.bfloat16
+    mesh = mesh_lib.build_mesh(MeshConfig())
+    family = models.family_for_hf_config(hf)
+    tunix_config = family.config_from_hf(hf, dtype)
+    graphdef, state = nnx.split(models.abstract_model(family, tunix_config, hf))
+    for index, (_, variable) in enumerate(nnx.to_flat_state(state)):
+        shape = tuple(variable.value.shape)
+        make = jax.jit(lambda key, shape=shape: 0.02 * jax.random.normal(key, shape, dtype),
+                       out_shardings=weights.variable_sharding(mesh, variable))
+        variable.value = make(jax.random.key(index))
+    model = lora_lib.apply_lora(nnx.merge(graphdef, state), rank=args.rank, alpha=2.0 * args.rank,
+                                target_regex=lora_lib.module_path_regex("qwen3", TARGETS), mesh=mesh, rngs=nnx.Rngs(0))
+
+    config = TrainConfig.from_dict({
+        "run_name": "bench", "base_output_directory": "/tmp/bench", "model_name": "tiny-qwen3",
+        "load_parameters_path": "random", "hf_train_files": ["random"], "steps": 1000, "learning_rate": 1e-4,
+        "warmup_steps_fraction": 0.0,
+    })
+    optimizer = build_optimizer(config)
+    graphdef, lora_state, base = nnx.split(model, nnx.LoRAParam, ...)
+    layout = train_lib.LoraLayout(lora_state)
+    adapters = train_lib.trainable_adapters(layout, lora_state)
+    opt_state = train_lib.init_optimizer_state(optimizer, adapters, mesh)
+    steps = train_lib.build_step_functions(
+        graphdef, layout, optimizer, dtype, train_lib.step_shardings(adapters, opt_state, base, mesh)
+    )
+    rows = args.batch
+    tokens = jax.random.randint(jax.random.key(1), (1, rows, args.seq + 1), 0, hf["vocab_size"], jnp.int32)
+    batch = {
+        "inputs": tokens[..., :-1],
+        "targets": tokens[..., 1:],
+        "weights": jnp.ones((1, rows, args.seq), jnp.float32),
+        "segment_ids": jnp.ones((1, rows, args.seq), jnp.int32),
+        "positions": jnp.broadcast_to(jnp.arange(args.seq, dtype=jnp.int32), (1, rows, args.seq)),
+    }
+    batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh, leading_dims=1))
+    with mesh:
+        compile_start = time.perf_counter()
+        for _ in range(WARMUP_STEPS):
+            adapters, opt_state, out = steps.train(adapters, opt_state, base, batch)
+            float(out["loss"])
+        compile_s = time.perf_counter() - compile_start
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            adapters, opt_state, out = steps.train(adapters, opt_state, base, batch)
+        loss = float(out["loss"])
+        elapsed = time.perf_counter() - start
+    tokens_per_s = rows * args.seq * args.steps / elapsed
+    flops = train_lib.lora_flops(base, adapters, train_lib.attention_width(tunix_config), args.seq)
+    peak = metrics.peak_flops_per_device(jax.devices()[0].device_kind, args.peak_tflops)
+    device_peak = metrics.peak_device_memory_bytes(jax.local_devices())
+    return {
+        "framework": "jax", "device": jax.devices()[0].device_kind, "dtype": str(jnp.dtype(dtype)),
+        "params": sum(x.size for x in jax.tree.leaves(base)), "adapter_params": flops.adapter_params,
+        "warmup_s": compile_s, "step_s": elapsed / args.steps, "tokens_per_s": tokens_per_s,
+        "mfu": metrics.mfu(tokens_per_s, flops, jax.device_count(), peak), "final_loss": loss,
+        "gflops_per_token": flops.per_token / 1e9,
+        "peak_memory_bytes": device_peak if device_peak is not None else peak_host_bytes(),
+    }
+
+
+# ---------------------------------------------------------------- PyTorch: HF transformers + PEFT
+
+
+def bench_torch(args) -> dict:
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    hf = hf_config(args.shape)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = transformers.Qwen3Config(**{k: v for k, v in hf.items() if k not in ("model_type", "architectures")})
+    torch.manual_seed(0)
+    torch.set_default_dtype(dtype)
+    with device:
+        model = transformers.Qwen3ForCausalLM(config)
+    model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS,
+                                             lora_dropout=0.0, task_type="CAUSAL_LM"))
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    tokens = torch.randint(0, hf["vocab_size"], (args.batch, args.seq), device=device)
+
+    def step() -> float:
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    warm_start = time.perf_counter()
+    for _ in range(WARMUP_STEPS):
+        float(step())
+    warmup_s = time.perf_counter() - warm_start
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    synchronize()
+    elapsed = time.perf_counter() - start
+    return {
+        "framework": "torch+peft", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "dtype": str(dtype), "warmup_s": warmup_s, "step_s": elapsed / args.steps,
+        "tokens_per_s": args.batch * args.seq * args.steps / elapsed, "final_loss": float(loss),
+        "peak_memory_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_host_bytes(),
+    }
+
+
+# ---------------------------------------------------------------- driver
+
+
+def child(args) -> None:
+    result = bench_jax(args) if args.framework == "jax" else bench_torch(args)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_child(framework: str, argv: list[str]) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "trainer"), os.environ.get("PYTHONPATH", "")])}
+    completed = subprocess.run([sys.executable, __file__, *argv, "--framework", framework],
+                               capture_output=True, text=True, env=env)
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+    if completed.returncode != 0 or not lines:
+        raise SystemExit(f"{framework} benchmark failed:\n{completed.stderr[-4000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def report(args, results: dict[str, dict]) -> None:
+    print(f"shape={args.shape} batch={args.batch} seq={args.seq} rank={args.rank} steps={args.steps}")
+    for result in results.values():
+        mfu = f"{100 * result['mfu']:.1f}%" if result.get("mfu") is not None else "n/a"
+        print(f"  {result['framework']:<11} {result['device']:<16} {result['dtype']:<15} "
+              f"{result['tokens_per_s']:>10.0f} tok/s  {1000 * result['step_s']:>9.1f} ms/step  MFU {mfu:>6}  "
+              f"peak mem {result['peak_memory_bytes'] / 2**30:6.2f} GiB  warm-up {result['warmup_s']:.1f} s  "
+              f"loss {result['final_loss']:.3f}")
+    if "jax" in results:
+        jax_result = results["jax"]
+        print(f"  model: {jax_result['params'] / 1e6:.1f}M params, {jax_result['adapter_params'] / 1e6:.2f}M adapter "
+              f"params, {jax_result['gflops_per_token']:.3f} GFLOP/token (LoRA model FLOPs)")
+    if {"jax", "torch"} <= set(results):
+        ratio = results["jax"]["tokens_per_s"] / results["torch"]["tokens_per_s"]
+        print(f"  JAX / PyTorch+PEFT throughput: {ratio:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (needed on CPU)")
+    parser.add_argument("--frameworks", default="jax,torch")
+    parser.add_argument("--framework", choices=["jax", "torch"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.framework:
+        child(args)
+        return
+    argv = [a for a in sys.argv[1:]]
+    frameworks = args.frameworks.split(",")
+    results = {framework: run_child(framework, argv) for framework in frameworks}
+    report(args, results)
+
+
+if __name__ == "__main__":
+    main()
