@@ -126,7 +126,7 @@ def bench_jax(args) -> dict:
         "params": sum(x.size for x in jax.tree.leaves(base)), "adapter_params": flops.adapter_params,
         "warmup_s": compile_s, "step_s": elapsed / args.steps, "tokens_per_s": tokens_per_s,
         "mfu": metrics.mfu(tokens_per_s, flops, jax.device_count(), peak), "final_loss": loss,
-        "gflops_per_token": flops.per_token / 1e9,
+        "gflops_per_token": flops.per_token / 1e9, "peak_flops": peak * jax.device_count() if peak else None,
         "peak_memory_bytes": device_peak if device_peak is not None else peak_host_bytes(),
     }
 
@@ -191,8 +191,12 @@ def child(args) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_child(framework: str, argv: list[str]) -> dict:
+def run_child(framework: str, argv: list[str], single_thread: bool) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "trainer"), os.environ.get("PYTHONPATH", "")])}
+    if single_thread:
+        # The same CPU budget for both, immune to other load: one XLA thread, one OpenMP thread.
+        env["OMP_NUM_THREADS"] = "1"
+        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
     completed = subprocess.run([sys.executable, __file__, *argv, "--framework", framework],
                                capture_output=True, text=True, env=env)
     lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
@@ -213,6 +217,9 @@ def report(args, results: dict[str, dict]) -> None:
         jax_result = results["jax"]
         print(f"  model: {jax_result['params'] / 1e6:.1f}M params, {jax_result['adapter_params'] / 1e6:.2f}M adapter "
               f"params, {jax_result['gflops_per_token']:.3f} GFLOP/token (LoRA model FLOPs)")
+    if {"jax", "torch"} <= set(results) and results["jax"]["peak_flops"]:
+        torch_mfu = results["torch"]["tokens_per_s"] * results["jax"]["gflops_per_token"] * 1e9 / results["jax"]["peak_flops"]
+        print(f"  PyTorch+PEFT MFU on the same FLOPs model: {100 * torch_mfu:.1f}%")
     if {"jax", "torch"} <= set(results):
         ratio = results["jax"]["tokens_per_s"] / results["torch"]["tokens_per_s"]
         print(f"  JAX / PyTorch+PEFT throughput: {ratio:.2f}x")
@@ -227,14 +234,15 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (needed on CPU)")
     parser.add_argument("--frameworks", default="jax,torch")
+    parser.add_argument("--single-thread", action="store_true", help="CPU: one thread for each framework")
     parser.add_argument("--framework", choices=["jax", "torch"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.framework:
         child(args)
         return
-    argv = [a for a in sys.argv[1:]]
+    argv = sys.argv[1:]
     frameworks = args.frameworks.split(",")
-    results = {framework: run_child(framework, argv) for framework in frameworks}
+    results = {framework: run_child(framework, argv, args.single_thread) for framework in frameworks}
     report(args, results)
 
 

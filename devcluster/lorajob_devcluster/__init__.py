@@ -3,8 +3,8 @@ kwok fake TPU nodes, JobSet and Kueue, all built from the Go module proxy and ru
 
 from . import build
 from .controlplane import ControlPlane, ControlPlaneConfig, KubectlError, condition_is_true, wait_for
-from .process import ComponentFailed
 from .kwok_stages import HANG_IMAGE, RUN_DURATION_ANNOTATION, SLOW_IMAGE, PodTiming, failing_image
+from .process import ComponentFailed
 from .simcluster import SimCluster, SimClusterConfig, SimClusterError
 
 __all__ = [

@@ -9,6 +9,7 @@ import ssl
 import subprocess
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -211,26 +212,22 @@ class ControlPlane:
 
     def wait_crds_established(self, names: list[str]) -> None:
         # Not `kubectl wait`: it errors out on a CRD whose status has no conditions yet.
-        wait_for(lambda: set(names) <= self._established_crds(), CRD_ESTABLISHED_TIMEOUT, f"CRDs {names} Established")
+        pending = set(names)
 
-    def wait_condition(self, resource: str, name: str, condition: str, namespace: str | None = None, timeout: float = 60.0) -> dict:
-        """Wait until object `resource/name` has status condition `condition` True; return the object."""
-        scope = ["-n", namespace] if namespace else []
+        def all_established() -> bool:
+            pending.difference_update({name for name in pending if self._crd_established(name)})
+            return not pending
 
-        def current() -> dict | None:
-            found = self.kubectl("get", resource, name, *scope, "-o", "json", "--ignore-not-found").stdout
-            obj = json.loads(found) if found.strip() else {}
-            return obj if condition_is_true(obj, condition) else None
+        wait_for(all_established, CRD_ESTABLISHED_TIMEOUT, f"CRDs {sorted(pending)} Established")
 
-        return wait_for(current, timeout, f"{resource}/{name} {condition}")
-
-    def _established_crds(self) -> set[str]:
-        listing = json.loads(self.kubectl("get", "crd", "-o", "json").stdout)
-        return {
-            crd["metadata"]["name"]
-            for crd in listing["items"]
-            if condition_is_true(crd, "Established")
-        }
+    def _crd_established(self, name: str) -> bool:
+        try:
+            crd = json.loads(self.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}"))
+        except urllib.error.HTTPError as error:
+            if error.code == 404:
+                return False
+            raise
+        return condition_is_true(crd, "Established")
 
 
 def condition_is_true(obj: dict, condition_type: str) -> bool:

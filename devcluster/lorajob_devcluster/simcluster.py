@@ -13,7 +13,7 @@ import shutil
 import ssl
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import yaml
 
@@ -29,6 +29,8 @@ COMPONENT_READY_TIMEOUT = 120.0
 NODES_READY_TIMEOUT = 120.0
 POD_CIDR = "10.244.0.0/16"
 KWOK_NODE_IP = "10.0.0.1"
+
+Starting = tuple[ManagedProcess, Callable[[], bool]]  # a launched process and its readiness probe
 
 
 class SimClusterError(RuntimeError):
@@ -68,6 +70,10 @@ class SimCluster:
         self.apply_documents = plane.apply_documents
         self.wait_condition = plane.wait_condition
         self.webhook_cert_dir = plane.state_dir / "webhook-certs"
+        self.jobset_dir = build.component_module_dir("jobset")
+        self.kueue_dir = build.component_module_dir("kueue")
+        self.jobset_webhook_port = free_loopback_port()
+        self.kueue_webhook_port = free_loopback_port()
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -82,17 +88,21 @@ class SimCluster:
 
     @classmethod
     def upgrade(cls, plane: ControlPlane, config: SimClusterConfig = SimClusterConfig()) -> "SimCluster":
-        """Start every simulated-cluster component on `plane`; they stop with `plane.stop()`."""
+        """Start every simulated-cluster component on `plane`; they stop with `plane.stop()`.
+
+        Independent steps overlap: the controllers start while the large CRDs are being established."""
         build.build()
         cluster = cls(plane, config)
         cluster._write_webhook_certs()
-        cluster._start_kube_controllers()
-        cluster._start_kwok()
-        cluster._start_jobset()
-        cluster._start_kueue()
+        starting = [*cluster._launch_kube_controllers(), cluster._launch_kwok()]
+        cluster._install_controller_crds()
+        starting += [cluster._launch_jobset(), cluster._launch_kueue()]
+        for process, ready in starting:
+            process.wait_until(ready, COMPONENT_READY_TIMEOUT, "ready")
+        cluster._register_webhooks()
         cluster._create_nodes()
-        cluster.plane.apply_documents(topology.kueue_objects(config.node_pools))
-        cluster._wait_cluster_queue_active()
+        plane.apply_documents(topology.kueue_objects(config.node_pools))
+        plane.wait_condition("clusterqueues.kueue.x-k8s.io", topology.CLUSTER_QUEUE_NAME, "Active")
         return cluster
 
     def _write_webhook_certs(self) -> None:
@@ -105,16 +115,11 @@ class SimCluster:
             except PermissionError as error:
                 raise SimClusterError(f"cannot write webhook certificates to {directory} ({error}); Kueue needs them there") from error
 
-    def _launch_and_wait(self, name: str, argv: list[str], ready, what: str = "ready") -> ManagedProcess:
-        process = self.plane.launch(name, argv)
-        process.wait_until(ready, COMPONENT_READY_TIMEOUT, what)
-        return process
-
-    def _start_kube_controllers(self) -> None:
+    def _launch_kube_controllers(self) -> list[Starting]:
         plane, kubeconfig = self.plane, str(self.plane.kubeconfig)
         delegated = [f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}"]
         kcm_port, scheduler_port = free_loopback_port(), free_loopback_port()
-        self._launch_and_wait(
+        kcm = plane.launch(
             "kube-controller-manager",
             [
                 plane.binary("kube-controller-manager"),
@@ -128,9 +133,8 @@ class SimCluster:
                 "--use-service-account-credentials=false",
                 "--controllers=*",
             ],
-            lambda: _https_healthz(kcm_port),
         )
-        self._launch_and_wait(
+        scheduler = plane.launch(
             "kube-scheduler",
             [
                 plane.binary("kube-scheduler"),
@@ -140,16 +144,16 @@ class SimCluster:
                 f"--secure-port={scheduler_port}",
                 f"--cert-dir={plane.state_dir / 'scheduler-certs'}",
             ],
-            lambda: _https_healthz(scheduler_port),
         )
+        return [(kcm, lambda: _https_healthz(kcm_port)), (scheduler, lambda: _https_healthz(scheduler_port))]
 
-    def _start_kwok(self) -> None:
+    def _launch_kwok(self) -> Starting:
         plane = self.plane
         kwok_dir = build.component_module_dir("kwok")
         stages = kwok_stages.write_kwok_config(plane.state_dir / "kwok-stages.yaml", kwok_dir, self.config.pod_timing)
         health_port = free_loopback_port()
         annotation = "=".join(topology.KWOK_NODE_ANNOTATION)
-        self._launch_and_wait(
+        kwok = plane.launch(
             "kwok",
             [
                 plane.binary("kwok"),
@@ -162,69 +166,71 @@ class SimCluster:
                 "--node-lease-duration-seconds=40",
                 f"--server-address=127.0.0.1:{health_port}",
             ],
-            lambda: _http_ok(f"http://127.0.0.1:{health_port}/healthz"),
         )
+        return kwok, lambda: _http_ok(f"http://127.0.0.1:{health_port}/healthz")
+
+    def _install_controller_crds(self) -> None:
+        """JobSet's and Kueue's CRDs (Kueue's converting through its loopback webhook), created in one go."""
+        ca = self.plane.pki.ca_pem()
+        crds = [*manifests.jobset_crds(self.jobset_dir), *manifests.kueue_crds(self.kueue_dir, self.kueue_webhook_port, ca)]
+        self.plane.kubectl("create", "-f", "-", input=as_kubectl_input(crds))
+        self.plane.kubectl("create", "namespace", KUEUE_NAMESPACE)
+        self.plane.wait_crds_established([crd["metadata"]["name"] for crd in crds])
 
     def _controller_config(self, name: str, document: dict) -> Path:
         path = self.plane.state_dir / f"{name}-config.yaml"
         path.write_text(yaml.safe_dump(document))
         return path
 
-    def _start_jobset(self) -> None:
-        plane = self.plane
-        module_dir = build.component_module_dir("jobset")
-        webhook_port, health_port = free_loopback_port(), free_loopback_port()
-        plane.apply_documents(manifests.jobset_crds(module_dir))
-        plane.wait_crds_established(["jobsets.jobset.x-k8s.io"])
+    def _controller_runtime_settings(self, webhook_port: int, health_port: int) -> dict:
+        """Configuration fields JobSet and Kueue share (both are controller-runtime managers)."""
+        return {
+            "leaderElection": {"leaderElect": False},
+            "internalCertManagement": {"enable": False},
+            "webhook": {"port": webhook_port, "host": "127.0.0.1", "certDir": str(self.webhook_cert_dir)},
+            "metrics": {"bindAddress": "0"},
+            "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
+        }
+
+    def _launch_jobset(self) -> Starting:
+        health_port = free_loopback_port()
         config = self._controller_config(
             "jobset",
             {
                 "apiVersion": "config.jobset.x-k8s.io/v1alpha1",
                 "kind": "Configuration",
-                "leaderElection": {"leaderElect": False},
-                "internalCertManagement": {"enable": False},
-                "webhook": {"port": webhook_port, "host": "127.0.0.1", "certDir": str(self.webhook_cert_dir)},
-                "metrics": {"bindAddress": "0"},
-                "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
+                **self._controller_runtime_settings(self.jobset_webhook_port, health_port),
             },
         )
-        self._launch_and_wait(
-            "jobset",
-            [plane.binary("jobset"), f"--kubeconfig={plane.kubeconfig}", f"--config={config}", "--zap-log-level=info"],
-            lambda: _http_ok(f"http://127.0.0.1:{health_port}/readyz"),
-        )
-        plane.apply_documents(manifests.jobset_webhooks(module_dir, webhook_port, plane.pki.ca_pem()))
+        jobset = self.plane.launch("jobset", [self.plane.binary("jobset"), f"--kubeconfig={self.plane.kubeconfig}", f"--config={config}"])
+        return jobset, lambda: _http_ok(f"http://127.0.0.1:{health_port}/readyz")
 
-    def _start_kueue(self) -> None:
-        plane = self.plane
-        module_dir = build.component_module_dir("kueue")
-        webhook_port, health_port = free_loopback_port(), free_loopback_port()
-        crds = manifests.kueue_crds(module_dir, webhook_port, plane.pki.ca_pem())
-        plane.apply_documents(crds)
-        plane.wait_crds_established([crd["metadata"]["name"] for crd in crds])
-        plane.kubectl("create", "namespace", KUEUE_NAMESPACE)
+    def _launch_kueue(self) -> Starting:
+        health_port = free_loopback_port()
         config = self._controller_config(
             "kueue",
             {
                 "apiVersion": "config.kueue.x-k8s.io/v1beta2",
                 "kind": "Configuration",
                 "namespace": KUEUE_NAMESPACE,
-                "leaderElection": {"leaderElect": False},
-                "internalCertManagement": {"enable": False},
-                "webhook": {"port": webhook_port, "host": "127.0.0.1", "certDir": str(self.webhook_cert_dir)},
-                "metrics": {"bindAddress": "0"},
-                "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
+                **self._controller_runtime_settings(self.kueue_webhook_port, health_port),
                 "integrations": {"frameworks": ["batch/job", "jobset.x-k8s.io/jobset"]},
                 # The on-demand visibility API would start an extra aggregated apiserver.
                 "featureGates": {"VisibilityOnDemand": False},
             },
         )
-        self._launch_and_wait(
-            "kueue",
-            [plane.binary("kueue"), f"--kubeconfig={plane.kubeconfig}", f"--config={config}"],
-            lambda: _http_ok(f"http://127.0.0.1:{health_port}/readyz"),
+        kueue = self.plane.launch("kueue", [self.plane.binary("kueue"), f"--kubeconfig={self.plane.kubeconfig}", f"--config={config}"])
+        return kueue, lambda: _http_ok(f"http://127.0.0.1:{health_port}/readyz")
+
+    def _register_webhooks(self) -> None:
+        """Only once both controllers serve: the webhooks fail closed, so early registration blocks creates."""
+        ca = self.plane.pki.ca_pem()
+        self.plane.apply_documents(
+            [
+                *manifests.jobset_webhooks(self.jobset_dir, self.jobset_webhook_port, ca),
+                *manifests.kueue_webhooks(self.kueue_dir, self.kueue_webhook_port, ca),
+            ]
         )
-        plane.apply_documents(manifests.kueue_webhooks(module_dir, webhook_port, plane.pki.ca_pem()))
 
     def _create_nodes(self) -> None:
         nodes = [node for pool in self.config.node_pools for node in pool.nodes()]
@@ -234,16 +240,13 @@ class SimCluster:
 
     def _usable_nodes(self) -> set[str]:
         """Nodes that are Ready and no longer carry the not-ready taint KCM removes."""
-        listing = json.loads(self.plane.kubectl("get", "nodes", "-o", "json").stdout)
+        listing = self.get_json("nodes")
         usable = set()
         for node in listing["items"]:
             tainted = any(t["key"].startswith("node.kubernetes.io/") for t in node["spec"].get("taints") or [])
             if condition_is_true(node, "Ready") and not tainted:
                 usable.add(node["metadata"]["name"])
         return usable
-
-    def _wait_cluster_queue_active(self) -> None:
-        self.plane.wait_condition("clusterqueues.kueue.x-k8s.io", topology.CLUSTER_QUEUE_NAME, "Active")
 
     # --- helpers for tests and the demo ----------------------------------------------------
 

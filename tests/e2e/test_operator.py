@@ -3,6 +3,7 @@ JobSet and Kueue controllers. The operator runs as its own process (`python -m l
 
 from __future__ import annotations
 
+import json
 import urllib.request
 
 import pytest
@@ -44,7 +45,7 @@ def test_full_chain_runs_convert_train_export_to_success(lorajobs, operator):
     assert status["startTime"] <= status["completionTime"]
     assert status["outputs"]["adapterPath"] == "gs://my-bucket/lorajob/chain/huggingface"
     assert condition(done, "Succeeded")["status"] == "True"
-    assert condition(done, "Admitted")["status"] == "True"
+    assert condition(done, "Running")["status"] == "False"  # nothing runs or holds quota any more
 
     reasons = [event["reason"] for event in lorajobs.events("chain")]
     assert reasons[0] == "Queued" and reasons[-1] == "Succeeded" and set(reasons) <= PHASES, reasons
@@ -56,17 +57,23 @@ def test_a_second_job_waits_in_kueue_until_the_first_releases_the_tpu_slice(lora
     lorajobs.wait_phase("first", "Training", timeout=60)
     lorajobs.apply(sample("second", train_only=True))
 
-    queued = lorajobs.wait(
+    waiting = f"train step: waiting for quota in ClusterQueue {CLUSTER_QUEUE}: couldn't assign flavors"
+    queued = lorajobs.wait(  # Kueue's own words about what is missing follow the ClusterQueue's name
         "second",
-        lambda obj: condition(obj, "Queued").get("reason") == "WaitingForQuota",
-        "Queued waiting for quota",
+        lambda obj: condition(obj, "Queued").get("reason") == "WaitingForQuota"
+        and condition(obj, "Queued")["message"].startswith(waiting)
+        and "insufficient unused quota for google.com/tpu" in condition(obj, "Queued")["message"],
+        "Queued waiting for TPU quota, with Kueue's message",
         timeout=60,
     )
     assert queued["status"]["phase"] == "Queued"
-    message = condition(queued, "Queued")["message"]
-    assert f"waiting for quota in ClusterQueue {CLUSTER_QUEUE}" in message, message
-    assert "google.com/tpu" in message, message  # Kueue's own words about what is missing
+    assert queued["status"]["message"] == condition(queued, "Queued")["message"]
     second = _ours(lorajobs.jobsets(), "second")["train"]
+    (workload,) = json.loads(lorajobs.kubectl(
+        "get", "workloads.kueue.x-k8s.io", "-l", f"kueue.x-k8s.io/job-uid={second['metadata']['uid']}", "-o", "json",
+    ).stdout)["items"]
+    kueue_says = next(c for c in workload["status"]["conditions"] if c["type"] == "QuotaReserved")
+    assert (kueue_says["status"], kueue_says["reason"]) == ("False", "Pending")
     assert second["spec"]["suspend"] is True  # suspended by Kueue, never resumed by us
     assert lorajobs.get("first")["status"]["phase"] == "Training"
 

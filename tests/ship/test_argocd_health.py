@@ -41,8 +41,10 @@ def test_health_case(case):
 # unknown-phase stands for a status written by a newer operator than this CRD knows.
 @pytest.mark.parametrize("case", [c for c in CASES if c.input_path.stem != "unknown-phase"], ids=lambda c: c.name)
 def test_case_inputs_are_valid_lorajobs(case):
-    """The inputs are objects the API server would store (spec and status), not made-up shapes."""
+    """The inputs' spec and status are what the CRD's schema allows, not made-up shapes (metadata is
+    ObjectMeta, checked by the API server itself rather than the CRD schema)."""
     obj = yaml.safe_load(case.input_path.read_text())
+    obj["metadata"] = {"name": obj["metadata"]["name"]}
     assert [str(e) for e in validate(obj)] == []
 
 
