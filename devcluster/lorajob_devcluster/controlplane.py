@@ -220,6 +220,17 @@ class ControlPlane:
 
         wait_for(all_established, CRD_ESTABLISHED_TIMEOUT, f"CRDs {sorted(pending)} Established")
 
+    def wait_condition(self, resource: str, name: str, condition: str, namespace: str | None = None, timeout: float = 60.0) -> dict:
+        """Wait until object `resource/name` has status condition `condition` True; return the object."""
+        scope = ["-n", namespace] if namespace else []
+
+        def current() -> dict | None:
+            found = self.kubectl("get", resource, name, *scope, "-o", "json", "--ignore-not-found").stdout
+            obj = json.loads(found) if found.strip() else {}
+            return obj if condition_is_true(obj, condition) else None
+
+        return wait_for(current, timeout, f"{resource}/{name} {condition}")
+
     def _crd_established(self, name: str) -> bool:
         try:
             crd = json.loads(self.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}"))

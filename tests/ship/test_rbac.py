@@ -222,3 +222,30 @@ def test_operator_works_with_only_the_charts_permissions(kube, operator_as_servi
         assert "Forbidden" not in text and " 403" not in text, text[-4000:]
     finally:
         kube.kubectl("delete", "lorajob", "rbac-probe", "-n", NAMESPACE, "--wait=false", check=False)
+
+
+@pytest.mark.cluster
+def test_operator_creates_the_first_step_with_only_the_charts_permissions(sim_cluster, kube, operator_as_service_account):
+    """On the simulated cluster (JobSet and Kueue installed) the operator, as its ServiceAccount, reads
+    the Secret and LocalQueue and creates the first step's JobSet."""
+    process, _port, log = operator_as_service_account
+    sim_cluster.create_namespace_with_queue(NAMESPACE, "lorajob")
+    kube.kubectl("create", "secret", "generic", "hf-token", "-n", NAMESPACE, "--from-literal=HF_TOKEN=test", check=False)
+    job = yaml.safe_load((REPO / "examples" / "qwen3-gsm8k.yaml").read_text())
+    job["metadata"] = {"name": "rbac-chain", "namespace": NAMESPACE}
+    kube.kubectl("apply", "-f", "-", input=json.dumps(job))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, f"the operator exited:\n{log.read_text()[-4000:]}"
+            found = kube.kubectl("get", "jobsets.jobset.x-k8s.io", "rbac-chain-convert", "-n", NAMESPACE, "-o", "json", check=False)
+            if found.returncode == 0:
+                break
+            assert time.monotonic() < deadline, f"no convert JobSet:\n{log.read_text()[-4000:]}"
+            time.sleep(1)
+        (owner,) = json.loads(found.stdout)["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["name"], owner["controller"]) == ("LoRAJob", "rbac-chain", True)
+        text = log.read_text()
+        assert "Forbidden" not in text and " 403" not in text, text[-4000:]
+    finally:
+        kube.kubectl("delete", "lorajob", "rbac-chain", "-n", NAMESPACE, "--wait=false", check=False)
