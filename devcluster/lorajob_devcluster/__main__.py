@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import build
+from . import build, toolchain
 from .controlplane import ControlPlaneConfig
 from .simcluster import SimCluster
 from .versions import DEFAULT_VERSIONS, bin_dir
@@ -19,7 +19,7 @@ def command_build(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         path = build.build(tuple(args.components) or build.COMPONENT_NAMES)
-    except build.BuildError as error:
+    except (build.BuildError, toolchain.ToolchainError) as error:
         print(f"build failed: {error}", file=sys.stderr)
         return 1
     print(f"binaries in {path} (checked in {time.monotonic() - started:.1f} s)")

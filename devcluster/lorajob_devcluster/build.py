@@ -1,7 +1,7 @@
 """Build the dev-cluster binaries from the Go module proxy, once per version set.
 
 Nothing ships kube-apiserver & co. as a package, so everything is compiled with the
-installed Go toolchain and cached outside the repository under
+Go toolchain from `toolchain.py` and cached outside the repository under
 ``~/.cache/lorajob-k8s/<version-set key>/bin``. A component is rebuilt only when its
 stamp file is missing or names a different version.
 """
@@ -13,17 +13,16 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
+from . import toolchain
 from .versions import DEFAULT_VERSIONS, VersionSet, bin_dir, build_dir
 
 GO_LDFLAGS_STRIP = "-s -w"
-MINIMUM_GO = (1, 25)
 
 
 class BuildError(RuntimeError):
@@ -55,19 +54,16 @@ class BuildContext:
 
 
 def go_environment() -> dict[str, str]:
+    """Environment for every `go` call: the chosen toolchain first on PATH, static trimmed binaries."""
+    go_bin_dir = os.path.dirname(toolchain.go_binary())
     env = dict(os.environ)
-    env.update(CGO_ENABLED="0", GOFLAGS="-trimpath -buildvcs=false", GOTOOLCHAIN="local")
+    env.update(
+        PATH=f"{go_bin_dir}{os.pathsep}{env.get('PATH', '')}",
+        CGO_ENABLED="0",
+        GOFLAGS="-trimpath -buildvcs=false",
+        GOTOOLCHAIN="local",
+    )
     return env
-
-
-def check_go_toolchain() -> None:
-    go = shutil.which("go")
-    if go is None:
-        raise BuildError(f"the Go toolchain (>= {MINIMUM_GO[0]}.{MINIMUM_GO[1]}) is not on PATH; install it first")
-    output = subprocess.run([go, "env", "GOVERSION"], capture_output=True, text=True, check=True).stdout.strip()
-    match = re.match(r"go(\d+)\.(\d+)", output)
-    if not match or (int(match[1]), int(match[2])) < MINIMUM_GO:
-        raise BuildError(f"Go {MINIMUM_GO[0]}.{MINIMUM_GO[1]}+ is needed, found {output!r} at {go}")
 
 
 def download_module(module: str, version: str, env: dict[str, str]) -> Path:
@@ -188,7 +184,6 @@ def build(
     bin_path.mkdir(parents=True, exist_ok=True)
     with open(root / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        check_go_toolchain()
         ctx = BuildContext(versions, bin_path, root / "src", go_environment())
         for component in wanted:
             if is_built(bin_path, component, versions):

@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
 import yaml
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """SafeLoader that also reads YAML 1.2 floats without a dot (3e-06, as kustomize writes them)."""
+
+
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$|^[-+]?\.(inf|Inf|INF)$|^\.(nan|NaN|NAN)$"),
+    list("-+0123456789."),
+)
+
+
+def load_documents(text: str) -> list[dict]:
+    return [doc for doc in yaml.load_all(text, Loader=_Yaml12Loader) if doc]
+
+
 def _documents(path: Path) -> list[dict]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return load_documents(path.read_text())
 
 
 def validate_files(paths: list[Path]) -> int:

@@ -117,7 +117,7 @@ def _check_schema(value: Any, schema: dict, path: str, errors: list[FieldError])
         for name, item in value.items():
             if name in schema["properties"]:
                 _check_schema(item, schema["properties"][name], _join(path, name), errors)
-            elif path:  # the root's metadata is free-form; unknown fields below it are rejected (strict decoding)
+            elif path and path != "metadata":  # metadata is ObjectMeta; elsewhere strict decoding rejects unknown fields
                 errors.append(FieldError(_join(path, name), "unknown field", "field not declared in schema"))
 
 

@@ -113,3 +113,17 @@ def test_every_tpu_topology_rule_accepts_its_own_topologies():
             doc = _base()
             doc["spec"]["compute"]["tpu"] = {"machineType": machine_type, "topology": topology}
             assert validate(doc) == [], (machine_type, topology)
+
+
+def test_metadata_fields_other_than_name_are_free_form():
+    doc = _base()
+    doc["metadata"].update({"namespace": "team-a", "labels": {"app": "x"}, "annotations": {"a": "b"}})
+    assert validate(doc) == []
+
+
+def test_cli_reads_yaml_1_2_floats_as_kustomize_writes_them(tmp_path):
+    text = (REPO / "examples" / "qwen3-gsm8k.yaml").read_text().replace("learningRate: 3.0e-6", "learningRate: 3e-06")
+    assert "3e-06" in text
+    (tmp_path / "job.yaml").write_text(text)
+    assert cli.load_documents(text)[0]["spec"]["training"]["learningRate"] == 3e-06
+    assert cli.main(["validate", str(tmp_path / "job.yaml")]) == 0

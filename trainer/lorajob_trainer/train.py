@@ -111,8 +111,8 @@ def token_losses(model: nnx.Module, micro_batch: Batch) -> tuple[jax.Array, jax.
     logits = models.forward(model, micro_batch["inputs"], micro_batch["positions"], micro_batch["segment_ids"])
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(log_probs, micro_batch["targets"][..., None], axis=-1)[..., 0]
-    weights = micro_batch["weights"]
-    return jnp.sum(nll * weights), jnp.sum(weights)
+    loss_weights = micro_batch["weights"]
+    return jnp.sum(nll * loss_weights), jnp.sum(loss_weights)
 
 
 @dataclass
