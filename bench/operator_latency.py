@@ -34,6 +34,7 @@ class FirstJobSetWatch:
         self._api = client.CustomObjectsApi(api_client)
         self._watch = watch.Watch()
         self.seen: dict[str, float] = {}
+        self._stopped = False
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -45,11 +46,15 @@ class FirstJobSetWatch:
             self._api.list_namespaced_custom_object, "jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets",
             timeout_seconds=3600,
         )
-        for event in stream:
-            name = event["object"]["metadata"]["name"]
-            with self._changed:
-                self.seen.setdefault(name, time.monotonic())
-                self._changed.notify_all()
+        try:
+            for event in stream:
+                name = event["object"]["metadata"]["name"]
+                with self._changed:
+                    self.seen.setdefault(name, time.monotonic())
+                    self._changed.notify_all()
+        except Exception:  # noqa: BLE001 - stop() closes the connection under the stream
+            if not self._stopped:
+                raise
 
     def wait_for(self, name: str, timeout: float) -> float:
         with self._changed:
@@ -58,6 +63,7 @@ class FirstJobSetWatch:
             return self.seen[name]
 
     def stop(self) -> None:
+        self._stopped = True
         self._watch.stop()
 
 
@@ -88,6 +94,7 @@ def measure(cluster, jobs: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=20)
+    parser.add_argument("--verbose", action="store_true", help="debug-level operator log (printed path)")
     args = parser.parse_args()
 
     from lorajob_devcluster import ControlPlaneConfig, SimCluster
@@ -97,8 +104,9 @@ def main() -> None:
         cluster.create_namespace_with_queue(NAMESPACE)
         cluster.kubectl("-n", NAMESPACE, "create", "secret", "generic", "hf-token", "--from-literal=HF_TOKEN=hf_bench")
         log = Path(tempfile.mkdtemp(prefix="lorajob-bench-")) / "operator.log"
-        with OperatorProcess(cluster.kubeconfig, [NAMESPACE], log):
+        with OperatorProcess(cluster.kubeconfig, [NAMESPACE], log, verbose=args.verbose):
             latencies = sorted(measure(cluster, args.jobs))
+        print(f"operator log: {log}")
     ms = [1000 * value for value in latencies]
     p90 = ms[min(len(ms) - 1, int(round(0.9 * (len(ms) - 1))))]
     print(f"create LoRAJob -> first JobSet exists, {len(ms)} jobs (operator defaults, resync 10 s):")

@@ -10,16 +10,27 @@ import time
 from pathlib import Path
 
 from . import build, toolchain
-from .controlplane import ControlPlaneConfig
-from .simcluster import SimCluster
+from .controlplane import ControlPlaneConfig, KubectlError
+from .process import ComponentFailed
+from .simcluster import SimCluster, SimClusterError
 from .versions import DEFAULT_VERSIONS, bin_dir
+
+STARTUP_ERRORS = (
+    build.BuildError,
+    toolchain.ToolchainError,
+    ComponentFailed,
+    SimClusterError,
+    KubectlError,
+    TimeoutError,
+    ValueError,
+)
 
 
 def command_build(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         path = build.build(tuple(args.components) or build.COMPONENT_NAMES)
-    except (build.BuildError, toolchain.ToolchainError) as error:
+    except STARTUP_ERRORS as error:
         print(f"build failed: {error}", file=sys.stderr)
         return 1
     print(f"binaries in {path} (checked in {time.monotonic() - started:.1f} s)")
@@ -34,13 +45,17 @@ def command_up(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
     plane_config = ControlPlaneConfig(state_dir=args.state_dir, crd_dirs=tuple(args.crds))
     started = time.monotonic()
-    with SimCluster.start(plane_config=plane_config) as cluster:
-        print(f"simulated cluster up in {time.monotonic() - started:.1f} s")
-        print(f"kubeconfig: {cluster.kubeconfig}")
-        print(f"export KUBECONFIG={cluster.kubeconfig}", flush=True)
-        print(f"kubectl: {bin_dir() / 'kubectl'}  (Ctrl-C to stop)", flush=True)
-        stop.wait()
-        print("stopping ...", flush=True)
+    try:
+        with SimCluster.start(plane_config=plane_config) as cluster:
+            print(f"simulated cluster up in {time.monotonic() - started:.1f} s")
+            print(f"kubeconfig: {cluster.kubeconfig}")
+            print(f"export KUBECONFIG={cluster.kubeconfig}", flush=True)
+            print(f"kubectl: {bin_dir() / 'kubectl'}  (Ctrl-C to stop)", flush=True)
+            stop.wait()
+            print("stopping ...", flush=True)
+    except STARTUP_ERRORS as error:
+        print(f"up failed: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -90,8 +90,9 @@ class ControlPlane:
 
     # --- processes -------------------------------------------------------------------------
 
-    def launch(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
-        process = ManagedProcess(name, argv, self.state_dir / f"{name}.log", env).start()
+    def launch(self, name: str, argv: list[str]) -> ManagedProcess:
+        """Start a component whose output goes to <state dir>/<name>.log; `stop()` ends it."""
+        process = ManagedProcess(name, argv, self.state_dir / f"{name}.log").start()
         self.processes.append(process)
         return process
 

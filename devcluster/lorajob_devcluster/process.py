@@ -33,14 +33,13 @@ class ManagedProcess:
     name: str
     argv: list[str]
     log_path: Path
-    env: dict[str, str] | None = None
     popen: subprocess.Popen | None = None
 
     def start(self) -> "ManagedProcess":
         log = open(self.log_path, "ab")
         # A new session keeps Ctrl-C in the foreground CLI from reaching children before we stop them in order.
         self.popen = subprocess.Popen(
-            self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env, start_new_session=True
+            self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
         log.close()
         return self

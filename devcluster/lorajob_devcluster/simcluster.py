@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import ssl
 import urllib.request
@@ -41,6 +42,13 @@ class SimClusterError(RuntimeError):
 class SimClusterConfig:
     node_pools: tuple[topology.NodePool, ...] = topology.DEFAULT_NODE_POOLS
     pod_timing: kwok_stages.PodTiming = kwok_stages.PodTiming()
+
+
+def _replace_atomically(source: Path, destination: Path) -> None:
+    """Clusters started at the same time share Kueue's fixed metrics-cert path: never expose a half-written file."""
+    partial = destination.with_name(f".{destination.name}.{os.getpid()}")
+    shutil.copyfile(source, partial)
+    os.replace(partial, destination)
 
 
 def _http_ok(url: str) -> bool:
@@ -110,8 +118,8 @@ class SimCluster:
         for directory in (self.webhook_cert_dir, KUEUE_METRICS_CERT_DIR):
             try:
                 directory.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(self.plane.pki.webhook.cert, directory / "tls.crt")
-                shutil.copyfile(self.plane.pki.webhook.key, directory / "tls.key")
+                _replace_atomically(self.plane.pki.webhook.cert, directory / "tls.crt")
+                _replace_atomically(self.plane.pki.webhook.key, directory / "tls.key")
             except PermissionError as error:
                 raise SimClusterError(f"cannot write webhook certificates to {directory} ({error}); Kueue needs them there") from error
 

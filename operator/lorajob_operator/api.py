@@ -412,6 +412,30 @@ class Progress(_Model):
     """summary such as 120/500 (24%), for kubectl get."""
 
 
+class ResolvedImages(_Model):
+    """The images the steps run with."""
+
+    trainer: str | None = None
+    """trainer image."""
+    pathways_server: str | None = None
+    """pathwaysServer image."""
+    pathways_proxy: str | None = None
+    """pathwaysProxy image."""
+
+
+class Resolved(_Model):
+    """Settings the operator filled in from its defaults and LoRAJobPolicies (the spec is never rewritten)."""
+
+    queue_name: str | None = None
+    """queueName is the Kueue LocalQueue the steps are submitted to."""
+    cpu_node_pool: str | None = None
+    """cpuNodePool hosts the Pathways head and the convert/export pods."""
+    images: ResolvedImages | None = None
+    """images the steps run with."""
+    policies: list[str] = Field(default_factory=list, max_length=64)
+    """policies are the LoRAJobPolicies that apply to this LoRAJob's namespace."""
+
+
 class LoRAJobStatus(_Model):
     """LoRAJobStatus is computed by the operator from the child JobSets and their Kueue Workloads."""
 
@@ -435,6 +459,8 @@ class LoRAJobStatus(_Model):
     """outputs of the run."""
     progress: Progress | None = None
     """progress of training."""
+    resolved: Resolved | None = None
+    """resolved records the defaults the operator applied (queue, images, CPU node pool) and the policies in force."""
 
 
 PRINTER_COLUMNS = [

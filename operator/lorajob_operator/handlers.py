@@ -41,8 +41,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=KOPF_ANNOTATION_PREFIX)
     settings.persistence.finalizer = f"{KOPF_ANNOTATION_PREFIX}/finalizer"
     settings.posting.enabled = False  # our events are the phase transitions, posted by the reconciler
+    # Handlers block on API calls; enough threads that one slow LoRAJob does not delay the others.
+    settings.execution.max_workers = ours.reconcile.workers
     memo.reconciler = Reconciler(Cluster(_api_client()), ours)
     memo.resync = Resync(memo.reconciler, memo.namespaces)
+    memo.jobset_states = {}  # JobSet uid -> _jobset_state; kopf runs one handler at a time per object
     memo.resync.start()
     logger.info("lorajob operator configured: %s", ours)
 
@@ -57,13 +60,29 @@ def _reconcile(memo: kopf.Memo, namespace: str, name: str) -> None:
 
 
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
-def lorajob_changed(type: str, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-    if type != "DELETED":
+def lorajob_changed(type: str, body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    # A MODIFIED event whose status already reflects the spec is our own status write: skip it
+    # (the resync pass still looks at every LoRAJob).
+    settled = body.status.get("observedGeneration") == body.metadata.get("generation")
+    if type != "DELETED" and not (type == "MODIFIED" and settled):
         _reconcile(memo, namespace, name)
 
 
+def _jobset_state(body: kopf.Body) -> tuple:
+    """What the reconcile reads from a JobSet; replica counts and other status churn leave it unchanged."""
+    conditions = tuple(sorted((c.get("type"), c.get("status")) for c in body.status.get("conditions") or []))
+    return body.metadata.get("deletionTimestamp"), body.spec.get("suspend"), conditions
+
+
 @kopf.on.event("jobset.x-k8s.io", "v1alpha2", "jobsets", labels={render.LABEL_RUN: kopf.PRESENT})
-def jobset_changed(body: kopf.Body, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+def jobset_changed(type: str, body: kopf.Body, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    uid, state = body.metadata.get("uid"), _jobset_state(body)
+    if type == "DELETED":
+        memo.jobset_states.pop(uid, None)
+    elif memo.jobset_states.get(uid) == state:
+        return
+    else:
+        memo.jobset_states[uid] = state
     for owner in body.metadata.get("ownerReferences") or []:
         if owner.get("kind") == api.KIND and owner.get("controller"):
             _reconcile(memo, namespace, owner["name"])

@@ -57,10 +57,17 @@ class Cluster:
             result = self.custom.list_namespaced_custom_object(group, version, namespace, plural, label_selector=selector)
         return result["items"]
 
-    def workload_of(self, jobset: dict) -> dict | None:
-        namespace, uid = jobset["metadata"]["namespace"], jobset["metadata"]["uid"]
-        workloads = self.list(WORKLOAD, namespace, f"{KUEUE_JOB_UID_LABEL}={uid}")
-        return max(workloads, key=lambda w: w["metadata"]["creationTimestamp"]) if workloads else None
+    def workloads_of(self, namespace: str, jobsets: list[dict]) -> dict[str, dict]:
+        """The newest Kueue Workload of each JobSet, by JobSet uid (one list request)."""
+        if not jobsets:
+            return {}
+        uids = ",".join(jobset["metadata"]["uid"] for jobset in jobsets)
+        newest: dict[str, dict] = {}
+        for workload in self.list(WORKLOAD, namespace, f"{KUEUE_JOB_UID_LABEL} in ({uids})"):
+            uid = workload["metadata"]["labels"][KUEUE_JOB_UID_LABEL]
+            if uid not in newest or workload["metadata"]["creationTimestamp"] > newest[uid]["metadata"]["creationTimestamp"]:
+                newest[uid] = workload
+        return newest
 
     def pods_of(self, jobset: dict) -> list[dict]:
         pods = self.core.list_namespaced_pod(
@@ -118,15 +125,16 @@ def observe(cluster: Cluster, body: dict, now: datetime) -> Observed:
     if spec is not None:
         problems, cluster_queue = spec_problems(cluster, namespace, spec)
         run = render.run_name(spec, name)
-        for phase in rules.phases(spec):
-            jobset = cluster.get(JOBSET, namespace, rules.child_name(run, phase))
-            if jobset is None:
-                continue
-            workload = cluster.workload_of(jobset)
+        names = {rules.child_name(run, phase): phase for phase in rules.phases(spec)}
+        # A JobSet holding one of these names without our label is found when creating it fails (409).
+        jobsets = [js for js in cluster.list(JOBSET, namespace, f"{render.LABEL_RUN}={run}") if js["metadata"]["name"] in names]
+        workloads = cluster.workloads_of(namespace, jobsets)
+        for jobset in jobsets:
+            workload = workloads.get(jobset["metadata"]["uid"])
             child = observe_child(jobset, uid, workload)
             if child.failed and child.owned:  # only then are its pods worth reading: to name the failed container
                 child = observe_child(jobset, uid, workload, cluster.pods_of(jobset))
-            children[phase] = child
+            children[names[jobset["metadata"]["name"]]] = child
     return Observed(
         name=name,
         namespace=namespace,
@@ -154,6 +162,7 @@ class Reconciler:
 
     def reconcile(self, namespace: str, name: str) -> float | None:
         """One pass over one LoRAJob; returns when it wants to be looked at again (seconds), if sooner than a resync."""
+        started = time.monotonic()
         with self._lock((namespace, name)):
             body = self.cluster.get(LORAJOB, namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
@@ -161,10 +170,16 @@ class Reconciler:
             observed = observe(self.cluster, body, datetime.now(timezone.utc))
             decision = decide(observed, self.settings.reconcile)
             self._apply(body, observed, decision)
-            return decision.requeue_after
+        log.debug("reconciled %s/%s in %.0f ms: %s", namespace, name, 1000 * (time.monotonic() - started), decision.status.get("phase"))
+        return decision.requeue_after
 
     def _apply(self, body: dict, observed: Observed, decision: Decision) -> None:
+        """Creations first (the next pass finds them either way), then status, which records a retry
+        before its failed try is deleted, then deletions and events."""
         namespace, name = observed.namespace, observed.name
+        for create in decision.create:
+            if not self._create_child(body, observed, create.phase, create.attempt):
+                return  # blocked: _create_child wrote the status that says why
         if decision.status != observed.status:
             self.cluster.custom.patch_namespaced_custom_object_status(
                 *LORAJOB[:2], namespace, LORAJOB[2], name, {"status": decision.status}
@@ -178,8 +193,6 @@ class Reconciler:
         for child in decision.delete:
             log.info("deleting JobSet %s/%s", namespace, child)
             self._delete(JOBSET, namespace, child, "Foreground")
-        for create in decision.create:
-            self._create_child(body, observed, create.phase, create.attempt)
 
     def _delete(self, resource, namespace: str, name: str, propagation: str) -> None:
         try:
@@ -190,7 +203,8 @@ class Reconciler:
             if not _missing(error):
                 raise
 
-    def _create_child(self, body: dict, observed: Observed, phase: str, attempt: int) -> None:
+    def _create_child(self, body: dict, observed: Observed, phase: str, attempt: int) -> bool:
+        """Create the JobSet; False when it cannot be (the LoRAJob's status then says why)."""
         owner = render.Owner(observed.name, observed.namespace, body["metadata"]["uid"])
         jobset = render.render_phase(phase, observed.spec, owner, self.settings.render, attempt)
         try:
@@ -198,27 +212,40 @@ class Reconciler:
                 *JOBSET[:2], observed.namespace, JOBSET[2], jobset, field_manager=FIELD_MANAGER
             )
             log.info("created JobSet %s/%s (%s, try %d)", observed.namespace, jobset["metadata"]["name"], phase, attempt)
+            return True
         except ApiException as error:
+            name = jobset["metadata"]["name"]
             if error.status == 409:
-                return  # it exists: the next pass reads it (and reports a name clash if it is not ours)
-            if error.status in (400, 403, 422):
-                self._report_rejection(body, observed, jobset["metadata"]["name"], error)
-                return
-            raise
+                existing = self.cluster.get(JOBSET, observed.namespace, name)
+                if existing is None or render.LABEL_RUN in (existing["metadata"].get("labels") or {}):
+                    return True  # ours or another LoRAJob's: the next pass reads it from the listing
+                self._report_blocked(
+                    body, observed, "NameTaken",
+                    f"a JobSet named {name} already exists and is not controlled by this LoRAJob; "
+                    "delete it or set another spec.runName",
+                )
+            elif error.status in (400, 403, 422):
+                self._report_blocked(body, observed, "JobSetRejected", f"the API server rejected JobSet {name}: {_api_message(error)}")
+            else:
+                raise
+            return False
 
-    def _report_rejection(self, body: dict, observed: Observed, jobset_name: str, error: ApiException) -> None:
-        message = f"the API server rejected JobSet {jobset_name}: {_api_message(error)}"
+    def _report_blocked(self, body: dict, observed: Observed, reason: str, message: str) -> None:
+        """A child could not be created: say why in status (the spec may need a change) and an event."""
         status = dict(observed.status)
+        previous = [c for c in status.get("conditions") or [] if c.get("type") == "Blocked"]
+        if previous and (previous[0].get("status"), previous[0].get("reason"), previous[0].get("message")) == ("True", reason, message):
+            return  # already said
         conditions = [c for c in status.get("conditions") or [] if c.get("type") != "Blocked"]
         conditions.append({
-            "type": "Blocked", "status": "True", "reason": "JobSetRejected", "message": message,
+            "type": "Blocked", "status": "True", "reason": reason, "message": message,
             "lastTransitionTime": format_time(observed.now), "observedGeneration": observed.generation,
         })
         status.update(phase=api.Phase.Pending.value, message=message, conditions=conditions)
         self.cluster.custom.patch_namespaced_custom_object_status(
             *LORAJOB[:2], observed.namespace, LORAJOB[2], observed.name, {"status": status}
         )
-        self._event(body, "Warning", "JobSetRejected", message)
+        self._event(body, "Warning", reason, message)
 
     def _event(self, body: dict, event_type: str, reason: str, message: str) -> None:
         metadata = body["metadata"]

@@ -24,11 +24,15 @@ def _free_port() -> int:
 class OperatorProcess:
     """`python -m lorajob_operator` watching `namespaces`, with LORAJOB_* `settings` in its environment."""
 
-    def __init__(self, kubeconfig: Path, namespaces: list[str], log_path: Path, settings: dict[str, str] | None = None):
+    def __init__(
+        self, kubeconfig: Path, namespaces: list[str], log_path: Path, settings: dict[str, str] | None = None,
+        verbose: bool = False,
+    ):
         self.kubeconfig = kubeconfig
         self.namespaces = namespaces
         self.log_path = log_path
         self.settings = settings or {}
+        self.verbose = verbose
         self.liveness_url = f"http://127.0.0.1:{_free_port()}/healthz"
         self._process: subprocess.Popen | None = None
 
@@ -38,6 +42,8 @@ class OperatorProcess:
         command = [sys.executable, "-m", "lorajob_operator", "--liveness", self.liveness_url]
         for namespace in self.namespaces:
             command += ["--namespace", namespace]
+        if self.verbose:
+            command.append("--verbose")
         log = self.log_path.open("ab")
         self._process = subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT)
         log.close()

@@ -62,6 +62,8 @@ class ReconcileSettings:
     retry_backoff_max_seconds: float = 600.0
     blocked_recheck_seconds: float = 30.0
     """How often a LoRAJob blocked on a missing Secret or LocalQueue looks again."""
+    workers: int = 16
+    """Threads running reconcile passes (each waits on API calls most of the time)."""
 
 
 @dataclasses.dataclass(frozen=True)

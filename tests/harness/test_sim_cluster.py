@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime
 
 import pytest
 import yaml
 
-from lorajob_devcluster import SLOW_IMAGE, condition_is_true, failing_image, wait_for
+from lorajob_devcluster import RUN_DURATION_ANNOTATION, SLOW_IMAGE, condition_is_true, failing_image, wait_for
 from lorajob_devcluster.topology import (
     ACCELERATOR_LABEL,
     CLUSTER_QUEUE_NAME,
+    CPU_NP,
+    NODEPOOL_LABEL,
     QUEUE_NAME_LABEL,
     TOPOLOGY_LABEL,
     TPU_RESOURCE,
@@ -158,3 +161,28 @@ def test_kueue_converts_between_its_served_versions_through_the_loopback_webhook
     old = sim_cluster.get_json(f"clusterqueues.v1beta1.kueue.x-k8s.io/{CLUSTER_QUEUE_NAME}")
     assert old["apiVersion"] == "kueue.x-k8s.io/v1beta1"
     assert old["spec"]["resourceGroups"][0]["coveredResources"] == ["cpu", "memory", TPU_RESOURCE]
+
+
+def cpu_jobset(name: str, run_duration: str) -> dict:
+    """A CPU-only queued JobSet (like the convert/export phases): no nodeSelector, no TPU request."""
+    resources = {"cpu": "2", "memory": "4Gi"}
+    pod_spec = {"restartPolicy": "Never", "containers": [{"name": "main", "image": "sim.lorajob.dev/convert", "resources": {"requests": resources}}]}
+    template = {"metadata": {"annotations": {RUN_DURATION_ANNOTATION: run_duration}}, "spec": pod_spec}
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": {QUEUE_NAME_LABEL: "lorajob"}},
+        "spec": {"replicatedJobs": [{"name": "convert", "replicas": 1, "template": {"spec": {"backoffLimit": 0, "template": template}}}]},
+    }
+
+
+def test_cpu_jobset_lands_on_cpu_nodes_and_runs_for_its_annotated_duration(sim_cluster, queue_namespace):
+    create(sim_cluster, cpu_jobset("convert", run_duration="4s"))
+    wait_for(lambda: jobset_condition(sim_cluster, "convert", "Completed"), TIMEOUT, "JobSet convert Completed")
+    (pod,) = jobset_pods(sim_cluster, "convert")
+    assert pod["spec"]["nodeName"] in CPU_NP.node_names(), "CPU flavor comes first, so CPU-only pods avoid TPU hosts"
+    assert pod["spec"]["nodeSelector"] == {NODEPOOL_LABEL: CPU_NP.name}
+    started = datetime.fromisoformat(pod["status"]["startTime"])
+    finished = datetime.fromisoformat(pod["status"]["containerStatuses"][0]["state"]["terminated"]["finishedAt"])
+    assert (finished - started).total_seconds() >= 4
+    delete_jobset(sim_cluster, "convert")
