@@ -22,6 +22,7 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -281,6 +282,8 @@ def maxtext_series(out: Path) -> tuple[list[float], list[float], list[int]]:
 
 def run_one(system: str, workspace: Workspace, hyper: Hyper, repeat: int, maxtext_python: Path) -> RunResult:
     out = workspace.root / workspace.shape.name / f"run-{repeat}-{system}"
+    # Fresh every time: both trainers resume from checkpoints left in their run directory.
+    shutil.rmtree(out, ignore_errors=True)
     if system == "ours":
         command, env = ours_command(workspace, hyper, out)
     else:

@@ -14,7 +14,13 @@ SAMPLE = REPO_ROOT / "examples" / "qwen3-gsm8k.yaml"
 HF_SECRET = "hf-token"
 
 
-def sample(name: str, *, train_only: bool = False, trainer_image: str | None = None, **scheduling) -> dict:
+def every_image(image: str) -> dict:
+    """spec.images running `image` in every container (the Pathways workers too: in the simulation a
+    worker that exits early would give its TPU quota back to Kueue, which a real one never does)."""
+    return {"trainer": image, "pathwaysServer": image, "pathwaysProxy": image}
+
+
+def sample(name: str, *, train_only: bool = False, images: dict | None = None, **scheduling) -> dict:
     """The tutorial sample (convert -> Pathways train on v6e-16 -> export), renamed; `train_only`
     starts from a trainer checkpoint and skips the export."""
     body = copy.deepcopy(yaml.safe_load(SAMPLE.read_text()))
@@ -24,8 +30,8 @@ def sample(name: str, *, train_only: bool = False, trainer_image: str | None = N
     if train_only:
         spec["model"] = {"name": spec["model"]["name"], "maxtextCheckpoint": "gs://my-bucket/qwen3/0/items"}
         spec["export"] = {"enabled": False}
-    if trainer_image:
-        spec["images"] = {"trainer": trainer_image}
+    if images:
+        spec["images"] = images
     spec["scheduling"] |= scheduling
     return body
 

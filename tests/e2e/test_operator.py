@@ -7,7 +7,7 @@ import json
 import urllib.request
 
 import pytest
-from lorajobs import condition, sample
+from lorajobs import condition, every_image, sample
 
 from lorajob_devcluster import HANG_IMAGE, SLOW_IMAGE, failing_image
 from lorajob_operator import render
@@ -53,7 +53,7 @@ def test_full_chain_runs_convert_train_export_to_success(lorajobs, operator):
 
 
 def test_a_second_job_waits_in_kueue_until_the_first_releases_the_tpu_slice(lorajobs, operator):
-    lorajobs.apply(sample("first", train_only=True, trainer_image=SLOW_IMAGE))
+    lorajobs.apply(sample("first", train_only=True, images=every_image(SLOW_IMAGE)))
     lorajobs.wait_phase("first", "Training", timeout=60)
     lorajobs.apply(sample("second", train_only=True))
 
@@ -82,7 +82,7 @@ def test_a_second_job_waits_in_kueue_until_the_first_releases_the_tpu_slice(lora
 
 
 def test_a_failing_train_step_fails_the_job_with_the_reason_and_never_exports(lorajobs, operator):
-    body = sample("broken", trainer_image=failing_image(42), retryLimit=1)
+    body = sample("broken", images={"trainer": failing_image(42)}, retryLimit=1)
     body["spec"]["model"] = {"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://my-bucket/qwen3/0/items"}  # train first
     lorajobs.apply(body)
     failed = lorajobs.wait_phase("broken", "Failed", timeout=150)
@@ -116,7 +116,7 @@ def test_operator_killed_mid_chain_resumes_with_exactly_one_jobset_per_step(lora
 
 
 def test_suspend_deletes_the_running_step_and_resume_recreates_it(lorajobs, operator):
-    lorajobs.apply(sample("pause", train_only=True, trainer_image=HANG_IMAGE))
+    lorajobs.apply(sample("pause", train_only=True, images=every_image(HANG_IMAGE)))
     lorajobs.wait_phase("pause", "Training", timeout=60)
     before = _ours(lorajobs.jobsets(), "pause")["train"]["metadata"]["uid"]
 
@@ -137,7 +137,7 @@ def test_suspend_deletes_the_running_step_and_resume_recreates_it(lorajobs, oper
 
 
 def test_deleting_a_lorajob_deletes_its_children(lorajobs, operator):
-    lorajobs.apply(sample("gone", train_only=True, trainer_image=HANG_IMAGE))
+    lorajobs.apply(sample("gone", train_only=True, images=every_image(HANG_IMAGE)))
     lorajobs.wait_phase("gone", "Training", timeout=60)
     assert _ours(lorajobs.jobsets(), "gone")
 

@@ -87,7 +87,10 @@ def test_two_processes_give_the_single_process_losses(tmp_path):
 
     single, multi = losses(tmp_path / "single"), losses(tmp_path / "multi")
     assert len(single) == len(multi) == 6
-    np.testing.assert_allclose(multi, single, rtol=1e-5)
+    # The first step sees identical adapters; later ones differ only by the summation order of the
+    # cross-process gradient reduction, which Adam (lr 1e-2) carries forward.
+    np.testing.assert_allclose(multi[0], single[0], rtol=1e-6)
+    np.testing.assert_allclose(multi, single, rtol=5e-4)
     assert sorted(p.name for p in (tmp_path / "multi" / "run" / "checkpoints").iterdir() if p.name.isdigit()) == ["3", "6"]
 
 
@@ -115,3 +118,67 @@ def test_each_process_holds_about_half_the_model(tmp_path):
     for rss in process_rss:
         # Ideal saving is half the model; demand at least a third of it.
         assert single_rss - rss > model_bytes / 3, (model_bytes, single_rss, process_rss)
+
+
+# ---------------------------------------------------------------- start-up environment and mesh shape
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        pytest.param({}, ("single", "", 1, 0), id="nothing-set"),
+        pytest.param({"JAX_PLATFORMS": "proxy", "JAX_NUM_PROCESSES": "4"}, ("pathways", "", 1, 0), id="pathways"),
+        pytest.param({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1", "JAX_COORDINATOR_ADDRESS": "head"},
+                     ("multi-controller", "head:8476", 2, 1), id="default-port"),
+        pytest.param({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0", "JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"},
+                     ("multi-controller", "10.0.0.1:1234", 2, 0), id="explicit-port"),
+    ],
+)
+def test_launch_mode_comes_from_the_environment(env, expected):
+    from lorajob_trainer import distributed
+
+    launch = distributed.launch_from_env(env)
+    assert (launch.mode, launch.coordinator_address, launch.num_processes, launch.process_id) == expected
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        pytest.param({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}, "JAX_COORDINATOR_ADDRESS", id="no-coordinator"),
+        pytest.param({"JAX_NUM_PROCESSES": "2", "JAX_COORDINATOR_ADDRESS": "h"}, "JAX_PROCESS_ID", id="no-process-id"),
+        pytest.param({"JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES", id="not-a-number"),
+        pytest.param({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2", "JAX_COORDINATOR_ADDRESS": "h"},
+                     "JAX_PROCESS_ID", id="id-out-of-range"),
+    ],
+)
+def test_incomplete_distributed_environment_is_named(env, named):
+    from lorajob_trainer import distributed
+
+    with pytest.raises(distributed.DistributedConfigError, match=named):
+        distributed.launch_from_env(env)
+
+
+@pytest.mark.parametrize(
+    ("axes", "devices", "slices", "expected"),
+    [
+        pytest.param({}, 8, 1, (1, 8, 1), id="fsdp-fills"),
+        pytest.param({"tensor": 2}, 8, 1, (1, 4, 2), id="tensor-within"),
+        pytest.param({}, 16, 2, (2, 8, 1), id="data-across-slices"),
+        pytest.param({"data": 2, "fsdp": 2, "tensor": 2}, 8, 1, (2, 2, 2), id="explicit"),
+    ],
+)
+def test_mesh_shape(axes, devices, slices, expected):
+    from lorajob_trainer.config import MeshConfig
+    from lorajob_trainer.mesh import mesh_shape
+
+    assert mesh_shape(MeshConfig(**axes), devices, slices) == expected
+
+
+def test_mesh_that_does_not_use_every_device_is_rejected():
+    from lorajob_trainer.config import MeshConfig
+    from lorajob_trainer.mesh import MeshError, mesh_shape
+
+    with pytest.raises(MeshError, match="8 are available"):
+        mesh_shape(MeshConfig(fsdp=2, tensor=2), 8, 1)
+    with pytest.raises(MeshError, match="does not divide"):
+        mesh_shape(MeshConfig(tensor=3), 8, 1)
