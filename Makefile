@@ -10,5 +10,8 @@ demo: setup
 test: setup
 	.venv/bin/python -m pytest
 
+train-demo: setup
+	HF_HUB_OFFLINE=1 .venv/bin/python -m lorajob_trainer.demo --out out/train-demo
+
 crds:
 	.venv/bin/python -m lorajob_operator.crd

@@ -4,6 +4,7 @@ metrics / progress / checkpoints are written, and the loss respects packing and 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import jax
@@ -168,6 +169,9 @@ def test_lora_restore_path_starts_from_an_earlier_adapter(run, tiny_model, tmp_p
         np.testing.assert_allclose(np.asarray(trainer.lora[name]), value, atol=1e-6)
 
 
-def test_invalid_config_exits_2_naming_the_key(capsys):
+def test_invalid_config_exits_2_naming_the_key(capsys, monkeypatch):
+    package_logger = logging.getLogger("lorajob_trainer")  # main() configures it; undo after the test
+    for attribute in ("handlers", "propagate", "level"):
+        monkeypatch.setattr(package_logger, attribute, getattr(package_logger, attribute))
     assert train_lib.main(["run_name=x", "lora.rank=4"]) == 2
     assert "lora.rank" in capsys.readouterr().err

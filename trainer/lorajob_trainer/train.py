@@ -546,8 +546,18 @@ def train(config: TrainConfig) -> RunResult:
         trainer.close()
 
 
+def configure_logging() -> None:
+    """INFO lines of this package on stderr (JAX/absl install their own root handler, so no basicConfig)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    package_logger = logging.getLogger("lorajob_trainer")
+    package_logger.handlers = [handler]
+    package_logger.setLevel(logging.INFO)
+    package_logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     try:
         config = TrainConfig.from_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as error:
