@@ -13,10 +13,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.lorajob-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/constraints.txt -nt "$stamp" ]; then
   echo "==> installing Python packages (lorajob[operator,trainer,dev])"
   start=$(date +%s)
-  .venv/bin/pip install --quiet -e ".[operator,trainer,dev]"
+  .venv/bin/pip install --quiet -c scripts/constraints.txt -e ".[operator,trainer,dev]"
   touch "$stamp"
   echo "==> Python packages installed in $(( $(date +%s) - start ))s"
 fi
