@@ -15,9 +15,9 @@ from datetime import datetime, timezone
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from lorajob_operator import api, render, rules
-from lorajob_operator.reconcile import Decision, Observed, decide, format_time, observe_child
-from lorajob_operator.settings import OperatorSettings
+from lorajob_operator import api, policy, render, rules
+from lorajob_operator.reconcile import Decision, Observed, decide, effective_spec, format_time, observe_child
+from lorajob_operator.settings import OperatorSettings, RenderSettings
 
 log = logging.getLogger("lorajob.operator")
 
@@ -25,6 +25,7 @@ JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
 WORKLOAD = ("kueue.x-k8s.io", "v1beta2", "workloads")
 LOCAL_QUEUE = ("kueue.x-k8s.io", "v1beta2", "localqueues")
 LORAJOB = (api.GROUP, api.VERSION, api.PLURAL)
+LORAJOB_POLICY = (api.GROUP, api.VERSION, policy.PLURAL)
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 FIELD_MANAGER = "lorajob-operator"
@@ -56,6 +57,19 @@ class Cluster:
         else:
             result = self.custom.list_namespaced_custom_object(group, version, namespace, plural, label_selector=selector)
         return result["items"]
+
+    def policies(self) -> tuple[policy.LoRAJobPolicy, ...]:
+        """Every LoRAJobPolicy; none while its CRD is not installed."""
+        try:
+            objects = self.list(LORAJOB_POLICY, None)
+        except ApiException as error:
+            if _missing(error):
+                return ()
+            raise
+        return tuple(policy.LoRAJobPolicy.from_object(obj) for obj in objects)
+
+    def namespace_labels(self, namespace: str) -> dict[str, str]:
+        return self.core.read_namespace(namespace).metadata.labels or {}
 
     def workloads_of(self, namespace: str, jobsets: list[dict]) -> dict[str, dict]:
         """The newest Kueue Workload of each JobSet, by JobSet uid (one list request)."""
@@ -109,7 +123,7 @@ def spec_problems(cluster: Cluster, namespace: str, spec: api.LoRAJobSpec) -> tu
         if local_queue is None:
             problems.append((
                 "LocalQueueNotFound",
-                f"Kueue LocalQueue {queue} (spec.scheduling.queueName) does not exist in namespace {namespace}; "
+                f"Kueue LocalQueue {queue} (spec.scheduling.queueName or a LoRAJobPolicy default) does not exist in namespace {namespace}; "
                 "ask your admin for the queue name to use",
             ))
         else:
@@ -117,13 +131,15 @@ def spec_problems(cluster: Cluster, namespace: str, spec: api.LoRAJobSpec) -> tu
     return problems, cluster_queue
 
 
-def observe(cluster: Cluster, body: dict, now: datetime) -> Observed:
+def observe(cluster: Cluster, body: dict, now: datetime, render_settings: RenderSettings) -> Observed:
     metadata = body["metadata"]
     namespace, name, uid = metadata["namespace"], metadata["name"], metadata["uid"]
     spec, errors = render.parse_spec(body)
     children, problems, cluster_queue = {}, [], None
+    policies, namespace_labels = cluster.policies(), cluster.namespace_labels(namespace)
     if spec is not None:
-        problems, cluster_queue = spec_problems(cluster, namespace, spec)
+        defaults = policy.resolve_defaults(policies, namespace_labels, spec)
+        problems, cluster_queue = spec_problems(cluster, namespace, effective_spec(spec, defaults))
         run = render.run_name(spec, name)
         names = {rules.child_name(run, phase): phase for phase in rules.phases(spec)}
         # A JobSet holding one of these names without our label is found when creating it fails (409).
@@ -146,6 +162,9 @@ def observe(cluster: Cluster, body: dict, now: datetime) -> Observed:
         problems=tuple(problems),
         cluster_queue=cluster_queue,
         now=now,
+        policies=policies,
+        namespace_labels=namespace_labels,
+        render=render_settings,
     )
 
 
@@ -167,7 +186,7 @@ class Reconciler:
             body = self.cluster.get(LORAJOB, namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
                 return None
-            observed = observe(self.cluster, body, datetime.now(timezone.utc))
+            observed = observe(self.cluster, body, datetime.now(timezone.utc), self.settings.render)
             decision = decide(observed, self.settings.reconcile)
             self._apply(body, observed, decision)
         log.debug("reconciled %s/%s in %.0f ms: %s", namespace, name, 1000 * (time.monotonic() - started), decision.status.get("phase"))
@@ -206,7 +225,7 @@ class Reconciler:
     def _create_child(self, body: dict, observed: Observed, phase: str, attempt: int) -> bool:
         """Create the JobSet; False when it cannot be (the LoRAJob's status then says why)."""
         owner = render.Owner(observed.name, observed.namespace, body["metadata"]["uid"])
-        jobset = render.render_phase(phase, observed.spec, owner, self.settings.render, attempt)
+        jobset = render.render_phase(phase, observed.effective_spec, owner, self.settings.render, attempt)
         try:
             self.cluster.custom.create_namespaced_custom_object(
                 *JOBSET[:2], observed.namespace, JOBSET[2], jobset, field_manager=FIELD_MANAGER

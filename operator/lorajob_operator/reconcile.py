@@ -20,16 +20,23 @@ Mechanisms, in one place:
 * activeDeadlineSeconds counts from the later of startTime and the last resume.
 * ttlSecondsAfterFinished deletes the LoRAJob; its children follow through their ownerReferences.
 * Succeeded and Failed are final.
+* LoRAJobPolicy: the policies governing the namespace are checked until the first step's JobSet exists
+  (status.startTime unset); a violation fails the LoRAJob with reason PolicyViolation and creates
+  nothing. A policy changed later does not stop a running LoRAJob (as admission would not): its
+  steps keep going. The policies' defaults (queue, images, CPU node pool) are resolved on every pass
+  into an in-memory copy of the spec (`effective_spec`) that the steps are rendered from, and
+  recorded in status.resolved; the object's spec is never written.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from datetime import datetime, timedelta, timezone
+from typing import Mapping
 
-from lorajob_operator import api, rules
+from lorajob_operator import api, policy, rules
 from lorajob_operator.render import LABEL_ATTEMPT, LABEL_PHASE, run_paths
-from lorajob_operator.settings import ReconcileSettings
+from lorajob_operator.settings import ReconcileSettings, RenderSettings
 
 RUNNING_PHASE = {"convert": api.Phase.Converting, "train": api.Phase.Training, "export": api.Phase.Exporting}
 TERMINAL_PHASES = (api.Phase.Succeeded.value, api.Phase.Failed.value)
@@ -104,8 +111,44 @@ class Observed:
     problems: tuple[tuple[str, str], ...]
     """(reason, message) of operator-visible spec problems, e.g. a missing Secret."""
     cluster_queue: str | None
-    """The ClusterQueue behind spec.scheduling.queueName (from the LocalQueue)."""
+    """The ClusterQueue behind the effective queue name (from the LocalQueue)."""
     now: datetime
+    policies: tuple[policy.LoRAJobPolicy, ...] = ()
+    """Every LoRAJobPolicy in the cluster (the namespace's labels pick the ones that govern it)."""
+    namespace_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    render: RenderSettings = RenderSettings()
+    """The operator's own defaults, used where neither the LoRAJob nor a policy sets a value."""
+
+    @property
+    def defaults(self) -> policy.ResolvedDefaults:
+        return policy.resolve_defaults(self.policies, self.namespace_labels, self.spec)
+
+    @property
+    def effective_spec(self) -> api.LoRAJobSpec:
+        return effective_spec(self.spec, self.defaults)
+
+
+def effective_spec(spec: api.LoRAJobSpec, defaults: policy.ResolvedDefaults) -> api.LoRAJobSpec:
+    """The spec the steps run with: the LoRAJob's values, else the policies' defaults (a copy; never written back)."""
+    return spec.model_copy(update={
+        "scheduling": spec.scheduling.model_copy(update={"queue_name": defaults.queue_name}),
+        "compute": spec.compute.model_copy(update={"cpu_node_pool": defaults.cpu_node_pool}),
+        "images": defaults.images,
+    })
+
+
+def resolved_status(spec: api.LoRAJobSpec, defaults: policy.ResolvedDefaults, settings: RenderSettings) -> dict:
+    """status.resolved: what the steps run with, the operator's settings filling what nobody set."""
+    images = {
+        field: getattr(defaults.images, field) or getattr(settings.images, field) for field in api.ImagesSpec.model_fields
+    }
+    resolved = api.Resolved(
+        queue_name=defaults.queue_name,
+        cpu_node_pool=defaults.cpu_node_pool or settings.cpu_node_pool,
+        images=api.ResolvedImages(**images),
+        policies=list(defaults.policies),
+    )
+    return resolved.model_dump(by_alias=True, exclude_none=True)
 
 
 def _parse_time(value: str | None) -> datetime | None:
@@ -269,6 +312,7 @@ class _Draft:
                 phase: rules.child_name(_run(o), phase) for phase in rules.phases(o.spec)
             }
             status["outputs"] = _outputs(o)
+            status["resolved"] = resolved_status(o.spec, o.defaults, o.render)
         if self.start_time:
             status["startTime"] = self.start_time
         if self.completion_time:
@@ -312,6 +356,8 @@ def decide(o: Observed, settings: ReconcileSettings) -> Decision:
         _finished(o, draft, decision)
     elif o.spec is None:
         _fail(draft, "InvalidSpec", "the spec cannot be used: " + "; ".join(o.spec_errors))
+    elif (found := _policy_violations(o, draft)):
+        _fail(draft, policy.VIOLATION_REASON, "; ".join(violation.message for violation in found))
     elif _deadline_exceeded(o, draft):
         _fail(
             draft, "DeadlineExceeded",
@@ -344,6 +390,13 @@ def _finished(o: Observed, draft: _Draft, decision: Decision) -> None:
         decision.delete_self = True
     else:
         decision.requeue_after = remaining
+
+
+def _policy_violations(o: Observed, draft: _Draft) -> list[policy.PolicyViolation]:
+    """Checked only before the first step starts: a policy changed mid-run does not kill a running LoRAJob."""
+    if draft.start_time or o.children:
+        return []
+    return policy.violations(o.policies, o.namespace_labels, o.spec)
 
 
 def _fail(draft: _Draft, reason: str, message: str) -> None:
@@ -457,7 +510,7 @@ def _step_failed(o, draft: _Draft, settings, decision: Decision, phase: str, chi
 
 
 def _queued(o: Observed, draft: _Draft, phase: str, child: ChildState | None, message: str) -> None:
-    if not o.spec.scheduling.queue_name:
+    if not o.defaults.queue_name:
         draft.phase, draft.message = RUNNING_PHASE[phase].value, message
         return
     workload = child.workload if child else None
@@ -482,8 +535,9 @@ def _queued(o: Observed, draft: _Draft, phase: str, child: ChildState | None, me
 
 
 def _running(o: Observed, draft: _Draft, phase: str, child: ChildState) -> None:
-    queued_by_kueue = o.spec.scheduling.queue_name and (child.workload is None or not child.workload.admitted)
-    if queued_by_kueue or (child.suspended and not o.spec.scheduling.queue_name):
+    queue = o.defaults.queue_name
+    queued_by_kueue = queue and (child.workload is None or not child.workload.admitted)
+    if queued_by_kueue or (child.suspended and not queue):
         _queued(o, draft, phase, child, f"JobSet {child.name} waits for admission")
         return
     draft.phase = RUNNING_PHASE[phase].value

@@ -211,6 +211,8 @@ def export_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
     ]
     if spec.export.merged:
         command += ["--merged", "--base", paths.base_checkpoint]
+    if spec.export.hub_repo:
+        command += ["--hub-repo", spec.export.hub_repo]
     return command
 
 

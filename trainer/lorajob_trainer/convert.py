@@ -1,12 +1,14 @@
 """Convert Hugging Face checkpoints into the trainer's formats.
 
-    python -m lorajob_trainer.convert base --model-name NAME --hf DIR --out DIR [--dtype bfloat16]
-    python -m lorajob_trainer.convert adapter --model-name NAME --base DIR --adapter DIR --out ROOT
+    python -m lorajob_trainer.convert base --model-name NAME --hf SOURCE --out DIR [--dtype bfloat16]
+    python -m lorajob_trainer.convert adapter --model-name NAME --base DIR --adapter SOURCE --out ROOT
 
 `base` writes our Orbax base checkpoint (layout in weights.py) from an HF safetensors directory.
 `adapter` turns an HF PEFT adapter (adapter_model.safetensors + adapter_config.json) into a
 trainer LoRA checkpoint `ROOT/0` (layout in lora.py), usable as `lora.lora_restore_path` or by
 export. Only the base's config.json is read for an adapter, not its weights.
+A SOURCE is a local directory, a gs:// URI or a Hugging Face repo id (org/name, downloaded with
+the HF_TOKEN environment variable); DIR and ROOT are local directories or gs:// URIs.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from lorajob_trainer import catalog, lora, models, weights
+from lorajob_trainer import catalog, lora, models, storage, weights
 from lorajob_trainer.checkpoint import CheckpointMetadata
 
 # adapter_config.json options that change the adapter's meaning, with the only value we accept
@@ -48,11 +50,20 @@ def _default_mesh() -> Mesh:
     return Mesh(np.array(jax.devices()).reshape(-1, 1), ("fsdp", "tp"))
 
 
-def convert_base(model_name: str, hf_dir: str | Path, out: str | Path, *, dtype: Any = jnp.bfloat16) -> Path:
-    """HF safetensors directory -> our Orbax base checkpoint at `out`."""
-    out = Path(out).resolve()
-    if (out / "params").exists():
+def convert_base(model_name: str, hf: str | Path, out: str | Path, *, dtype: Any = jnp.bfloat16) -> str | Path:
+    """HF safetensors source -> our Orbax base checkpoint at `out` (returned; a URI stays a string)."""
+    out = out if storage.is_remote(out) else Path(out).resolve()
+    if storage.exists(storage.join(out, "params")):
         raise ConvertError(f"{out} already holds a base checkpoint")
+    with (
+        storage.local_input(hf, patterns=storage.MODEL_FILES, hub=True) as hf_dir,
+        storage.local_output(out) as local_out,
+    ):
+        _write_base(model_name, hf_dir, local_out, dtype)
+    return out
+
+
+def _write_base(model_name: str, hf_dir: Path, out: Path, dtype: Any) -> None:
     model, spec = models.load_model(model_name, hf_dir, mesh=_default_mesh(), dtype=dtype, format="hf")
     out.mkdir(parents=True, exist_ok=True)
     params = {weights.path_key(path): v.get_value() for path, v in nnx.to_flat_state(nnx.state(model))}
@@ -62,7 +73,6 @@ def convert_base(model_name: str, hf_dir: str | Path, out: str | Path, *, dtype:
             shutil.copy2(spec.checkpoint / name, out / name)
     marker = {"format": weights.BASE_FORMAT, "family": spec.family.name, "dtype": jnp.dtype(dtype).name}
     (out / weights.BASE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    return out
 
 
 def read_peft_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -96,11 +106,22 @@ def lora_template(family: models.Family, tunix_config: Any, hf_config: dict, ran
     return lora.get_lora_params(nnx.eval_shape(build))
 
 
-def convert_adapter(model_name: str, base: str | Path, adapter: str | Path, out: str | Path) -> Path:
+def convert_adapter(model_name: str, base: str | Path, adapter: str | Path, out: str | Path) -> str | Path:
     """HF PEFT adapter -> trainer LoRA checkpoint step `out/0`; returns the step directory."""
-    base, adapter = Path(base).resolve(), Path(adapter).resolve()
+    base = base if storage.is_remote(base) else Path(base).resolve()
+    with (
+        storage.local_input(adapter, patterns=storage.ADAPTER_FILES, hub=True) as adapter_dir,
+        storage.local_input(base, patterns=("config.json",)) as base_dir,
+        storage.local_output(out) as local_out,
+    ):
+        step_dir = _write_adapter(model_name, base, base_dir, adapter_dir.resolve(), local_out)
+    return storage.join(out, step_dir.name) if storage.is_remote(out) else step_dir
+
+
+def _write_adapter(model_name: str, base: str | Path, base_dir: Path, adapter: Path, out: Path) -> Path:
+    """`base` is recorded in the checkpoint metadata; only `base_dir`/config.json is read."""
     config, tensors = read_peft_adapter(adapter)
-    hf_config = models.read_hf_config(base)
+    hf_config = models.read_hf_config(base_dir)
     family = models.family_for_hf_config(hf_config)
     if family.name != catalog.family_of(model_name):
         raise ConvertError(
@@ -129,21 +150,21 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     base = sub.add_parser("base", help="HF safetensors -> Orbax base checkpoint")
     base.add_argument("--model-name", required=True, choices=sorted(catalog.MODELS))
-    base.add_argument("--hf", required=True, type=Path)
-    base.add_argument("--out", required=True, type=Path)
+    base.add_argument("--hf", required=True, help="HF model directory, gs:// URI or Hub repo id")
+    base.add_argument("--out", required=True, help="directory or gs:// URI")
     base.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     adapter = sub.add_parser("adapter", help="HF PEFT adapter -> trainer LoRA checkpoint")
     adapter.add_argument("--model-name", required=True, choices=sorted(catalog.MODELS))
-    adapter.add_argument("--base", required=True, type=Path, help="base checkpoint directory (its config.json)")
-    adapter.add_argument("--adapter", required=True, type=Path)
-    adapter.add_argument("--out", required=True, type=Path)
+    adapter.add_argument("--base", required=True, help="base checkpoint directory or gs:// URI (its config.json)")
+    adapter.add_argument("--adapter", required=True, help="PEFT adapter directory, gs:// URI or Hub repo id")
+    adapter.add_argument("--out", required=True, help="checkpoint root directory or gs:// URI")
     args = parser.parse_args(argv)
     try:
         if args.command == "base":
             print(convert_base(args.model_name, args.hf, args.out, dtype=jnp.dtype(args.dtype)))
         else:
             print(convert_adapter(args.model_name, args.base, args.adapter, args.out))
-    except ValueError as error:  # WeightsError, LoraError, ModelConfigError, ConvertError
+    except ValueError as error:  # WeightsError, LoraError, ModelConfigError, ConvertError, StorageError
         raise SystemExit(f"convert failed: {error}") from error
 
 

@@ -1,12 +1,14 @@
 """Export a trainer LoRA checkpoint as a Hugging Face PEFT adapter, optionally also merged weights.
 
-    python -m lorajob_trainer.export --checkpoint CKPT --out DIR [--merged --base BASE]
+    python -m lorajob_trainer.export --checkpoint CKPT --out DIR [--merged --base BASE] [--hub-repo ORG/NAME]
 
 CKPT is a step directory (`.../checkpoints/<step>`) or a checkpoint root (its latest step is
 used); the checkpoint metadata supplies rank, alpha, target modules, family and base model.
 DIR receives `adapter_model.safetensors` + `adapter_config.json` (loadable with
 `peft.PeftModel.from_pretrained`), and with `--merged` a `merged/` HF model directory
 (config.json, safetensors, tokenizer files) whose weights hold W + (alpha/r)·B·A.
+CKPT, DIR and BASE are local directories or gs:// URIs. `--hub-repo` also pushes DIR to that
+Hugging Face Hub model repo with the token in HF_TOKEN.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lorajob_trainer import catalog, lora
+from lorajob_trainer import catalog, lora, storage
 from lorajob_trainer.checkpoint import CheckpointMetadata
 
 log = logging.getLogger(__name__)
@@ -73,8 +75,37 @@ def export_adapter(checkpoint: str | Path, out: str | Path, *, base_name: str | 
     return out
 
 
+def export(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    base_name: str | None = None,
+    merged: bool = False,
+    base: str | Path | None = None,
+    hub_repo: str | None = None,
+) -> None:
+    """Export `checkpoint` to `out` (adapter, and `out`/merged if `merged`); push `out` to `hub_repo` if set."""
+    if hub_repo:
+        storage.hf_token()  # a missing token fails before any work
+    with storage.local_input(checkpoint) as local_checkpoint, storage.local_output(out) as local_out:
+        export_adapter(local_checkpoint, local_out, base_name=base_name)
+        if merged:
+            export_merged(local_checkpoint, local_out / "merged", base=base)
+        if hub_repo:
+            storage.upload_to_hub(local_out, hub_repo)
+
+
 def export_merged(checkpoint: str | Path, out: str | Path, *, base: str | Path | None = None) -> Path:
     """Write base + adapter as one HF model directory (host memory holds the whole model)."""
+    params, metadata = lora.load_adapter_checkpoint(checkpoint)
+    base = base or metadata.load_parameters_path
+    if not base or not (storage.is_remote(base) or Path(base).is_dir()):
+        raise ExportError(f"--merged needs the base checkpoint; {base} is not a directory (pass --base)")
+    with storage.local_input(base) as base_dir:
+        return _write_merged(params, metadata, base_dir, Path(out))
+
+
+def _write_merged(params: dict[str, np.ndarray], metadata: CheckpointMetadata, base: Path, out: Path) -> Path:
     import jax  # noqa: PLC0415 - the adapter-only path needs no accelerator runtime
     import jax.numpy as jnp  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
@@ -82,10 +113,6 @@ def export_merged(checkpoint: str | Path, out: str | Path, *, base: str | Path |
 
     from lorajob_trainer import models, weights  # noqa: PLC0415
 
-    params, metadata = lora.load_adapter_checkpoint(checkpoint)
-    base = Path(base or metadata.load_parameters_path)
-    if not str(base) or not base.is_dir():
-        raise ExportError(f"--merged needs the base checkpoint; {base} is not a directory (pass --base)")
     if "text_config" in models.read_hf_config(base):
         raise ExportError(f"{base} is a multimodal checkpoint; merged export writes text-only models only")
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
@@ -98,7 +125,6 @@ def export_merged(checkpoint: str | Path, out: str | Path, *, base: str | Path |
     merged = lora.merged_base_params(model, metadata.lora_alpha, metadata.lora_rank)
     dtype = _hf_dtype(spec.hf_config)
     tensors = {k: v.astype(dtype) for k, v in weights.hf_tensors(merged, spec.tensor_maps()).items()}
-    out = Path(out)
     total = sum(t.nbytes for t in tensors.values())
     weights.save_hf_safetensors(out, tensors, shards=max(1, math.ceil(total / MAX_SHARD_BYTES)))
     (out / "config.json").write_text(json.dumps(spec.hf_config, indent=2) + "\n")
@@ -117,19 +143,26 @@ def _hf_dtype(hf_config: dict) -> np.dtype:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, type=Path, help="step directory or checkpoint root")
-    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--checkpoint", required=True, help="step directory or checkpoint root (or gs:// URI)")
+    parser.add_argument("--out", required=True, help="directory or gs:// URI")
     parser.add_argument("--merged", action="store_true", help="also write merged full weights to OUT/merged")
-    parser.add_argument("--base", type=Path, help="base checkpoint for --merged (default: from the metadata)")
+    parser.add_argument("--base", help="base checkpoint for --merged (default: from the metadata)")
     parser.add_argument("--base-model-name-or-path", help="adapter_config.json base_model_name_or_path")
+    parser.add_argument("--hub-repo", help="also push OUT to this Hugging Face Hub model repo (org/name)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     try:
-        print(export_adapter(args.checkpoint, args.out, base_name=args.base_model_name_or_path))
-        if args.merged:
-            print(export_merged(args.checkpoint, args.out / "merged", base=args.base))
-    except (ExportError, lora.LoraError, ValueError) as error:
+        export(
+            args.checkpoint,
+            args.out,
+            base_name=args.base_model_name_or_path,
+            merged=args.merged,
+            base=args.base,
+            hub_repo=args.hub_repo,
+        )
+    except ValueError as error:  # ExportError, LoraError, StorageError, WeightsError
         raise SystemExit(f"export failed: {error}") from error
+    print(args.out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,70 @@
+"""LoRAJobPolicy enforced by the operator at reconcile time on the simulated cluster (the chart's
+ValidatingAdmissionPolicy is not installed here, so the operator is the only guard)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from lorajobs import condition, sample
+
+from lorajob_operator import api, policy, render
+
+pytestmark = pytest.mark.cluster
+TEAM_QUEUE = "team-queue"
+
+
+@pytest.fixture
+def apply_policy(sim_cluster, namespace):
+    """Applies LoRAJobPolicies that govern only the test's namespace; deletes them afterwards."""
+    names: list[str] = []
+
+    def apply(suffix: str, spec: dict) -> str:
+        name = f"{namespace}-{suffix}"
+        body = {
+            "apiVersion": f"{api.GROUP}/{api.VERSION}",
+            "kind": policy.KIND,
+            "metadata": {"name": name},
+            "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}, **spec},
+        }
+        sim_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
+        names.append(name)
+        return name
+
+    yield apply
+    for name in names:
+        sim_cluster.kubectl("delete", f"{policy.PLURAL}.{api.GROUP}", name, "--ignore-not-found", "--wait=false")
+
+
+def test_a_lorajob_on_a_disallowed_tpu_fails_with_policy_violation_and_creates_nothing(lorajobs, operator, apply_policy):
+    name = apply_policy("v5e-only", {"tpu": {"allowed": [{"machineType": "ct5lp-hightpu-4t"}]}})
+    lorajobs.apply(sample("too-big"))
+
+    failed = lorajobs.wait_phase("too-big", "Failed", timeout=60)
+
+    reason = condition(failed, "Failed")
+    assert reason["reason"] == policy.VIOLATION_REASON
+    assert reason["message"].startswith(f'LoRAJobPolicy "{name}" rule tpu.allowed: TPU ct6e-standard-4t 4x4')
+    assert failed["status"]["resolved"]["policies"] == [name]
+    assert [js for js in lorajobs.jobsets() if js["metadata"]["labels"].get(render.LABEL_RUN) == "too-big"] == []
+    assert [e["reason"] for e in lorajobs.events("too-big")] == ["Failed"]
+
+
+def test_the_policy_default_queue_labels_the_jobset_and_is_recorded_in_status(sim_cluster, namespace, lorajobs, operator, apply_policy):
+    sim_cluster.create_namespace_with_queue(namespace, TEAM_QUEUE)
+    name = apply_policy("defaults", {"queues": {"default": TEAM_QUEUE}})
+    body = sample("defaulted")
+    del body["spec"]["scheduling"]["queueName"]
+    lorajobs.apply(body)
+
+    convert = lorajobs.wait_until(
+        lambda: next((js for js in lorajobs.jobsets() if js["metadata"]["labels"].get(render.LABEL_RUN) == "defaulted"), None),
+        "the convert JobSet is created",
+    )
+    assert convert["metadata"]["labels"][render.KUEUE_QUEUE_LABEL] == TEAM_QUEUE
+    recorded = lorajobs.wait(
+        "defaulted", lambda obj: obj.get("status", {}).get("resolved", {}).get("queueName") == TEAM_QUEUE,
+        "status.resolved.queueName", timeout=30,
+    )
+    assert recorded["status"]["resolved"]["policies"] == [name]
+    assert "queueName" not in recorded["spec"]["scheduling"]  # the spec is never written
+    assert recorded["metadata"]["generation"] == 1
