@@ -312,7 +312,9 @@ class _Draft:
                 phase: rules.child_name(_run(o), phase) for phase in rules.phases(o.spec)
             }
             status["outputs"] = _outputs(o)
-            status["resolved"] = resolved_status(o.spec, o.defaults, o.render)
+            finished = o.status.get("phase") in TERMINAL_PHASES and o.status.get("resolved")
+            # A finished LoRAJob keeps the record of what it ran with, whatever the policies say now.
+            status["resolved"] = o.status["resolved"] if finished else resolved_status(o.spec, o.defaults, o.render)
         if self.start_time:
             status["startTime"] = self.start_time
         if self.completion_time:

@@ -128,3 +128,11 @@ def test_without_policies_the_operator_settings_are_recorded():
     assert resolved["cpuNodePool"] == RenderSettings().cpu_node_pool
     assert resolved["images"]["trainer"] == RenderSettings().images.trainer
     assert resolved["policies"] == []
+
+
+def test_a_finished_lorajob_keeps_what_it_ran_with_when_policies_change():
+    body = lorajob(spec=spec_dict(scheduling={}))
+    ran = decide(_observe(body, [DEFAULTS]), SETTINGS).status["resolved"]
+    finished = lorajob(spec=spec_dict(scheduling={}), status={"phase": "Succeeded", "resolved": ran})
+
+    assert decide(_observe(finished, []), SETTINGS).status["resolved"] == ran

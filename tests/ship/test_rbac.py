@@ -200,7 +200,9 @@ def operator_as_service_account(kube, scoped_release, tmp_path):
             process.wait()
 
 
-def test_operator_works_with_only_the_charts_permissions(kube, operator_as_service_account):
+@pytest.mark.cluster
+def test_operator_works_with_only_the_charts_permissions(kube, sim_cluster, operator_as_service_account):
+    # sim_cluster: the operator lists JobSets and Workloads, whose CRDs only the full cluster installs.
     process, port, log = operator_as_service_account
     job = yaml.safe_load((REPO / "examples" / "qwen3-gsm8k.yaml").read_text())
     job["metadata"] = {"name": "rbac-probe", "namespace": NAMESPACE}
