@@ -130,10 +130,9 @@ def _expand(per_layer: list[TensorMap], num_layers: int) -> list[TensorMap]:
     ]
 
 
-def _qwen3_config(hf: dict[str, Any], dtype: Any) -> qwen3_lib.ModelConfig:
-    _reject(hf, hidden_act="silu", attention_bias=False, use_sliding_window=False, num_experts=None)
-    spec = rope_spec(hf)
-    return qwen3_lib.ModelConfig(
+def _decoder_dims(hf: dict[str, Any]) -> dict[str, Any]:
+    """The dimensions Tunix's Qwen3 and Llama3 configs share, from an HF config.json."""
+    return dict(
         num_layers=_required(hf, "num_hidden_layers"),
         vocab_size=_required(hf, "vocab_size"),
         embed_dim=_required(hf, "hidden_size"),
@@ -141,7 +140,14 @@ def _qwen3_config(hf: dict[str, Any], dtype: Any) -> qwen3_lib.ModelConfig:
         num_heads=_required(hf, "num_attention_heads"),
         head_dim=_head_dim(hf),
         num_kv_heads=_required(hf, "num_key_value_heads"),
-        rope_theta=spec.theta,
+        rope_theta=rope_spec(hf).theta,
+    )
+
+
+def _qwen3_config(hf: dict[str, Any], dtype: Any) -> qwen3_lib.ModelConfig:
+    _reject(hf, hidden_act="silu", attention_bias=False, use_sliding_window=False, num_experts=None)
+    return qwen3_lib.ModelConfig(
+        **_decoder_dims(hf),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         use_tied_embedding=bool(hf.get("tie_word_embeddings", False)),
         dtype=dtype,
@@ -151,16 +157,8 @@ def _qwen3_config(hf: dict[str, Any], dtype: Any) -> qwen3_lib.ModelConfig:
 
 def _llama3_config(hf: dict[str, Any], dtype: Any) -> llama3_lib.ModelConfig:
     _reject(hf, hidden_act="silu", attention_bias=False, mlp_bias=False)
-    spec = rope_spec(hf)
     return llama3_lib.ModelConfig(
-        num_layers=_required(hf, "num_hidden_layers"),
-        vocab_size=_required(hf, "vocab_size"),
-        embed_dim=_required(hf, "hidden_size"),
-        hidden_dim=_required(hf, "intermediate_size"),
-        num_heads=_required(hf, "num_attention_heads"),
-        head_dim=_head_dim(hf),
-        num_kv_heads=_required(hf, "num_key_value_heads"),
-        rope_theta=spec.theta,
+        **_decoder_dims(hf),
         norm_eps=hf.get("rms_norm_eps", 1e-5),
         weight_tying=bool(hf.get("tie_word_embeddings", False)),
     )
