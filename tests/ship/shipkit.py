@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 from pathlib import Path
 
@@ -10,6 +11,22 @@ import yaml
 from lorajob_devcluster.versions import DEFAULT_VERSIONS
 
 REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = yaml.safe_load((REPO / "examples" / "qwen3-gsm8k.yaml").read_text())
+
+
+def example_spec(**changes) -> dict:
+    """A copy of the example LoRAJob's spec with changes at `a__b__c` paths (None removes the field)."""
+    spec = copy.deepcopy(EXAMPLE["spec"])
+    for path, value in changes.items():
+        *parents, leaf = path.split("__")
+        target = spec
+        for part in parents:
+            target = target.setdefault(part, {})
+        if value is None:
+            target.pop(leaf, None)
+        else:
+            target[leaf] = value
+    return spec
 CHART = REPO / "helm" / "lorajob"
 RELEASE = "lorajob"
 RELEASE_NAMESPACE = "lorajob-system"

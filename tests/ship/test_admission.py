@@ -3,20 +3,19 @@ with the same verdicts and messages as the operator's Python checks (policy.py).
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from pathlib import Path
 
 import pytest
-import yaml
+
+from shipkit import EXAMPLE, example_spec
 
 from lorajob_operator import api, policy
 
 pytestmark = pytest.mark.apiserver
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = yaml.safe_load((REPO / "examples" / "qwen3-gsm8k.yaml").read_text())
 GOVERNED = "ship-policy-team"
 UNGOVERNED = "ship-policy-other"
 TEAM_LABEL = "lorajob.dev/ship-team"
@@ -52,18 +51,7 @@ POLICIES = [
 
 
 def lorajob(name: str, namespace: str, **changes) -> dict:
-    job = copy.deepcopy(EXAMPLE)
-    job["metadata"] = {"name": name, "namespace": namespace}
-    for path, value in changes.items():
-        *parents, leaf = path.split("__")
-        target = job["spec"]
-        for part in parents:
-            target = target.setdefault(part, {})
-        if value is None:
-            target.pop(leaf, None)
-        else:
-            target[leaf] = value
-    return job
+    return {**EXAMPLE, "metadata": {"name": name, "namespace": namespace}, "spec": example_spec(**changes)}
 
 
 def server_verdict(kube, job: dict) -> str | None:

@@ -2,31 +2,20 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
-import yaml
+
+from shipkit import example_spec
 
 from lorajob_operator import api, policy, policy_crd
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = yaml.safe_load((REPO / "examples" / "qwen3-gsm8k.yaml").read_text())
 
 
 def lorajob_spec(**changes) -> api.LoRAJobSpec:
     """The example LoRAJob's spec with dotted-path changes (None removes the field)."""
-    spec = copy.deepcopy(EXAMPLE["spec"])
-    for path, value in changes.items():
-        *parents, leaf = path.split("__")
-        target = spec
-        for part in parents:
-            target = target.setdefault(part, {})
-        if value is None:
-            target.pop(leaf, None)
-        else:
-            target[leaf] = value
-    return api.LoRAJobSpec.model_validate(spec)
+    return api.LoRAJobSpec.model_validate(example_spec(**changes))
 
 
 def team_policy(name: str = "team-a", **spec) -> policy.LoRAJobPolicy:
