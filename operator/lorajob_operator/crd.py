@@ -52,14 +52,8 @@ def _openapi(schema: dict, defs: dict) -> dict:
             node["minimum"], node["exclusiveMinimum"] = value, True
         elif key == "exclusiveMaximum":
             node["maximum"], node["exclusiveMaximum"] = value, True
-        elif key == "minLength" and key in schema and schema.get("type") == "array":
-            node["minItems"] = value
         else:
             node[key] = value
-    if node.get("type") == "array":
-        for src, dst in (("minLength", "minItems"), ("maxLength", "maxItems")):
-            if src in node:
-                node[dst] = node.pop(src)
     if "enum" in node and "type" not in node:
         node["type"] = "string"
     return node

@@ -148,6 +148,12 @@ def _limit_cel(value_of: Callable[[NameLimit], str]) -> str:
     return expression
 
 
+_NOT_A_DNS_LABEL = (
+    "the run name (spec.runName, or metadata.name when unset) must be a DNS label: "
+    "lower-case letters, digits and '-', starting with a letter and ending with a letter or digit"
+)
+
+
 def _too_long_message(run_name: str, explanation: str) -> str:
     return f'the run name "{run_name}" is too long: {explanation}. Set a shorter spec.runName.'
 
@@ -157,11 +163,7 @@ def root_rules() -> list[dict]:
     # Each branch of the message is a literal: CEL's cost estimator treats string(int) as unbounded.
     too_long = _too_long_message("' + " + _RUN_NAME_CEL + " + '", "' + " + _limit_cel(lambda r: '"' + _limit_explanation(r) + '"') + " + '")
     return [
-        {
-            "rule": f"{_RUN_NAME_CEL}.matches('{DNS_LABEL_PATTERN}')",
-            "message": "the run name (spec.runName, or metadata.name when unset) must be a DNS label: "
-            "lower-case letters, digits and '-', starting with a letter and ending with a letter or digit",
-        },
+        {"rule": f"{_RUN_NAME_CEL}.matches('{DNS_LABEL_PATTERN}')", "message": _NOT_A_DNS_LABEL},
         {
             "rule": f"size({_RUN_NAME_CEL}) <= {_limit_cel(lambda r: str(r.limit))}",
             "message": "the run name (spec.runName, or metadata.name when unset) is too long for the "
@@ -175,7 +177,7 @@ def run_name_errors(run_name: str, spec) -> list[str]:
     """The same run-name rules in Python, for the CLI and the operator."""
     errors = []
     if not re.match(DNS_LABEL_PATTERN, run_name):
-        errors.append(root_rules()[0]["message"])
+        errors.append(_NOT_A_DNS_LABEL)
     rule = run_name_limit(spec)
     if len(run_name) > rule.limit:
         errors.append(_too_long_message(run_name, _limit_explanation(rule)))
