@@ -15,11 +15,16 @@ Only pods owned by a Job ever complete; other pods stay Running. The pod annotat
 ``sim.lorajob.dev/run-duration`` (a Go duration such as ``45s``) overrides its run time.
 A deleted pod is first made terminal (exit 143, like a kubelet after SIGTERM) and then removed once
 no finalizer is left, so the Job controller sees the same sequence it sees on a real node.
+
+Container logs: kwok serves `pods/log` from files named by `ClusterLogs` objects (kwok's CRDs, read
+from the cluster): `cluster_logs` points the given containers of every pod of a namespace at a file
+in the container runtime's log format, which `cri_log` writes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
@@ -36,6 +41,10 @@ KWOK_NODE_STAGE_FILES = (
     "kustomize/stage/node/fast/node-initialize.yaml",
     "kustomize/stage/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
 )
+KWOK_API_VERSION = "kwok.x-k8s.io/v1alpha1"
+LOG_CRD_KINDS = ("ClusterLogs",)
+"""kwok reads these kinds from the cluster (`--enable-crds`) instead of its config file."""
+KWOK_LOG_CRD_FILES = ("kustomize/crd/bases/kwok.x-k8s.io_clusterlogs.yaml",)
 
 
 def failing_image(exit_code: int) -> str:
@@ -72,7 +81,7 @@ def _stage(name: str, expressions: list[dict], delay: dict | None, steps: list[d
     if delay:
         spec["delay"] = delay
     spec["steps"] = steps
-    return {"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Stage", "metadata": {"name": name}, "spec": spec}
+    return {"apiVersion": KWOK_API_VERSION, "kind": "Stage", "metadata": {"name": name}, "spec": spec}
 
 
 def _status_patch(template: str) -> dict:
@@ -215,3 +224,28 @@ def node_stages(kwok_module_dir: Path) -> list[dict]:
 def write_kwok_config(path: Path, kwok_module_dir: Path, timing: PodTiming = PodTiming()) -> Path:
     path.write_text(yaml.safe_dump_all([*node_stages(kwok_module_dir), *pod_stages(timing)], sort_keys=False))
     return path
+
+
+def log_crds(kwok_module_dir: Path) -> list[dict]:
+    """kwok's CustomResourceDefinitions of the log kinds, read from its Go module download."""
+    return [load_document(kwok_module_dir / path) for path in KWOK_LOG_CRD_FILES]
+
+
+def cluster_logs(name: str, namespace: str, containers: list[str], logs_file: Path) -> dict:
+    """A ClusterLogs object: kwok answers log requests for `containers` of every pod in `namespace` from `logs_file`."""
+    return {
+        "apiVersion": KWOK_API_VERSION,
+        "kind": "ClusterLogs",
+        "metadata": {"name": name},
+        "spec": {
+            "selector": {"matchNamespaces": [namespace]},
+            "logs": [{"containers": list(containers), "logsFile": str(logs_file)}],
+        },
+    }
+
+
+def cri_log(lines: list[str], stream: str = "stdout", at: datetime | None = None) -> str:
+    """`lines` as a container runtime writes them to a log file (`<RFC 3339 time> <stream> F <line>`)."""
+    at = at or datetime.now(timezone.utc)
+    stamp = at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f000Z")
+    return "".join(f"{stamp} {stream} F {line}\n" for line in lines)

@@ -29,7 +29,8 @@ KUEUE_METRICS_CERT_DIR = Path("/etc/kueue/metrics/certs")
 COMPONENT_READY_TIMEOUT = 120.0
 NODES_READY_TIMEOUT = 120.0
 POD_CIDR = "10.244.0.0/16"
-KWOK_NODE_IP = "10.0.0.1"
+KWOK_NODE_IP = "127.0.0.1"
+"""The fake nodes' InternalIP: the apiserver sends `pods/log` requests there, to kwok's server port."""
 
 Starting = tuple[ManagedProcess, Callable[[], bool]]  # a launched process and its readiness probe
 
@@ -159,7 +160,8 @@ class SimCluster:
         plane = self.plane
         kwok_dir = build.component_module_dir("kwok")
         stages = kwok_stages.write_kwok_config(plane.state_dir / "kwok-stages.yaml", kwok_dir, self.config.pod_timing)
-        health_port = free_loopback_port()
+        # One port for health checks and the kubelet API (logs) that the nodes advertise to the apiserver.
+        server_port = free_loopback_port()
         annotation = "=".join(topology.KWOK_NODE_ANNOTATION)
         kwok = plane.launch(
             "kwok",
@@ -172,15 +174,21 @@ class SimCluster:
                 f"--cidr={POD_CIDR}",
                 f"--node-ip={KWOK_NODE_IP}",
                 "--node-lease-duration-seconds=40",
-                f"--server-address=127.0.0.1:{health_port}",
+                f"--server-address={KWOK_NODE_IP}:{server_port}",
+                f"--node-port={server_port}",
+                f"--enable-crds={','.join(kwok_stages.LOG_CRD_KINDS)}",
             ],
         )
-        return kwok, lambda: _http_ok(f"http://127.0.0.1:{health_port}/healthz")
+        return kwok, lambda: _http_ok(f"http://127.0.0.1:{server_port}/healthz")
 
     def _install_controller_crds(self) -> None:
-        """JobSet's and Kueue's CRDs (Kueue's converting through its loopback webhook), created in one go."""
+        """JobSet's, Kueue's (converting through its loopback webhook) and kwok's log CRDs, created in one go."""
         ca = self.plane.pki.ca_pem()
-        crds = [*manifests.jobset_crds(self.jobset_dir), *manifests.kueue_crds(self.kueue_dir, self.kueue_webhook_port, ca)]
+        crds = [
+            *manifests.jobset_crds(self.jobset_dir),
+            *manifests.kueue_crds(self.kueue_dir, self.kueue_webhook_port, ca),
+            *kwok_stages.log_crds(build.component_module_dir("kwok")),
+        ]
         self.plane.kubectl("create", "-f", "-", input=as_kubectl_input(crds))
         self.plane.kubectl("create", "namespace", KUEUE_NAMESPACE)
         self.plane.wait_crds_established([crd["metadata"]["name"] for crd in crds])
@@ -266,6 +274,11 @@ class SimCluster:
         self.plane.apply_documents([topology.local_queue(namespace, queue)])
         self.plane.wait_condition("localqueues.kueue.x-k8s.io", queue, "Active", namespace)
         return namespace
+
+    def serve_container_logs(self, namespace: str, container: str, logs_file: Path) -> None:
+        """`pods/log` of `container` in every pod of `namespace` answers from `logs_file` (write it with
+        `kwok_stages.cri_log`); a missing file is an error of the log request, as for a real node."""
+        self.plane.apply_documents([kwok_stages.cluster_logs(f"{namespace}-{container}", namespace, [container], logs_file)])
 
     def get_json(self, *args: str) -> dict:
         return json.loads(self.kubectl("get", *args, "-o", "json").stdout)

@@ -2,21 +2,34 @@
 
 `Reconciler.reconcile(namespace, name)` is the whole loop body; kopf's watch handlers and the
 resync thread (handlers.py) only call it. Passes over one LoRAJob never overlap (a lock per object).
+Only the resync thread's periodic pass reads the lead trainer's log for progress, so each LoRAJob's
+log is read at most once per resync interval however many watch events arrive.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
 import time
 from datetime import datetime, timezone
 
+import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from lorajob_operator import api, policy, render, rules
-from lorajob_operator.reconcile import Decision, Observed, decide, effective_spec, format_time, observe_child
+from lorajob_operator.reconcile import (
+    JOBSET_NAME_LABEL,
+    Decision,
+    Observed,
+    decide,
+    effective_spec,
+    format_time,
+    observe_child,
+    train_log_wanted,
+)
 from lorajob_operator.settings import OperatorSettings, RenderSettings
 
 log = logging.getLogger("lorajob.operator")
@@ -27,8 +40,8 @@ LOCAL_QUEUE = ("kueue.x-k8s.io", "v1beta2", "localqueues")
 LORAJOB = (api.GROUP, api.VERSION, api.PLURAL)
 LORAJOB_POLICY = (api.GROUP, api.VERSION, policy.PLURAL)
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
-JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 FIELD_MANAGER = "lorajob-operator"
+LOG_REQUEST_TIMEOUT_SECONDS = 10
 
 
 def _missing(error: ApiException) -> bool:
@@ -88,6 +101,20 @@ class Cluster:
             jobset["metadata"]["namespace"], label_selector=f"{JOBSET_NAME_LABEL}={jobset['metadata']['name']}"
         )
         return [self.core.api_client.sanitize_for_serialization(pod) for pod in pods.items]
+
+    def trainer_log_tail(self, namespace: str, pod_selector: str, lines: int) -> str | None:
+        """The last `lines` lines of the trainer container's log in the newest pod matching `pod_selector`
+        (None: no such pod yet or any more)."""
+        pods = self.core.list_namespaced_pod(namespace, label_selector=pod_selector).items
+        if not pods:
+            return None
+        pod = max(pods, key=lambda p: p.metadata.creation_timestamp)
+        # Raw bytes: the client would otherwise try to decode a log that happens to be JSON as an object.
+        response = self.core.read_namespaced_pod_log(
+            pod.metadata.name, namespace, container=render.TRAINER_CONTAINER, tail_lines=lines,
+            _preload_content=False, _request_timeout=LOG_REQUEST_TIMEOUT_SECONDS,
+        )
+        return response.data.decode("utf-8", errors="replace")
 
     def secret_keys(self, namespace: str, name: str) -> set[str] | None:
         try:
@@ -168,10 +195,49 @@ def observe(cluster: Cluster, body: dict, now: datetime, render_settings: Render
     )
 
 
+class TrainLogs:
+    """Reads the lead trainer's log tail for status.progress; a log that cannot be read is logged and skipped."""
+
+    def __init__(self, cluster: Cluster, lines: int):
+        self.cluster = cluster
+        self.lines = lines
+        self._read_after_finish: dict[tuple[str, str], str] = {}
+        """LoRAJob -> uid of its finished train JobSet whose log was read: once is enough."""
+        self._last_error: dict[tuple[str, str], str] = {}
+
+    def read(self, key: tuple[str, str], observed: Observed) -> str | None:
+        train = observed.children.get("train")
+        if not train_log_wanted(observed.status, train):
+            return None
+        if train.finished:
+            if self._read_after_finish.get(key) == train.uid:
+                return None
+            self._read_after_finish[key] = train.uid
+        try:
+            tail = self.cluster.trainer_log_tail(observed.namespace, train.lead_pod_selector, self.lines)
+        except (ApiException, urllib3.exceptions.HTTPError) as error:
+            self._report(key, train.name, error)
+            return None
+        self._last_error.pop(key, None)
+        return tail
+
+    def _report(self, key: tuple[str, str], jobset: str, error: Exception) -> None:
+        """Progress is best effort: say why it is missing, at INFO once per distinct error."""
+        text = f"{error.status} {_api_message(error)}" if isinstance(error, ApiException) else str(error)
+        level = logging.DEBUG if self._last_error.get(key) == text else logging.INFO
+        self._last_error[key] = text
+        log.log(level, "no progress for LoRAJob %s/%s: cannot read the trainer log of JobSet %s: %s", *key, jobset, text)
+
+    def forget(self, key: tuple[str, str]) -> None:
+        self._read_after_finish.pop(key, None)
+        self._last_error.pop(key, None)
+
+
 class Reconciler:
     def __init__(self, cluster: Cluster, settings: OperatorSettings):
         self.cluster = cluster
         self.settings = settings
+        self.train_logs = TrainLogs(cluster, settings.reconcile.progress_log_lines)
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -179,14 +245,20 @@ class Reconciler:
         with self._locks_guard:
             return self._locks.setdefault(key, threading.Lock())
 
-    def reconcile(self, namespace: str, name: str) -> float | None:
-        """One pass over one LoRAJob; returns when it wants to be looked at again (seconds), if sooner than a resync."""
+    def reconcile(self, namespace: str, name: str, read_progress: bool = False) -> float | None:
+        """One pass over one LoRAJob; returns when it wants to be looked at again (seconds), if sooner than a resync.
+
+        `read_progress`: also read the lead trainer's log for status.progress (the resync pass asks)."""
         started = time.monotonic()
-        with self._lock((namespace, name)):
+        key = (namespace, name)
+        with self._lock(key):
             body = self.cluster.get(LORAJOB, namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
+                self.train_logs.forget(key)
                 return None
             observed = observe(self.cluster, body, datetime.now(timezone.utc), self.settings.render)
+            if read_progress:
+                observed = dataclasses.replace(observed, train_log=self.train_logs.read(key, observed))
             decision = decide(observed, self.settings.reconcile)
             self._apply(body, observed, decision)
         log.debug("reconciled %s/%s in %.0f ms: %s", namespace, name, 1000 * (time.monotonic() - started), decision.status.get("phase"))
@@ -349,12 +421,13 @@ class Resync:
         while not self._stop.is_set():
             now = time.monotonic()
             keys = self._take_due(now)
-            if now >= next_full:
+            full_pass = now >= next_full
+            if full_pass:
                 keys = sorted(set(keys) | set(self._all_keys()))
                 next_full = now + interval
                 self.last_pass = now
             for key in keys:
-                self._reconcile(key)
+                self._reconcile(key, read_progress=full_pass)
             wake = min(next_full, self._next_due())
             self._stop.wait(max(0.05, wake - time.monotonic()))
 
@@ -368,9 +441,9 @@ class Resync:
             return []
         return [(obj["metadata"]["namespace"], obj["metadata"]["name"]) for obj in objects]
 
-    def _reconcile(self, key: tuple[str, str]) -> None:
+    def _reconcile(self, key: tuple[str, str], read_progress: bool) -> None:
         try:
-            self.schedule(key, self.reconciler.reconcile(*key))
+            self.schedule(key, self.reconciler.reconcile(*key, read_progress=read_progress))
         except Exception:  # noqa: BLE001 - one bad object must not stop the loop; it is retried
             log.exception("reconciling LoRAJob %s/%s failed", *key)
             self.schedule(key, self.reconciler.settings.reconcile.blocked_recheck_seconds)

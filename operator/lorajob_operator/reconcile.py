@@ -26,23 +26,35 @@ Mechanisms, in one place:
   steps keep going. The policies' defaults (queue, images, CPU node pool) are resolved on every pass
   into an in-memory copy of the spec (`effective_spec`) that the steps are rendered from, and
   recorded in status.resolved; the object's spec is never written.
+* Training progress: the trainer's lead process prints a progress line per step to stdout; the tail
+  of its pod's log (read by kube.py while the train step runs, and once after it finished) is lifted
+  into status.progress. Best effort: it never changes the phase, and a log that is missing or holds
+  no readable line keeps the progress already recorded.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from datetime import datetime, timedelta, timezone
 from typing import Mapping
 
 from lorajob_operator import api, policy, rules
-from lorajob_operator.render import LABEL_ATTEMPT, LABEL_PHASE, run_paths
+from lorajob_operator.render import JOB_INDEX_LABEL, LABEL_ATTEMPT, LABEL_PHASE, TRAINER_CONTAINER, run_paths
 from lorajob_operator.settings import ReconcileSettings, RenderSettings
+from lorajob_trainer.metrics import PROGRESS_LINE_PREFIX
 
 RUNNING_PHASE = {"convert": api.Phase.Converting, "train": api.Phase.Training, "export": api.Phase.Exporting}
 TERMINAL_PHASES = (api.Phase.Succeeded.value, api.Phase.Failed.value)
 CONDITION_TYPES = ("Blocked", "Queued", "Admitted", "Evicted", "Running", "Suspended", "Succeeded", "Failed")
 """Blocked: an operator-visible spec problem (missing Secret or LocalQueue, name taken) stops progress."""
 TERMINATED_BY_SIGTERM = 143
+# Labels JobSet and the Job controller put on every pod (with render.JOB_INDEX_LABEL): which JobSet,
+# replicated job and pod of its Job it is.
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
+COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 
 
 # --- What exists -------------------------------------------------------------------------------------
@@ -92,10 +104,17 @@ class ChildState:
     suspended: bool
     workload: WorkloadState | None = None
     container_failure: ContainerFailure | None = None
+    uid: str = ""
+    lead_pod_selector: str | None = None
+    """Label selector of the pod whose trainer is process 0 (None: no pod runs the trainer)."""
 
     @property
     def active(self) -> bool:
         return self.owned and not (self.deleting or self.completed or self.failed)
+
+    @property
+    def finished(self) -> bool:
+        return self.completed or self.failed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +137,8 @@ class Observed:
     namespace_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
     render: RenderSettings = RenderSettings()
     """The operator's own defaults, used where neither the LoRAJob nor a policy sets a value."""
+    train_log: str | None = None
+    """The tail of the lead trainer's log when this pass read it (see `train_log_wanted`)."""
 
     @property
     def defaults(self) -> policy.ResolvedDefaults:
@@ -205,6 +226,21 @@ def observe_container_failure(pods: list[dict]) -> ContainerFailure | None:
     return min(failures, key=lambda f: (f[0], f[1]))[2] if failures else None
 
 
+def lead_pod_selector(jobset: dict) -> str | None:
+    """The pod whose trainer is process 0: pod 0 of Job 0 of the replicated job that runs the trainer
+    container (the Pathways head; the first worker on mcjax and gpu)."""
+    for replicated in jobset.get("spec", {}).get("replicatedJobs") or []:
+        containers = replicated["template"]["spec"]["template"]["spec"].get("containers") or []
+        if any(container.get("name") == TRAINER_CONTAINER for container in containers):
+            return ",".join((
+                f"{JOBSET_NAME_LABEL}={jobset['metadata']['name']}",
+                f"{REPLICATED_JOB_LABEL}={replicated['name']}",
+                f"{JOB_INDEX_LABEL}=0",
+                f"{COMPLETION_INDEX_LABEL}=0",
+            ))
+    return None
+
+
 def observe_child(
     jobset: dict, owner_uid: str, workload: dict | None = None, failed_pods: list[dict] | None = None
 ) -> ChildState:
@@ -227,7 +263,84 @@ def observe_child(
         suspended=bool(jobset.get("spec", {}).get("suspend")) or _is_true(jobset, "Suspended"),
         workload=observe_workload(workload) if workload else None,
         container_failure=observe_container_failure(failed_pods or []),
+        uid=metadata.get("uid", ""),
+        lead_pod_selector=lead_pod_selector(jobset),
     )
+
+
+# --- Training progress, from the trainer's log ---------------------------------------------------------
+
+def _finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def progress_summary(step: int, total_steps: int | None) -> str:
+    """What `kubectl get lj` shows, e.g. `120/500 (24%)`."""
+    if not total_steps:
+        return str(step)
+    return f"{step}/{total_steps} ({100 * step // total_steps}%)"
+
+
+def parse_progress_line(line: str) -> api.Progress | None:
+    """The progress of one trainer progress line; None for any other line, or one cut short or garbled."""
+    _, prefix, payload = line.partition(PROGRESS_LINE_PREFIX)
+    if not prefix:
+        return None
+    try:
+        values = json.loads(payload)
+    except ValueError:
+        return None
+    if not isinstance(values, dict):
+        return None
+    step, total = values.get("step"), values.get("total_steps")
+    loss, tokens_per_second, eta = values.get("loss"), values.get("tokens_per_second"), values.get("eta_seconds")
+    if not _count(step) or not (total is None or (_count(total) and total > 0)):
+        return None
+    if any(value is not None and not _finite_number(value) for value in (loss, tokens_per_second, eta)):
+        return None
+    return api.Progress(
+        step=step,
+        total_steps=total,
+        loss=loss,
+        tokens_per_second=tokens_per_second,
+        eta_seconds=None if eta is None else max(0, round(eta)),
+        summary=progress_summary(step, total),
+    )
+
+
+def progress_from_log(log: str) -> api.Progress | None:
+    """The progress of the last readable progress line in a log tail (None when it holds none)."""
+    for line in reversed(log.splitlines()):
+        progress = parse_progress_line(line)
+        if progress is not None:
+            return progress
+    return None
+
+
+def _final_progress(progress: dict) -> bool:
+    return bool(progress.get("totalSteps")) and progress.get("step") == progress.get("totalSteps")
+
+
+def train_log_wanted(status: dict, train: ChildState | None) -> bool:
+    """Whether the lead trainer's log may hold news for status.progress: its step runs (admitted), or it
+    finished and status.progress does not show the last step yet (the trainer's last line may)."""
+    if train is None or not train.owned or train.deleting or train.lead_pod_selector is None:
+        return False
+    if train.finished:
+        return not _final_progress(status.get("progress") or {})
+    return not train.suspended
+
+
+def _progress(o: Observed) -> dict | None:
+    """status.progress: lifted from this pass's log tail, else kept (a pod that is gone erases nothing)."""
+    lifted = progress_from_log(o.train_log) if o.train_log else None
+    if lifted is None:
+        return o.status.get("progress")
+    return lifted.model_dump(by_alias=True, exclude_none=True)
 
 
 # --- What to do ---------------------------------------------------------------------------------------
@@ -315,6 +428,9 @@ class _Draft:
             finished = o.status.get("phase") in TERMINAL_PHASES and o.status.get("resolved")
             # A finished LoRAJob keeps the record of what it ran with, whatever the policies say now.
             status["resolved"] = o.status["resolved"] if finished else resolved_status(o.spec, o.defaults, o.render)
+        progress = _progress(o)
+        if progress:
+            status["progress"] = progress
         if self.start_time:
             status["startTime"] = self.start_time
         if self.completion_time:

@@ -64,6 +64,8 @@ class ReconcileSettings:
     """How often a LoRAJob blocked on a missing Secret or LocalQueue looks again."""
     workers: int = 16
     """Threads running reconcile passes (each waits on API calls most of the time)."""
+    progress_log_lines: int = 100
+    """Lines of the lead trainer's log read, once per resync, for the last progress line."""
 
 
 @dataclasses.dataclass(frozen=True)

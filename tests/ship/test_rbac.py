@@ -42,7 +42,8 @@ OPERATOR_CALLS = [
     ("delete", "jobsets.jobset.x-k8s.io"),  # suspend, retry
     ("list", "workloads.kueue.x-k8s.io"),  # Kueue's Workload of a JobSet, by job-uid label
     ("get", "localqueues.kueue.x-k8s.io"),  # does spec.scheduling.queueName exist
-    ("list", "pods"),  # the failed container of a failed step
+    ("list", "pods"),  # the failed container of a failed step; the train step's lead pod
+    ("get", "pods/log"),  # the lead trainer's progress lines
     ("get", "secrets"),  # does the HF token Secret (and key) exist
     ("create", "events"),  # one per phase transition
 ]

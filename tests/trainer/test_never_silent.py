@@ -24,6 +24,8 @@ from safetensors.numpy import load_file, save_file
 
 from trainer_testkit import arithmetic_rows, tiny_checkpoint, write_jsonl
 
+from lorajob_trainer.metrics import PROGRESS_LINE_PREFIX
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN_NAME = "run"
 
@@ -33,6 +35,7 @@ class Run:
     returncode: int
     output: str
     run_directory: Path
+    stdout: str
 
     def metric_steps(self) -> list[int]:
         path = self.run_directory / "metrics.jsonl"
@@ -43,6 +46,11 @@ class Run:
 
     def progress(self) -> dict:
         return json.loads((self.run_directory / "progress.json").read_text())
+
+    def progress_lines(self) -> list[dict]:
+        """The progress lines on stdout (what the operator reads from the pod's log)."""
+        return [json.loads(line.removeprefix(PROGRESS_LINE_PREFIX)) for line in self.stdout.splitlines()
+                if line.startswith(PROGRESS_LINE_PREFIX)]
 
 
 def train(tmp_path: Path, model_dir: Path, data_file: Path, *overrides: str, columns: str = "['question','answer']",
@@ -77,7 +85,7 @@ def train(tmp_path: Path, model_dir: Path, data_file: Path, *overrides: str, col
         [*launcher, sys.executable, "-m", "lorajob_trainer.train", *arguments],
         capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path,
     )
-    return Run(completed.returncode, completed.stdout + completed.stderr, output_directory / RUN_NAME)
+    return Run(completed.returncode, completed.stdout + completed.stderr, output_directory / RUN_NAME, completed.stdout)
 
 
 def assert_failed_at(run: Run, step: int, *what: str, last_trained_step: int | None = None) -> None:
@@ -96,6 +104,7 @@ def assert_failed_at(run: Run, step: int, *what: str, last_trained_step: int | N
     progress = run.progress()
     assert progress["state"] == "failed", progress
     assert tells(progress.get("message") or ""), f"progress file does not say what failed at step {step}: {progress}"
+    assert run.progress_lines()[-1] == progress, "the last progress line on stdout is not the failure"
     last = step - 1 if last_trained_step is None else last_trained_step
     assert all(logged <= last for logged in run.metric_steps()), f"metrics claim steps {run.metric_steps()}"
 
@@ -122,6 +131,10 @@ def test_exhausted_data_continues_into_the_next_epoch_and_logs_it(tmp_path, tiny
     assert run.metric_steps() == [1, 2, 3, 4, 5, 6]
     assert run.progress()["state"] == "succeeded"
     assert run.progress()["step"] == 6
+    lines = run.progress_lines()
+    assert [(line["step"], line["total_steps"], line["state"]) for line in lines] == [
+        *((step, 6, "running") for step in range(1, 7)), (6, 6, "succeeded")]
+    assert lines[-1] == run.progress()
 
 
 # ---------------------------------------------------------------- the data pipeline breaks mid-run

@@ -1,4 +1,4 @@
-"""Training metrics: LoRA FLOPs model, MFU, JSON lines, TensorBoard and the progress file.
+"""Training metrics: LoRA FLOPs model, MFU, JSON lines, TensorBoard, the progress file and progress lines.
 
 MFU counts model FLOPs of LoRA training, not full fine-tuning's 6N: per token, the frozen
 weights cost a forward (2N) and an activation-gradient backward (2N) but no weight gradient;
@@ -15,6 +15,7 @@ import json
 import math
 import os
 import resource
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -32,6 +33,9 @@ PEAK_BF16_FLOPS = {
     "TPU v5": 459e12,
     "TPU v4": 275e12,
 }
+PROGRESS_LINE_PREFIX = "LORAJOB_PROGRESS "
+"""Starts the stdout line that repeats each progress update as compact JSON: the operator reads it from
+the lead pod's log (it cannot read the run directory, usually on gs://)."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,7 @@ class MetricsWriter:
     def progress(
         self, step: int, *, loss: float | None, tokens_per_second: float, eta_seconds: float, state: str, message: str = ""
     ) -> None:
-        """Atomically replace the progress file the operator reads."""
+        """Atomically replace the progress file and print it as one progress line on stdout."""
         if not self.enabled:
             return
         progress = {
@@ -157,6 +161,8 @@ class MetricsWriter:
         partial = self.progress_path.with_suffix(".json.tmp")
         partial.write_text(json.dumps(progress))
         os.replace(partial, self.progress_path)
+        # Flushed: a container's stdout is a pipe, and the operator polls the log while training runs.
+        print(PROGRESS_LINE_PREFIX + json.dumps(progress, separators=(",", ":")), file=sys.stdout, flush=True)
 
     def close(self) -> None:
         if self._tensorboard is not None:

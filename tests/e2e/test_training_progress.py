@@ -1,0 +1,97 @@
+"""Training progress end to end: the lead trainer's log (served by kwok for the simulated pods, through the
+API server's pods/log) -> the operator -> status.progress -> `kubectl get lj`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from lorajobs import every_image, sample
+
+from lorajob_devcluster import HANG_IMAGE
+from lorajob_devcluster.kwok_stages import cri_log
+from lorajob_operator import render
+from lorajob_trainer.metrics import PROGRESS_LINE_PREFIX
+
+pytestmark = pytest.mark.cluster
+STEPS = 10  # lorajobs.sample's training.steps
+
+
+def progress_line(step: int, state: str = "running") -> str:
+    values = {"step": step, "total_steps": STEPS, "loss": round(3.0 / step, 4), "tokens_per_second": 1200.0,
+              "eta_seconds": 4.0 * (STEPS - step), "state": state}
+    return PROGRESS_LINE_PREFIX + json.dumps(values, separators=(",", ":"))
+
+
+def summary(obj: dict | None) -> str | None:
+    return ((obj or {}).get("status", {}).get("progress") or {}).get("summary")
+
+
+def table_row(lorajobs, name: str, *options: str) -> tuple[list[str], str]:
+    """The column names and the row of `kubectl get lj <name>`."""
+    header, row = lorajobs.kubectl("get", "lj", name, *options).stdout.splitlines()
+    return header.split(), row
+
+
+@pytest.fixture
+def trainer_log(sim_cluster, namespace, tmp_path):
+    """The log file kwok serves for every trainer container in the test's namespace."""
+    path = tmp_path / "trainer.log"
+    path.write_text("")
+    sim_cluster.serve_container_logs(namespace, render.TRAINER_CONTAINER, path)
+    return path
+
+
+def test_kubectl_get_shows_the_progress_the_trainer_logs(lorajobs, operator, trainer_log):
+    trainer_log.write_text(cri_log([
+        "loading checkpoint gs://my-bucket/qwen3/0/items", progress_line(6), "step 6/10 loss 0.5000",
+        PROGRESS_LINE_PREFIX + '{"step":', progress_line(7), PROGRESS_LINE_PREFIX + '{"step":8,"total_st',
+    ]))
+    lorajobs.apply(sample("tracked", train_only=True, images=every_image(HANG_IMAGE)))
+    running = lorajobs.wait("tracked", lambda obj: summary(obj) == "7/10 (70%)", "progress 7/10", timeout=60)
+
+    assert running["status"]["phase"] == "Training"
+    assert running["status"]["progress"] == {
+        "step": 7, "totalSteps": 10, "loss": round(3.0 / 7, 4), "tokensPerSecond": 1200.0, "etaSeconds": 12,
+        "summary": "7/10 (70%)",
+    }
+    columns, row = table_row(lorajobs, "tracked")
+    assert columns[:3] == ["NAME", "PHASE", "PROGRESS"] and row.split()[:4] == ["tracked", "Training", "7/10", "(70%)"]
+    columns, row = table_row(lorajobs, "tracked", "-o", "wide")
+    assert "LOSS" in columns and str(round(3.0 / 7, 4)) in row.split()
+
+    with trainer_log.open("a") as log:  # the trainer goes on; the next resync reads the newer line
+        log.write(cri_log([progress_line(9)]))
+    later = lorajobs.wait("tracked", lambda obj: summary(obj) == "9/10 (90%)", "progress 9/10", timeout=30)
+    assert later["status"]["phase"] == "Training"
+
+
+def test_a_succeeded_job_shows_the_final_step_the_trainer_reported(lorajobs, start_operator, trainer_log):
+    trainer_log.write_text(cri_log([progress_line(8), progress_line(9)]))
+    first = start_operator()
+    lorajobs.apply(sample("finished", train_only=True))  # its pods succeed after about 2 s
+    lorajobs.wait_phase("finished", "Succeeded", timeout=120)
+    lorajobs.wait("finished", lambda obj: summary(obj) == "9/10 (90%)", "progress 9/10", timeout=30)
+    first.kill()
+
+    # The last lines reach the log only now: the step completed and the LoRAJob succeeded before, so only
+    # the read of a finished step's log can bring them in.
+    with trainer_log.open("a") as log:
+        log.write(cri_log([progress_line(10), progress_line(10, "succeeded")]))
+    start_operator()
+    done = lorajobs.wait("finished", lambda obj: summary(obj) == "10/10 (100%)", "progress 10/10", timeout=30)
+    assert done["status"]["phase"] == "Succeeded"
+    assert done["status"]["progress"]["etaSeconds"] == 0
+
+
+def test_without_a_readable_log_the_job_runs_on_and_the_operator_says_why(lorajobs, operator):
+    """No log is served in this namespace: kwok answers the API server's pods/log request with an error,
+    as a node without a kubelet would; the operator logs it and carries on."""
+    lorajobs.apply(sample("unlogged", train_only=True, images=every_image(HANG_IMAGE)))
+    lorajobs.wait_phase("unlogged", "Training", timeout=60)
+    reason = "no progress for LoRAJob {}/unlogged: cannot read the trainer log of JobSet unlogged".format(lorajobs.namespace)
+    lorajobs.wait_until(lambda: reason in operator.log_path.read_text(), "the operator logging the unreadable log", timeout=30)
+
+    obj = lorajobs.get("unlogged")
+    assert obj["status"]["phase"] == "Training" and "progress" not in obj["status"]
+    assert "Traceback" not in operator.log_path.read_text()

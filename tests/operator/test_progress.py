@@ -1,0 +1,225 @@
+"""Training progress: the trainer's progress lines, lifted from its log tail into status.progress without
+ever touching the phase."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import datetime, timezone
+
+import pytest
+from builders import UID, compute, condition, jobset, lorajob, spec_dict, workload
+
+from lorajob_operator.reconcile import (
+    Observed,
+    decide,
+    lead_pod_selector,
+    observe_child,
+    parse_progress_line,
+    progress_from_log,
+    progress_summary,
+    train_log_wanted,
+)
+from lorajob_operator.render import parse_spec
+from lorajob_operator.settings import ReconcileSettings
+from lorajob_trainer.metrics import PROGRESS_LINE_PREFIX, MetricsWriter
+
+NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+SETTINGS = ReconcileSettings()
+COMPLETED = condition("Completed", reason="AllJobsCompleted")
+TRAIN_ONLY = spec_dict(model={"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://bucket/qwen3/0/items"}, export={"enabled": False})
+
+
+def line(**values) -> str:
+    return PROGRESS_LINE_PREFIX + json.dumps(values, separators=(",", ":"))
+
+
+GOOD = line(step=120, total_steps=500, loss=1.25, tokens_per_second=3100.5, eta_seconds=371.6, state="running")
+
+
+# --- One line ---------------------------------------------------------------------------------------------
+
+def test_a_progress_line_gives_every_field_and_the_summary():
+    progress = parse_progress_line(GOOD)
+    assert progress.model_dump(by_alias=True, exclude_none=True) == {
+        "step": 120, "totalSteps": 500, "loss": 1.25, "tokensPerSecond": 3100.5, "etaSeconds": 372,
+        "summary": "120/500 (24%)",
+    }
+
+
+def test_unknown_values_are_left_out_not_invented():
+    progress = parse_progress_line(line(step=3, total_steps=10, loss=None, tokens_per_second=0.0, eta_seconds=None))
+    assert progress.model_dump(by_alias=True, exclude_none=True) == {
+        "step": 3, "totalSteps": 10, "tokensPerSecond": 0.0, "summary": "3/10 (30%)",
+    }
+
+
+@pytest.mark.parametrize("text", [
+    "step 120/500 loss 1.25",  # an ordinary log line
+    PROGRESS_LINE_PREFIX.strip(),
+    PROGRESS_LINE_PREFIX + '{"step":120,"total_steps":5',  # cut short
+    PROGRESS_LINE_PREFIX + "[120, 500]",
+    PROGRESS_LINE_PREFIX + "not json",
+    line(total_steps=500),  # no step
+    line(step="120", total_steps=500),
+    line(step=True, total_steps=500),
+    line(step=-1, total_steps=500),
+    line(step=1.5, total_steps=500),
+    line(step=120, total_steps=0),
+    PROGRESS_LINE_PREFIX + '{"step":120,"total_steps":500,"loss":NaN}',
+    line(step=120, total_steps=500, loss="low"),
+    line(step=120, total_steps=500, eta_seconds=[1]),
+], ids=range(14))
+def test_anything_but_a_well_formed_progress_line_is_ignored(text):
+    assert parse_progress_line(text) is None
+
+
+@pytest.mark.parametrize("step, total, summary", [
+    (120, 500, "120/500 (24%)"),
+    (0, 10, "0/10 (0%)"),
+    (499, 500, "499/500 (99%)"),  # never rounded up to a finished-looking 100%
+    (500, 500, "500/500 (100%)"),
+    (7, None, "7"),
+])
+def test_summary(step, total, summary):
+    assert progress_summary(step, total) == summary
+
+
+def test_the_line_the_trainer_prints_is_the_one_the_operator_reads(tmp_path, capsys):
+    writer = MetricsWriter(tmp_path, total_steps=40, enabled=True, tensorboard=False)
+    writer.progress(12, loss=2.5, tokens_per_second=812.0, eta_seconds=30.2, state="running")
+    writer.progress(40, loss=float("nan"), tokens_per_second=790.0, eta_seconds=float("nan"), state="succeeded")
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 2 and all(text.startswith(PROGRESS_LINE_PREFIX) for text in printed)
+    first, last = (parse_progress_line(text) for text in printed)
+    assert (first.step, first.total_steps, first.loss, first.tokens_per_second, first.eta_seconds) == (12, 40, 2.5, 812.0, 30)
+    assert (last.summary, last.loss, last.eta_seconds) == ("40/40 (100%)", None, None)
+
+
+def test_only_the_lead_process_prints(tmp_path, capsys):
+    MetricsWriter(tmp_path, total_steps=40, enabled=False, tensorboard=False).progress(
+        1, loss=1.0, tokens_per_second=1.0, eta_seconds=1.0, state="running")
+    assert capsys.readouterr().out == ""
+
+
+# --- A log tail -------------------------------------------------------------------------------------------
+
+def test_the_last_progress_line_of_a_tail_wins_over_older_ones_and_other_output():
+    tail = "\n".join([
+        line(step=5, total_steps=10, loss=2.0),
+        "2026-01-01 12:00:00 INFO lorajob_trainer.train: step 5/10 loss 2.0000",
+        line(step=6, total_steps=10, loss=1.5),
+        "W0101 jax warning",
+    ])
+    assert progress_from_log(tail).summary == "6/10 (60%)"
+
+
+def test_a_garbled_last_line_falls_back_to_the_last_readable_one():
+    tail = "\n".join([line(step=6, total_steps=10, loss=1.5), PROGRESS_LINE_PREFIX + '{"step":7,"total_st'])
+    assert progress_from_log(tail).step == 6
+
+
+@pytest.mark.parametrize("tail", ["", "\n", "starting\nloading checkpoint\n", PROGRESS_LINE_PREFIX + "{"])
+def test_a_tail_without_a_progress_line_gives_none(tail):
+    assert progress_from_log(tail) is None
+
+
+# --- Which pod runs process 0 -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend, replicated_job", [("pathways", "pathways-head"), ("mcjax", "worker"), ("gpu", "worker")])
+def test_the_lead_pod_is_pod_0_of_job_0_of_the_replicated_job_running_the_trainer(backend, replicated_job):
+    body = lorajob(spec=spec_dict(compute=compute(backend, slices=2)))
+    selector = lead_pod_selector(jobset(body, "train"))
+    assert selector == (
+        f"jobset.sigs.k8s.io/jobset-name=qwen3-gsm8k,jobset.sigs.k8s.io/replicatedjob-name={replicated_job},"
+        "jobset.sigs.k8s.io/job-index=0,batch.kubernetes.io/job-completion-index=0"
+    )
+
+
+# --- When the log is read ---------------------------------------------------------------------------------
+
+def _train(body: dict, **jobset_args) -> object:
+    return observe_child(jobset(body, "train", **jobset_args), UID, workload(condition("QuotaReserved"), condition("Admitted")))
+
+
+def test_the_log_is_read_while_the_train_step_runs_and_not_while_kueue_holds_it():
+    body = lorajob(spec=TRAIN_ONLY)
+    assert train_log_wanted({}, _train(body))
+    assert not train_log_wanted({}, _train(body, suspend=True))
+    assert not train_log_wanted({}, _train(body, deleting=True))
+    assert not train_log_wanted({}, _train(body, owner_uid="someone-else"))
+    assert not train_log_wanted({}, None)
+
+
+def test_after_the_step_finished_the_log_is_read_only_until_progress_shows_the_last_step():
+    body = lorajob(spec=TRAIN_ONLY)
+    done = _train(body, conditions=[COMPLETED])
+    assert train_log_wanted({"progress": {"step": 8, "totalSteps": 10}}, done)
+    assert train_log_wanted({}, done)
+    assert not train_log_wanted({"progress": {"step": 10, "totalSteps": 10}}, done)
+
+
+# --- status.progress in the decision ----------------------------------------------------------------------
+
+def _observed(body: dict, train, train_log: str | None) -> Observed:
+    spec, errors = parse_spec(body)
+    return Observed(
+        name=body["metadata"]["name"], namespace=body["metadata"]["namespace"], generation=1, spec=spec,
+        spec_errors=errors, status=body.get("status") or {}, children={"train": train} if train else {}, problems=(),
+        cluster_queue="cq-tpu", now=NOW, train_log=train_log,
+    )
+
+
+def _without_progress(decision) -> tuple:
+    status = {key: value for key, value in decision.status.items() if key != "progress"}
+    return status, decision.create, decision.delete, decision.events, decision.requeue_after
+
+
+@pytest.mark.parametrize("train_log", [None, "", "no progress yet", PROGRESS_LINE_PREFIX + "{garbled", GOOD])
+def test_progress_never_changes_the_phase_or_anything_else(train_log):
+    body = lorajob(spec=TRAIN_ONLY, status={"phase": "Queued"})
+    baseline = decide(_observed(body, _train(body), None), SETTINGS)
+    decision = decide(_observed(body, _train(body), train_log), SETTINGS)
+    assert decision.status["phase"] == "Training"
+    assert _without_progress(decision) == _without_progress(baseline)
+
+
+def test_a_running_step_s_progress_is_lifted_into_status():
+    body = lorajob(spec=TRAIN_ONLY, status={"phase": "Training"})
+    decision = decide(_observed(body, _train(body), "loading\n" + GOOD + "\n"), SETTINGS)
+    assert decision.status["progress"]["summary"] == "120/500 (24%)"
+    assert decision.status["progress"]["loss"] == 1.25
+
+
+@pytest.mark.parametrize("train_log", [None, "", "pod restarted, nothing yet", PROGRESS_LINE_PREFIX + "{garbled"])
+def test_a_log_without_news_keeps_the_recorded_progress(train_log):
+    recorded = {"step": 7, "totalSteps": 10, "loss": 0.5, "summary": "7/10 (70%)"}
+    body = lorajob(spec=TRAIN_ONLY, status={"phase": "Training", "progress": recorded})
+    assert decide(_observed(body, _train(body), train_log), SETTINGS).status["progress"] == recorded
+
+
+def test_on_success_progress_shows_the_final_step_the_trainer_reported():
+    recorded = {"step": 9, "totalSteps": 10, "summary": "9/10 (90%)"}
+    body = lorajob(spec=TRAIN_ONLY, status={"phase": "Training", "progress": recorded})
+    final = line(step=10, total_steps=10, loss=0.25, tokens_per_second=900.0, eta_seconds=0.0, state="succeeded")
+    tail = "\n".join([line(step=9, total_steps=10, loss=0.3), "saving checkpoint 10", final])
+    decision = decide(_observed(body, _train(body, conditions=[COMPLETED]), tail), SETTINGS)
+    assert decision.status["phase"] == "Succeeded"
+    assert decision.status["progress"] == {
+        "step": 10, "totalSteps": 10, "loss": 0.25, "tokensPerSecond": 900.0, "etaSeconds": 0, "summary": "10/10 (100%)",
+    }
+    # Later passes read nothing (the JobSet and its pods may be gone): the record stays.
+    later = lorajob(spec=TRAIN_ONLY, status=decision.status)
+    assert decide(_observed(later, None, None), SETTINGS).status["progress"] == decision.status["progress"]
+
+
+
+def test_operator_imports_no_trainer_runtime():
+    """The operator image installs no JAX or ML libraries: sharing the progress prefix must not pull them in."""
+    code = (
+        "import sys, lorajob_operator.handlers, lorajob_operator.cli; "
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'torch', 'tunix', 'transformers')); "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
