@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +66,36 @@ def test_multi_turn_masks_every_assistant_turn_and_nothing_else(tokenizer):
     assert len(spans) == 4, "two separate trained spans, one per assistant turn"
     texts = [tokenizer.decode(example.tokens[a:b]).replace(" ", "") for a, b in zip(spans[::2], spans[1::2])]
     assert texts[0].startswith("2<|im_end|>") and texts[1].startswith("4<|im_end|>")
+
+
+def test_text_encoder_gives_the_tokenizers_own_ids(tokenizer):
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "what is 12 plus 30?"}, {"role": "assistant", "content": "42"}], tokenize=False
+    )
+    assert data.text_encoder(tokenizer)(text) == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class CountingRows(list):
+    """Dataset rows that count how often each is read."""
+
+    def __init__(self, rows):
+        super().__init__(rows)
+        self.reads = 0
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return super().__getitem__(index)
+
+
+def test_encoded_examples_are_cached_within_the_token_budget(tokenizer):
+    rows = CountingRows(arithmetic_rows(3))
+    encode = data.make_encoder(rows, tokenizer, ["question", "answer"])
+    first = encode(1)
+    assert encode(1) is first and rows.reads == 1, "a cached example is not read or encoded again"
+    tight = CountingRows(arithmetic_rows(3))
+    encode = data.make_encoder(tight, tokenizer, ["question", "answer"], cache_tokens=len(first.tokens))
+    encode(0), encode(1), encode(0)
+    assert tight.reads == 3, "over the budget, the least recently used example is dropped"
 
 
 def test_conversation_without_assistant_is_rejected(tokenizer):
@@ -236,3 +267,100 @@ def test_evaluation_rows_pad_after_the_data_ends():
 def test_restore_rejects_a_state_of_another_shape():
     with pytest.raises(ValueError, match="data state has 2 rows"):
         packer([4] * 3).restore(np.zeros(2, dtype=np.int64))
+
+
+# ---------------------------------------------------------------- prefetching
+
+
+def prefetched(lengths, **options) -> data.PrefetchedRows:
+    return data.PrefetchedRows(packer(lengths, row_ids=range(2), total_rows=2, shuffle=True, **options), depth=2)
+
+
+def wait_until_prepared_ahead(rows: data.PrefetchedRows, steps_consumed: int, synchronous: PackedRows) -> None:
+    """Block until the background thread has packed past what was consumed."""
+    reference = packer_state_after(synchronous, steps_consumed)
+    for _ in range(500):
+        if (rows.packer.state() != reference).any():
+            return
+        time.sleep(0.01)
+    raise AssertionError("the prefetch thread never got ahead")
+
+
+def packer_state_after(p: PackedRows, steps: int) -> np.ndarray:
+    for step in range(1, steps + 1):
+        p.next_rows(step)
+    return p.state()
+
+
+LENGTHS = [3 + (i * 5) % 9 for i in range(40)]
+
+
+def test_prefetched_batches_are_the_synchronous_ones():
+    synchronous = packer(LENGTHS, row_ids=range(2), total_rows=2, shuffle=True)
+    rows = prefetched(LENGTHS)
+    try:
+        for step in range(1, 15):
+            expected, got = synchronous.next_rows(step), rows.next_rows(step)
+            for name in expected:
+                np.testing.assert_array_equal(got[name], expected[name])
+    finally:
+        rows.close()
+
+
+def test_prefetched_state_is_that_of_the_consumed_batch_and_resumes_exactly():
+    rows = prefetched(LENGTHS)
+    try:
+        for step in range(1, 4):
+            rows.next_rows(step)
+        wait_until_prepared_ahead(rows, 3, packer(LENGTHS, row_ids=range(2), total_rows=2, shuffle=True))
+        consumed = rows.state()
+    finally:
+        rows.close()
+    np.testing.assert_array_equal(
+        consumed, packer_state_after(packer(LENGTHS, row_ids=range(2), total_rows=2, shuffle=True), 3)
+    )
+    uninterrupted = packer(LENGTHS, row_ids=range(2), total_rows=2, shuffle=True)
+    packer_state_after(uninterrupted, 3)
+    resumed = prefetched(LENGTHS)
+    resumed.restore(consumed)
+    try:
+        for step in range(4, 10):
+            np.testing.assert_array_equal(resumed.next_rows(step)["inputs"], uninterrupted.next_rows(step)["inputs"])
+    finally:
+        resumed.close()
+
+
+def test_prefetched_failure_is_raised_at_its_own_step():
+    rows = data.PrefetchedRows(packer([4] * 3, seq_len=5, on_end="fail"), depth=2)
+    try:
+        for step in range(1, 4):
+            assert rows.next_rows(step)["segment_ids"].any()
+        with pytest.raises(DataExhausted, match="exhausted at step 4"):
+            rows.next_rows(4)
+    finally:
+        rows.close()
+
+
+def test_an_encoding_error_ahead_does_not_cut_the_batches_before_it():
+    def encode(index: int) -> EncodedExample:
+        if index == 5:
+            raise DataError("example 5: broken")
+        return synthetic_encoder([4] * 10)(index)
+
+    rows = data.PrefetchedRows(PackedRows(10, encode, [0], 1, PackingOptions(seq_len=5, packing=False, shuffle=False)), depth=3)
+    try:
+        for step in range(1, 6):
+            rows.next_rows(step)
+        with pytest.raises(DataError, match="example 5"):
+            rows.next_rows(6)
+    finally:
+        rows.close()
+
+
+def test_close_stops_the_thread_and_restore_after_start_is_refused():
+    rows = prefetched(LENGTHS)
+    rows.next_rows(1)
+    with pytest.raises(RuntimeError, match="before the first batch"):
+        rows.restore(rows.state())
+    rows.close()
+    assert not rows._thread.is_alive()
