@@ -1,49 +1,22 @@
 """convert/export with gs:// URIs, Hugging Face repo ids and Hub pushes (storage.py).
 
-gs:// runs through the real etils.epath fsspec backend, pointed at a bucket kept on local disk;
-the Hub is replaced by recorders, so nothing here uses the network.
+gs:// runs through the real etils.epath fsspec backend, pointed at a bucket kept on local disk
+(the `gcs` fixture of conftest.py); the Hub is replaced by recorders, so nothing here uses the network.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import huggingface_hub
 import numpy as np
 import pytest
-from etils.epath import backend as epath_backend
-from fsspec.implementations.local import LocalFileSystem
 from lorajob_trainer import convert, export, lora, storage, tiny, weights
 from safetensors.numpy import load_file, save_file
 
 RANK, HIDDEN, LAYERS = 2, 64, 2  # tiny qwen3: q_proj maps 64 -> 4 heads x 16
-
-
-class BucketsOnDisk(LocalFileSystem):
-    """gs://<bucket>/<key> is the file <root>/<bucket>/<key>."""
-
-    root = ""
-
-    @classmethod
-    def _strip_protocol(cls, path):
-        path = str(path)
-        if path.startswith("gs://"):
-            path = os.path.join(cls.root, path.removeprefix("gs://"))
-        return super()._strip_protocol(path)
-
-
-@pytest.fixture
-def gcs(tmp_path, monkeypatch) -> Path:
-    """The local directory behind gs://."""
-    root = tmp_path / "gcs"
-    root.mkdir()
-    monkeypatch.setattr(BucketsOnDisk, "root", str(root))
-    filesystem = BucketsOnDisk(skip_instance_cache=True)
-    monkeypatch.setattr(epath_backend.fsspec_backend, "fs", lambda path: filesystem)
-    return root
 
 
 @pytest.fixture(scope="module")

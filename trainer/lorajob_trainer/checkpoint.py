@@ -45,13 +45,23 @@ class CheckpointMetadata:
     """The model name (catalog) of the base model."""
     family: str
     load_parameters_path: str
+    tokenizer_path: str = ""
+    """Where the base's config.json and tokenizer came from (the run's tokenizer_path; a MaxText base
+    has no config.json of its own); empty = load_parameters_path."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, values: dict[str, Any]) -> CheckpointMetadata:
-        return cls(**{field.name: values[field.name] for field in dataclasses.fields(cls)})
+        """Fields with a default may be absent (checkpoints written before the field existed)."""
+        return cls(
+            **{
+                field.name: values[field.name]
+                for field in dataclasses.fields(cls)
+                if field.name in values or field.default is dataclasses.MISSING
+            }
+        )
 
 
 @dataclasses.dataclass(frozen=True)

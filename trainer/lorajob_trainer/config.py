@@ -88,9 +88,12 @@ class TrainConfig(_Section):
     model_name: str
     """A model name from lorajob_trainer.catalog (selects the model family)."""
     load_parameters_path: str = Field(min_length=1)
-    """Base weights: a directory of Hugging Face safetensors + config.json."""
+    """Base weights: a local directory of Hugging Face safetensors + config.json, a lorajob base checkpoint
+    (`python -m lorajob_trainer.convert base`) or a MaxText checkpoint (`.../0/items`, scanned or not);
+    the last two also as gs:// URIs."""
     tokenizer_path: str = ""
-    """Tokenizer directory; empty = load_parameters_path."""
+    """Tokenizer directory, gs:// URI or Hub repo id; empty = load_parameters_path. For a MaxText base it
+    must also hold the model's config.json (MaxText checkpoints carry none)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute and base-weight dtype; auto = bfloat16 on accelerators, float32 on CPU."""
 

@@ -1,23 +1,26 @@
 """Export a trainer LoRA checkpoint as a Hugging Face PEFT adapter, optionally also merged weights.
 
-    python -m lorajob_trainer.export --checkpoint CKPT --out DIR [--merged --base BASE] [--hub-repo ORG/NAME]
+    python -m lorajob_trainer.export --checkpoint CKPT --out DIR [--merged [--base BASE] [--base-config CFG]]
+        [--hub-repo ORG/NAME]
 
 CKPT is a step directory (`.../checkpoints/<step>`) or a checkpoint root (its latest step is
 used); the checkpoint metadata supplies rank, alpha, target modules, family and base model.
 DIR receives `adapter_model.safetensors` + `adapter_config.json` (loadable with
 `peft.PeftModel.from_pretrained`), and with `--merged` a `merged/` HF model directory
-(config.json, safetensors, tokenizer files) whose weights hold W + (alpha/r)·B·A.
-CKPT, DIR and BASE are local directories or gs:// URIs. `--hub-repo` also pushes DIR to that
-Hugging Face Hub model repo with the token in HF_TOKEN.
+(config.json, safetensors, tokenizer files) whose weights hold W + (alpha/r)·B·A. BASE may be
+any base the trainer reads (HF safetensors, our Orbax base, a MaxText checkpoint); a MaxText base
+takes config.json and the tokenizer from CFG (default: the run's tokenizer_path in the metadata).
+CKPT, DIR, BASE and CFG are local directories or gs:// URIs (CFG also a Hub repo id). `--hub-repo`
+also pushes DIR to that Hugging Face Hub model repo with the token in HF_TOKEN.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +85,7 @@ def export(
     base_name: str | None = None,
     merged: bool = False,
     base: str | Path | None = None,
+    base_config: str | Path | None = None,
     hub_repo: str | None = None,
 ) -> None:
     """Export `checkpoint` to `out` (adapter, and `out`/merged if `merged`); push `out` to `hub_repo` if set."""
@@ -90,33 +94,47 @@ def export(
     with storage.local_input(checkpoint) as local_checkpoint, storage.local_output(out) as local_out:
         export_adapter(local_checkpoint, local_out, base_name=base_name)
         if merged:
-            export_merged(local_checkpoint, local_out / "merged", base=base)
+            export_merged(local_checkpoint, local_out / "merged", base=base, base_config=base_config)
         if hub_repo:
             storage.upload_to_hub(local_out, hub_repo)
 
 
-def export_merged(checkpoint: str | Path, out: str | Path, *, base: str | Path | None = None) -> Path:
+def export_merged(
+    checkpoint: str | Path, out: str | Path, *, base: str | Path | None = None, base_config: str | Path | None = None
+) -> Path:
     """Write base + adapter as one HF model directory (host memory holds the whole model)."""
+    from lorajob_trainer import models  # noqa: PLC0415 - the adapter-only path needs no accelerator runtime
+
     params, metadata = lora.load_adapter_checkpoint(checkpoint)
-    base = base or metadata.load_parameters_path
+    base = str(base or metadata.load_parameters_path)
     if not base or not (storage.is_remote(base) or Path(base).is_dir()):
         raise ExportError(f"--merged needs the base checkpoint; {base} is not a directory (pass --base)")
-    with storage.local_input(base) as base_dir:
-        return _write_merged(params, metadata, base_dir, Path(out))
+    config_dir = base_config or metadata.tokenizer_path or None
+    # The Orbax formats are read in place; HF safetensors only from local files.
+    remote_hf = storage.is_remote(base) and models.detect_format(base) == "hf"
+    with storage.local_input(base) if remote_hf else contextlib.nullcontext(base) as base_location:
+        return _write_merged(params, metadata, base_location, config_dir, Path(out))
 
 
-def _write_merged(params: dict[str, np.ndarray], metadata: CheckpointMetadata, base: Path, out: Path) -> Path:
+def _write_merged(
+    params: dict[str, np.ndarray],
+    metadata: CheckpointMetadata,
+    base: str | Path,
+    config_dir: str | Path | None,
+    out: Path,
+) -> Path:
     import jax  # noqa: PLC0415 - the adapter-only path needs no accelerator runtime
     import jax.numpy as jnp  # noqa: PLC0415
+    from etils import epath  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
     from jax.sharding import Mesh  # noqa: PLC0415
 
     from lorajob_trainer import models, weights  # noqa: PLC0415
 
-    if "text_config" in models.read_hf_config(base):
-        raise ExportError(f"{base} is a multimodal checkpoint; merged export writes text-only models only")
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
-    model, spec = models.load_model(metadata.base_model, base, mesh=mesh, dtype=jnp.float32)
+    model, spec = models.load_model(metadata.base_model, base, mesh=mesh, dtype=jnp.float32, config_dir=config_dir)
+    if "text_config" in spec.hf_config:
+        raise ExportError(f"{spec.config_source} is a multimodal config; merged export writes text-only models only")
     regex = metadata.lora_module_path or lora.module_path_regex(spec.family.name, metadata.target_modules)
     model = lora.apply_lora(
         model, rank=metadata.lora_rank, alpha=metadata.lora_alpha, target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0)
@@ -129,8 +147,9 @@ def _write_merged(params: dict[str, np.ndarray], metadata: CheckpointMetadata, b
     weights.save_hf_safetensors(out, tensors, shards=max(1, math.ceil(total / MAX_SHARD_BYTES)))
     (out / "config.json").write_text(json.dumps(spec.hf_config, indent=2) + "\n")
     for name in (*models.TOKENIZER_FILES, "generation_config.json"):
-        if (base / name).is_file():
-            shutil.copy2(base / name, out / name)
+        source = epath.Path(spec.config_source) / name
+        if source.is_file():
+            source.copy(out / name, overwrite=True)
     return out
 
 
@@ -147,6 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="directory or gs:// URI")
     parser.add_argument("--merged", action="store_true", help="also write merged full weights to OUT/merged")
     parser.add_argument("--base", help="base checkpoint for --merged (default: from the metadata)")
+    parser.add_argument(
+        "--base-config",
+        help="config.json + tokenizer directory (or Hub repo id) of a MaxText base for --merged "
+        "(default: the run's tokenizer_path from the metadata)",
+    )
     parser.add_argument("--base-model-name-or-path", help="adapter_config.json base_model_name_or_path")
     parser.add_argument("--hub-repo", help="also push OUT to this Hugging Face Hub model repo (org/name)")
     args = parser.parse_args(argv)
@@ -158,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
             base_name=args.base_model_name_or_path,
             merged=args.merged,
             base=args.base,
+            base_config=args.base_config,
             hub_repo=args.hub_repo,
         )
     except ValueError as error:  # ExportError, LoraError, StorageError, WeightsError

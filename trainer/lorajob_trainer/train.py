@@ -42,6 +42,9 @@ log = logging.getLogger("lorajob_trainer.train")
 
 Batch = dict[str, jax.Array]
 
+PREFETCH_BATCHES = 2
+"""Training batches prepared ahead of the device step (evaluation reads synchronously)."""
+
 
 class TrainingFailed(RuntimeError):
     """The run cannot complete its requested steps; the message names what and the step."""
@@ -67,8 +70,12 @@ def compute_dtype(config: TrainConfig) -> jnp.dtype:
 
 
 def load_lora_model(config: TrainConfig, mesh: Mesh, dtype: jnp.dtype) -> LoraModel:
-    """Load the base weights (sharded over `mesh`) and apply the configured LoRA adapters."""
-    model, spec = models.load_model(config.model_name, config.load_parameters_path, mesh=mesh, dtype=dtype)
+    """Load the base weights (sharded over `mesh`) and apply the configured LoRA adapters.
+
+    A MaxText base takes its config.json from the tokenizer directory (see models.load_model)."""
+    model, spec = models.load_model(
+        config.model_name, config.load_parameters_path, mesh=mesh, dtype=dtype, config_dir=config.tokenizer_directory
+    )
     family = spec.family.name
     targets = resolve_target_modules(config, lora_lib.default_targets(family))
     if targets is None:
@@ -230,7 +237,7 @@ def lora_flops(base: nnx.State, lora: dict[str, jax.Array], attention_width_sum:
 class DataFeed:
     """This process's rows of `[accumulation, global_batch, seq_len]` batches, as global arrays."""
 
-    packer: data_lib.PackedRows
+    packer: data_lib.PackedRows | data_lib.PrefetchedRows
     sharding: NamedSharding
     position_sharding: NamedSharding
     global_shape: tuple[int, int, int]
@@ -259,15 +266,28 @@ class DataFeed:
             local[:, start : start + shard.data.shape[1]] = np.asarray(shard.data)
         self.packer.restore(local.reshape(-1))
 
+    def close(self) -> None:
+        if isinstance(self.packer, data_lib.PrefetchedRows):
+            self.packer.close()
+
 
 def make_feed(
-    dataset, encode, mesh: Mesh, accumulation: int, rows_per_micro_batch: int, options: data_lib.PackingOptions
+    dataset,
+    encode,
+    mesh: Mesh,
+    accumulation: int,
+    rows_per_micro_batch: int,
+    options: data_lib.PackingOptions,
+    prefetch: int = 0,
 ) -> DataFeed:
+    """`prefetch` > 0: that many batches are prepared ahead by a background thread."""
     global_shape = (accumulation, rows_per_micro_batch, options.seq_len)
     sharding = mesh_lib.batch_sharding(mesh, leading_dims=1)
     local_rows = mesh_lib.local_batch_rows(sharding, global_shape, batch_dim=1)
     row_ids = [a * rows_per_micro_batch + row for a in range(accumulation) for row in local_rows]
     packer = data_lib.PackedRows(len(dataset), encode, row_ids, accumulation * rows_per_micro_batch, options)
+    if prefetch:
+        packer = data_lib.PrefetchedRows(packer, depth=prefetch)
     return DataFeed(packer, sharding, mesh_lib.batch_sharding(mesh, leading_dims=1), global_shape, local_rows)
 
 
@@ -300,7 +320,9 @@ class Trainer:
         self.steps = build_step_functions(
             graphdef, self.layout, self.optimizer, self.dtype, step_shardings(self.lora, self.opt_state, base, mesh)
         )
-        self.tokenizer = data_lib.load_tokenizer(config.tokenizer_directory, config.chat_template_path)
+        self.tokenizer = data_lib.load_tokenizer(
+            str(models.local_config_directory(config.tokenizer_directory)), config.chat_template_path
+        )
         self.train_feed = self._feed(self._load(self._train_source()), config.gradient_accumulation_steps,
                                      config.epoch_policy)
         self.eval_data = self._load(self._eval_source()) if config.eval_interval else None
@@ -342,7 +364,8 @@ class Trainer:
             seed=c.data_shuffle_seed,
             on_end=on_end,
         )
-        return make_feed(dataset, encode, self.mesh, accumulation, self._rows_per_micro_batch(), options)
+        prefetch = PREFETCH_BATCHES if training else 0
+        return make_feed(dataset, encode, self.mesh, accumulation, self._rows_per_micro_batch(), options, prefetch)
 
     def _checkpointer(self) -> ckpt.Checkpointer | None:
         c = self.config
@@ -370,6 +393,7 @@ class Trainer:
             base_model=c.model_name,
             family=c.family,
             load_parameters_path=c.load_parameters_path,
+            tokenizer_path=c.tokenizer_path,
         )
 
     # Start point.
@@ -509,6 +533,7 @@ class Trainer:
         return eval_loss
 
     def close(self) -> None:
+        self.train_feed.close()
         if self.checkpointer:
             self.checkpointer.close()
         self.writer.close()

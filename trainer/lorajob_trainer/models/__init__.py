@@ -9,17 +9,21 @@ no segment ids). Positions restart at 0 in each segment.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+from etils import epath
 from flax import nnx
 from jax.sharding import Mesh
 
-from lorajob_trainer import catalog, weights
+from lorajob_trainer import catalog, maxtext, storage, weights
 from lorajob_trainer.models.families import FAMILIES, Family, ModelConfigError, TensorMap
 
 __all__ = [
@@ -34,12 +38,15 @@ __all__ = [
     "family_for_hf_config",
     "forward",
     "load_model",
+    "local_config_directory",
     "read_hf_config",
 ]
 
 CheckpointFormat = Literal["hf", "orbax", "maxtext"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
+CONFIG_FILES = tuple(pattern for pattern in storage.MODEL_FILES if "safetensors" not in pattern)
+"""What a tokenizer / config directory is fetched for: the model files other than weights."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,22 +58,37 @@ class ModelSpec:
     """The checkpoint's config.json as a dict."""
     tunix_config: Any
     """The Tunix ModelConfig built from `hf_config`."""
-    checkpoint: Path
-    """Absolute path of the base checkpoint."""
+    checkpoint: Path | epath.Path
+    """The base checkpoint: an absolute local path, or a gs:// URI (MaxText: its `.../0/items`)."""
     format: CheckpointFormat
-    tokenizer_path: Path | None
-    """The checkpoint directory when it holds tokenizer files, else None."""
+    tokenizer_path: Path | epath.Path | None
+    """`config_source` when it holds tokenizer files, else None."""
     dtype: Any
+    config_source: Path | epath.Path
+    """The directory config.json was read from: the checkpoint, or for MaxText the config directory."""
 
     def tensor_maps(self) -> list[TensorMap]:
         return self.family.tensor_maps(self.tunix_config)
 
 
-def read_hf_config(directory: Path) -> dict[str, Any]:
-    path = directory / "config.json"
+def read_hf_config(directory: Path | epath.Path) -> dict[str, Any]:
+    path = epath.Path(directory) / "config.json"
     if not path.is_file():
         raise weights.WeightsError(f"{directory} has no config.json")
     return json.loads(path.read_text())
+
+
+@functools.cache
+def local_config_directory(location: str) -> Path:
+    """`location` (a local directory, gs:// URI or Hugging Face repo id) as a local directory with its
+    config.json and tokenizer files, fetched once per process (a gs:// copy lives until exit)."""
+    stack = contextlib.ExitStack()
+    try:
+        directory = stack.enter_context(storage.local_input(location, hub=True, patterns=CONFIG_FILES))
+    except storage.StorageError as error:
+        raise weights.WeightsError(f"tokenizer/config directory: {error}") from error
+    atexit.register(stack.close)
+    return directory
 
 
 def family_for_hf_config(hf_config: dict[str, Any]) -> Family:
@@ -78,7 +100,8 @@ def family_for_hf_config(hf_config: dict[str, Any]) -> Family:
     raise ModelConfigError(f"config.json model_type {model_type!r} is not supported (supported: {', '.join(known)})")
 
 
-def detect_format(directory: Path) -> CheckpointFormat:
+def detect_format(directory: Path | epath.Path) -> CheckpointFormat:
+    directory = epath.Path(directory)
     if (directory / weights.BASE_MARKER).is_file():
         return "orbax"
     if any(directory.glob("*.safetensors")):
@@ -103,42 +126,108 @@ def load_model(
     mesh: Mesh,
     dtype: Any = jnp.bfloat16,
     format: CheckpointFormat | None = None,
+    config_dir: str | Path | None = None,
 ) -> tuple[nnx.Module, ModelSpec]:
     """Load base weights into a Tunix model sharded over `mesh`; offline, from explicit files only.
 
-    `checkpoint` is an HF directory (config.json + *.safetensors, sharded files fine) or our Orbax
-    base checkpoint (see weights.py); `format` None detects it. MaxText checkpoints are detected
-    but rejected (not implemented). The path is resolved to an absolute one first (Orbax requires
-    it). The family comes from config.json and must agree with `model_name`'s family in the
-    catalog. Parameters are created directly in their shardings; each process reads only the
+    `checkpoint` is an HF directory (config.json + *.safetensors, sharded files fine), our Orbax
+    base checkpoint (see weights.py) or a MaxText checkpoint (`<dir>` holding `0/items`, or the
+    `.../0/items` itself; scanned or unscanned, see maxtext.py); `format` None detects it. The
+    Orbax formats (ours, MaxText) are read in place from a local path or a gs:// URI; HF
+    safetensors must be local (convert a gs:// HF model first: `python -m lorajob_trainer.convert
+    base`). A MaxText checkpoint carries no config.json: it comes from `config_dir` (a local
+    directory, gs:// URI or Hub repo id, resolved by `local_config_directory`; the trainer passes
+    tokenizer_path). The family comes from config.json and must agree with `model_name`'s family in
+    the catalog. Parameters are created directly in their shardings; each process reads only the
     slices its devices hold.
     """
-    directory = Path(checkpoint).resolve()
-    if not directory.is_dir():
-        raise weights.WeightsError(f"base checkpoint {directory} does not exist")
-    format = format or detect_format(directory)
-    if format == "maxtext":
+    location = _checkpoint_location(checkpoint)
+    format = format or detect_format(location)
+    if format == "hf" and storage.is_remote(str(location)):
         raise weights.WeightsError(
-            f"{directory}: reading MaxText checkpoints is not implemented; convert the HF weights with "
-            "`python -m lorajob_trainer.convert base` instead"
+            f"{location} is a Hugging Face safetensors directory on gs://, which the trainer does not read in "
+            "place; convert it first (`python -m lorajob_trainer.convert base --hf URI --out URI`) or copy it locally"
         )
-    hf_config = read_hf_config(directory)
+    if format == "maxtext":
+        location = _maxtext_items(location)
+        config_source = _maxtext_config_source(location, config_dir)
+    else:
+        config_source = location
+    hf_config = read_hf_config(config_source)
     family = family_for_hf_config(hf_config)
     expected = catalog.family_of(model_name)
     if family.name != expected:
-        raise ModelConfigError(f"{directory} holds a {family.name} model but {model_name!r} is a {expected} model")
+        raise ModelConfigError(f"{config_source} holds a {family.name} model but {model_name!r} is a {expected} model")
     tunix_config = family.config_from_hf(hf_config, dtype)
     graphdef, state = nnx.split(abstract_model(family, tunix_config, hf_config))
     if format == "hf":
         state = weights.load_safetensors_state(
-            state, family.tensor_maps(tunix_config), directory, mesh=mesh, dtype=dtype
+            state, family.tensor_maps(tunix_config), location, mesh=mesh, dtype=dtype
         )
+    elif format == "maxtext":
+        state = maxtext.load_state(state, family.name, tunix_config, str(location), mesh=mesh, dtype=dtype)
     else:
-        weights.read_base_marker(directory)
-        state = weights.load_orbax_state(state, directory / "params", mesh=mesh, dtype=dtype)
-    tokenizer = directory if any((directory / name).is_file() for name in TOKENIZER_FILES) else None
-    spec = ModelSpec(family, hf_config, tunix_config, directory, format, tokenizer, dtype)
+        weights.read_base_marker(location)
+        state = _load_orbax_base(state, location / "params", mesh=mesh, dtype=dtype)
+    has_tokenizer = any((config_source / name).is_file() for name in TOKENIZER_FILES)
+    spec = ModelSpec(
+        family=family,
+        hf_config=hf_config,
+        tunix_config=tunix_config,
+        checkpoint=location,
+        format=format,
+        tokenizer_path=config_source if has_tokenizer else None,
+        dtype=dtype,
+        config_source=config_source,
+    )
     return nnx.merge(graphdef, state), spec
+
+
+def _checkpoint_location(checkpoint: str | Path) -> Path | epath.Path:
+    """A gs:// URI as an epath, a local path made absolute (Orbax requires it); WeightsError if missing."""
+    location = epath.Path(checkpoint) if storage.is_remote(str(checkpoint)) else Path(checkpoint).resolve()
+    if not location.is_dir():
+        raise weights.WeightsError(f"base checkpoint {checkpoint} does not exist")
+    return location
+
+
+def _maxtext_items(location: Path | epath.Path) -> Path | epath.Path:
+    """The `0/items` directory of a MaxText checkpoint given as its root or as the items directory."""
+    return location / "0" / "items" if (location / "0" / "items").is_dir() else location
+
+
+def _maxtext_config_source(location: Path | epath.Path, config_dir: str | Path | None) -> Path:
+    """Where a MaxText base's config.json is; WeightsError saying what to set when there is none."""
+    hint = (
+        "set tokenizer_path (export: --base-config) to the model's Hugging Face directory or repo id, "
+        "which holds config.json next to the tokenizer"
+    )
+    if not config_dir:
+        raise weights.WeightsError(f"{location} is a MaxText checkpoint, which carries no config.json; {hint}")
+    directory = local_config_directory(str(config_dir))
+    if not (directory / "config.json").is_file():
+        raise weights.WeightsError(
+            f"{location} is a MaxText checkpoint, which carries no config.json, and the tokenizer/config directory "
+            f"{config_dir} has none either (looked for {directory / 'config.json'}); {hint}"
+        )
+    return directory
+
+
+def _load_orbax_base(
+    abstract_state: nnx.State, location: Path | epath.Path, *, mesh: Mesh, dtype: Any
+) -> nnx.State:
+    """Our Orbax base parameters (weights.py layout), restored in place from a local path or gs:// URI."""
+    flat = nnx.to_flat_state(abstract_state)
+    targets = {
+        weights.path_key(path): jax.ShapeDtypeStruct(
+            variable.get_value().shape, dtype, sharding=weights.variable_sharding(mesh, variable)
+        )
+        for path, variable in flat
+    }
+    values = maxtext.restore_orbax_tree(str(location), targets)
+    for path, variable in flat:
+        variable.set_value(values[weights.path_key(path)])
+    return abstract_state
 
 
 def attention_mask(segment_ids: jax.Array) -> jax.Array:
