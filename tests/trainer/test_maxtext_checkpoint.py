@@ -320,13 +320,13 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
 from flax import nnx
 from lorajob_trainer import maxtext, models, weights
-restore = maxtext.restore_orbax_tree
+restore = weights.restore_orbax_params
 restored_shards = {}
 def recording_restore(location, targets, **kwargs):
     arrays = restore(location, targets, **kwargs)
     restored_shards.update({k: [list(s.data.shape) for s in a.addressable_shards] for k, a in arrays.items()})
     return arrays
-maxtext.restore_orbax_tree = recording_restore
+weights.restore_orbax_params = recording_restore
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("fsdp", "tp"))
 model, _ = models.load_model("tiny-qwen3", sys.argv[1], mesh=mesh, dtype=jnp.float32, config_dir=sys.argv[2])
 q = model.layers[1].attn.q_proj.w.get_value()

@@ -319,28 +319,6 @@ def read_metadata(location: str | epath.PathLike) -> dict[str, jax.ShapeDtypeStr
     }
 
 
-def restore_orbax_tree(
-    location: str | epath.PathLike, targets: Mapping[str, jax.ShapeDtypeStruct], *, partial: bool = False
-) -> dict[str, jax.Array]:
-    """Restore the arrays `targets` (flat, dotted keys) of the Orbax PyTree at `location` (a local
-    path or gs:// URI, read in place; OCDBT/zarr3 on or off) into their shapes, dtypes and
-    shardings. `partial`: the checkpoint may hold more arrays than `targets`."""
-    abstract = weights.nest(targets)
-    try:
-        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-            restored = checkpointer.restore(
-                epath.Path(location),
-                args=ocp.args.PyTreeRestore(
-                    item=abstract,
-                    restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
-                    partial_restore=partial,
-                ),
-            )
-    except (ValueError, KeyError, FileNotFoundError) as error:
-        raise weights.WeightsError(f"cannot restore {location} into the model: {error}") from error
-    return weights.flatten(restored)
-
-
 def load_state(
     abstract_state: nnx.State, family: str, tunix_config: Any, location: str, *, mesh: Mesh, dtype: Any
 ) -> nnx.State:
@@ -364,7 +342,7 @@ def load_state(
         )
     _check_all_used(metadata, used, location, family)
     targets, axes = _restore_targets(reads, variables, metadata, mesh)
-    arrays = restore_orbax_tree(location, targets, partial=True)
+    arrays = weights.restore_orbax_params(location, targets, partial=True)
     out_shardings = {read.ours: weights.variable_sharding(mesh, variables[read.ours]) for read in reads}
     shapes = {read.ours: tuple(variables[read.ours].get_value().shape) for read in reads}
     values = jax.jit(

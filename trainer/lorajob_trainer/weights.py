@@ -1,9 +1,9 @@
 """Base weights: HF safetensors and our Orbax checkpoints -> sharded JAX arrays.
 
 Every parameter is created with `jax.make_array_from_callback`, so each process reads only the
-slices its own devices hold: safetensors files are memory-mapped and sliced lazily (the HF -> Tunix
-transpose/reshape is applied to the slice, see `read_slice`), and Orbax restores into the target
-shardings.
+slices its own devices hold: only the rows of the safetensors tensors a slice covers are read from
+the files (the HF -> Tunix transpose/reshape is applied to the slice, see `read_slice`), and Orbax
+restores into the target shardings.
 
 Our base checkpoint layout (written by `python -m lorajob_trainer.convert base`):
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import struct
 from collections.abc import Iterable, Mapping
@@ -29,9 +30,11 @@ import jax
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from lorajob_trainer import storage
 from lorajob_trainer.models.families import TensorMap
 
 log = logging.getLogger(__name__)
@@ -61,7 +64,15 @@ class WeightsError(ValueError):
 
 
 class SafetensorsDir:
-    """All tensors of a directory of `*.safetensors` files (sharded or not), memory-mapped by name."""
+    """All tensors of a directory of `*.safetensors` files (sharded or not), read by name and slice.
+
+    Reads are explicit (`pread` of the rows a slice covers, in bounded chunks), not memory-mapped:
+    mapped file pages count in a process's RSS, and a column slice of a row-major tensor touches
+    every page of it, so each process would carry every tensor it takes a column shard of.
+    """
+
+    CHUNK_BYTES = 16 * 2**20
+    """Upper bound of the temporary buffer of a read that keeps only some columns of its rows."""
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory).resolve()
@@ -74,7 +85,6 @@ class SafetensorsDir:
                 if name in self._entries:
                     raise WeightsError(f"tensor {name} appears in both {self._entries[name][0].name} and {path.name}")
                 self._entries[name] = (path, data_start, entry)
-        self._maps: dict[Path, np.memmap] = {}
 
     def names(self) -> set[str]:
         return set(self._entries)
@@ -82,23 +92,54 @@ class SafetensorsDir:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._entry(name)[2]["shape"])
 
-    def array(self, name: str) -> np.ndarray:
-        """A lazy (memory-mapped) view of one tensor; slicing it reads only the touched bytes."""
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+        """The `index` slice (unit steps) of one tensor; only the rows of the first axis it covers are read."""
         path, data_start, entry = self._entry(name)
         dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
         if dtype is None:
             raise WeightsError(f"tensor {name} in {path.name} has unsupported dtype {entry['dtype']}")
-        begin, end = entry["data_offsets"]
-        if path not in self._maps:
-            self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
-        raw = self._maps[path][data_start + begin : data_start + end]
-        return raw.view(dtype).reshape(entry["shape"])
+        dtype = np.dtype(dtype)
+        shape = tuple(entry["shape"])
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        ranges = _normalise(index, shape)
+        if any(r.step != 1 for r in ranges):
+            raise ValueError(f"tensor {name}: only unit-step slices can be read, got {index}")
+        out = np.empty([len(r) for r in ranges], dtype)
+        if out.size == 0:
+            return out
+        if not shape:
+            rows, row_shape, columns = range(1), (), ()
+        else:
+            rows, row_shape, columns = ranges[0], shape[1:], tuple(slice(r.start, r.stop) for r in ranges[1:])
+        row_bytes = math.prod(row_shape) * dtype.itemsize
+        offset = data_start + entry["data_offsets"][0] + rows.start * row_bytes
+        with path.open("rb", buffering=0) as file:
+            if out.shape[1:] == row_shape:  # whole rows: straight into the result
+                _pread_into(file, out, offset)
+                return out
+            step = max(1, self.CHUNK_BYTES // row_bytes)
+            buffer = np.empty((min(step, len(rows)), *row_shape), dtype)
+            for start in range(0, len(rows), step):
+                chunk = buffer[: min(step, len(rows) - start)]
+                _pread_into(file, chunk, offset + start * row_bytes)
+                out[start : start + len(chunk)] = chunk[(slice(None), *columns)]
+        return out
 
     def _entry(self, name: str) -> tuple[Path, int, dict[str, Any]]:
         try:
             return self._entries[name]
         except KeyError:
             raise WeightsError(f"tensor {name} is not in the safetensors files of {self.directory}") from None
+
+
+def _pread_into(file: Any, array: np.ndarray, offset: int) -> None:
+    """Fill the contiguous `array` with the file's bytes from `offset`; WeightsError if the file ends first."""
+    view = memoryview(array.reshape(-1).view(np.uint8))
+    while view:
+        count = os.preadv(file.fileno(), [view], offset)
+        if count == 0:
+            raise WeightsError(f"{file.name} ends before the tensor data its header announces (truncated file?)")
+        view, offset = view[count:], offset + count
 
 
 def _read_header(path: Path) -> dict[str, tuple[int, dict[str, Any]]]:
@@ -176,20 +217,23 @@ def read_slice(
     """
     names = [(prefix if tmap.prefixed else "") + name for name in tmap.hf]
     if tmap.hf_axes is None:
-        return np.asarray(source.array(names[0])[index])
+        return source.read(names[0], index)
     ours = tmap.ours_axes.split()
     ranges = dict(zip(ours, _normalise(index, shape)))
     sizes = dict(zip(ours, shape))
     stacked = len(names) > 1
     selected = [names[i] for i in ranges[ours[0]]] if stacked else names
-    parts = [
-        _read_one(source.array(name), _parse_axes(tmap.hf_axes), ours[stacked:], ranges, sizes) for name in selected
-    ]
+    parts = [_read_one(source, name, _parse_axes(tmap.hf_axes), ours[stacked:], ranges, sizes) for name in selected]
     return np.stack(parts) if stacked else parts[0]
 
 
 def _read_one(
-    tensor: np.ndarray, groups: list[list[str]], ours: list[str], ranges: dict[str, range], sizes: dict[str, int]
+    source: SafetensorsDir,
+    hf_name: str,
+    groups: list[list[str]],
+    ours: list[str],
+    ranges: dict[str, range],
+    sizes: dict[str, int],
 ) -> np.ndarray:
     hf_index, chunk_axes, chunk_shape = [], [], []
     for group in groups:
@@ -199,7 +243,7 @@ def _read_one(
         hf_index.append(slice(rows.start * inner_size, rows.stop * inner_size))
         chunk_axes += group
         chunk_shape += [len(rows)] + [sizes[name] for name in inner]
-    chunk = np.asarray(tensor[tuple(hf_index)]).reshape(chunk_shape)
+    chunk = source.read(hf_name, tuple(hf_index)).reshape(chunk_shape)
     chunk = chunk.transpose([chunk_axes.index(name) for name in ours])
     outers = {group[0] for group in groups}
     inner_cut = tuple(slice(None) if name in outers else slice(ranges[name].start, ranges[name].stop) for name in ours)
@@ -268,7 +312,9 @@ def load_safetensors_state(
             jax.make_array_from_callback(
                 shape,
                 variable_sharding(mesh, variable),
-                lambda index, tmap=tmap, shape=shape: read_slice(source, prefix, tmap, shape, index).astype(dtype),
+                lambda index, tmap=tmap, shape=shape: read_slice(source, prefix, tmap, shape, index).astype(
+                    dtype, copy=False
+                ),
             )
         )
     unused = sorted(source.names() - used)
@@ -336,26 +382,38 @@ def save_orbax_params(directory: str | Path, params: Mapping[str, jax.Array]) ->
         checkpointer.save(Path(directory).resolve(), args=ocp.args.PyTreeSave(nest(params)))
 
 
-def restore_orbax_params(directory: str | Path, targets: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
-    """Restore into the shapes, dtypes and shardings of `targets` (flat); WeightsError on mismatch."""
-    directory = Path(directory).resolve()
-    if not directory.is_dir():
-        raise WeightsError(f"{directory} is not an Orbax checkpoint directory")
+def restore_orbax_params(
+    location: str | epath.PathLike, targets: Mapping[str, jax.ShapeDtypeStruct], *, partial: bool = False
+) -> dict[str, jax.Array]:
+    """Restore the arrays `targets` (flat, dotted keys) of the Orbax PyTree at `location` into their
+    shapes, dtypes and shardings; WeightsError on mismatch.
+
+    `location` is a local path (made absolute: Orbax requires it) or a gs:// URI, read in place;
+    OCDBT/zarr3 on or off. `partial`: the checkpoint may hold more arrays than `targets`.
+    """
+    location = epath.Path(location if storage.is_remote(str(location)) else Path(location).resolve())
+    if not location.is_dir():
+        raise WeightsError(f"{location} is not an Orbax checkpoint directory")
     abstract = nest(targets)
     try:
-        with ocp.Checkpointer(_handler()) as checkpointer:
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
             restored = checkpointer.restore(
-                directory,
+                location,
                 args=ocp.args.PyTreeRestore(
-                    item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
+                    item=abstract,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+                    partial_restore=partial,
                 ),
             )
     except (ValueError, KeyError, FileNotFoundError) as error:
-        raise WeightsError(f"cannot restore {directory} into the model: {error}") from error
+        raise WeightsError(f"cannot restore {location} into the model: {error}") from error
     return flatten(restored)
 
 
-def load_orbax_state(abstract_state: nnx.State, directory: str | Path, *, mesh: Mesh, dtype: Any) -> nnx.State:
+def load_orbax_state(
+    abstract_state: nnx.State, location: str | epath.PathLike, *, mesh: Mesh, dtype: Any
+) -> nnx.State:
+    """Our Orbax base parameters (module docstring layout), restored in place from a local path or gs:// URI."""
     flat = nnx.to_flat_state(abstract_state)
     targets = {
         path_key(path): jax.ShapeDtypeStruct(
@@ -363,7 +421,7 @@ def load_orbax_state(abstract_state: nnx.State, directory: str | Path, *, mesh: 
         )
         for path, variable in flat
     }
-    values = restore_orbax_params(directory, targets)
+    values = restore_orbax_params(location, targets)
     for path, variable in flat:
         variable.set_value(values[path_key(path)])
     return abstract_state

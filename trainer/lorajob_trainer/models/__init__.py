@@ -168,7 +168,7 @@ def load_model(
         state = maxtext.load_state(state, family.name, tunix_config, str(location), mesh=mesh, dtype=dtype)
     else:
         weights.read_base_marker(location)
-        state = _load_orbax_base(state, location / "params", mesh=mesh, dtype=dtype)
+        state = weights.load_orbax_state(state, location / "params", mesh=mesh, dtype=dtype)
     has_tokenizer = any((config_source / name).is_file() for name in TOKENIZER_FILES)
     spec = ModelSpec(
         family=family,
@@ -211,23 +211,6 @@ def _maxtext_config_source(location: Path | epath.Path, config_dir: str | Path |
             f"{config_dir} has none either (looked for {directory / 'config.json'}); {hint}"
         )
     return directory
-
-
-def _load_orbax_base(
-    abstract_state: nnx.State, location: Path | epath.Path, *, mesh: Mesh, dtype: Any
-) -> nnx.State:
-    """Our Orbax base parameters (weights.py layout), restored in place from a local path or gs:// URI."""
-    flat = nnx.to_flat_state(abstract_state)
-    targets = {
-        weights.path_key(path): jax.ShapeDtypeStruct(
-            variable.get_value().shape, dtype, sharding=weights.variable_sharding(mesh, variable)
-        )
-        for path, variable in flat
-    }
-    values = maxtext.restore_orbax_tree(str(location), targets)
-    for path, variable in flat:
-        variable.set_value(values[weights.path_key(path)])
-    return abstract_state
 
 
 def attention_mask(segment_ids: jax.Array) -> jax.Array:
