@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 from lorajob_trainer.config import TrainConfig
@@ -22,6 +25,12 @@ def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
         return decay
     warmup = optax.linear_schedule(0.0, peak, warmup_steps)
     return optax.join_schedules([warmup, decay], boundaries=[warmup_steps])
+
+
+def learning_rate_per_step(config: TrainConfig) -> np.ndarray:
+    """The learning rate of optimizer steps 0 .. steps-1, computed once for reporting: evaluating the
+    schedule at every step would queue device work behind the running training step."""
+    return np.asarray(jax.jit(jax.vmap(learning_rate_schedule(config)))(jnp.arange(config.steps)))
 
 
 def build_optimizer(config: TrainConfig) -> optax.GradientTransformation:

@@ -36,7 +36,7 @@ from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import metrics as metrics_lib
 from lorajob_trainer import models, weights
 from lorajob_trainer.config import ConfigError, TrainConfig, resolve_target_modules
-from lorajob_trainer.optim import build_optimizer, learning_rate_schedule
+from lorajob_trainer.optim import build_optimizer, learning_rate_per_step
 
 log = logging.getLogger("lorajob_trainer.train")
 
@@ -315,7 +315,7 @@ class Trainer:
         self.lora = trainable_adapters(self.layout, lora)
         self.base = base
         self.optimizer = build_optimizer(config)
-        self.schedule = learning_rate_schedule(config)
+        self.learning_rates = learning_rate_per_step(config)
         self.opt_state = init_optimizer_state(self.optimizer, self.lora, mesh)
         self.steps = build_step_functions(
             graphdef, self.layout, self.optimizer, self.dtype, step_shardings(self.lora, self.opt_state, base, mesh)
@@ -503,7 +503,7 @@ class Trainer:
         if step % self.config.log_period == 0 or step == self.config.steps:
             record = {
                 **values,
-                "learning_rate": float(self.schedule(step - 1)),
+                "learning_rate": float(self.learning_rates[step - 1]),
                 "step_time_s": step_time,
                 "tokens_per_second": tokens_per_second,
                 "mfu": metrics_lib.mfu(tokens_per_second, self.flops, jax.device_count(), self.peak_flops),
