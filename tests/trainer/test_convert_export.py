@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -204,6 +205,33 @@ def test_read_slice_equals_slicing_the_whole_tensor(tmap, shape, tmp_path):
             index.append(slice(start, int(rng.integers(start + 1, dim + 1))))
         index = tuple(index)
         np.testing.assert_array_equal(weights.read_slice(source, "", tmap, shape, index), full[index])
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 40, 100, weights.SafetensorsDir.CHUNK_BYTES])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_chunked_reads_equal_slicing_the_whole_tensor(chunk_bytes, dtype, tmp_path, monkeypatch):
+    """Reads go through bounded row chunks (down to one row per read); any slice equals numpy's."""
+    monkeypatch.setattr(weights.SafetensorsDir, "CHUNK_BYTES", chunk_bytes)
+    rng = np.random.default_rng(2)
+    tensors = {"m": rng.standard_normal((13, 7, 5)).astype(dtype), "s": np.asarray(3.5, dtype=dtype)}
+    save_file(tensors, tmp_path / "w.safetensors")
+    source = weights.SafetensorsDir(tmp_path)
+    np.testing.assert_array_equal(source.read("s"), tensors["s"])
+    for _ in range(20):
+        index = tuple(
+            slice(start, int(rng.integers(start + 1, dim + 1)))
+            for dim in tensors["m"].shape
+            for start in [int(rng.integers(0, dim))]
+        )
+        np.testing.assert_array_equal(source.read("m", index), tensors["m"][index])
+
+
+def test_truncated_safetensors_file_is_named(tmp_path):
+    save_file({"m": np.ones((64, 64), np.float32)}, tmp_path / "w.safetensors")
+    data = (tmp_path / "w.safetensors").read_bytes()
+    (tmp_path / "w.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(weights.WeightsError, match="w.safetensors"):
+        weights.SafetensorsDir(tmp_path).read("m")
 
 
 def test_missing_tensor_is_named(qwen3_dir, mesh, tmp_path):
