@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shape_overrides import shape_overrides
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = Path(__file__).resolve().parent / "launch_maxtext.py"
 DEFAULT_MAXTEXT_PYTHON = Path.home() / ".cache" / "lorajob-maxtext" / "venv" / "bin" / "python"
@@ -158,18 +160,9 @@ def maxtext_model_overrides(model_dir: Path) -> list[str]:
     """MaxText `override_model_config` keys that reproduce our checkpoint's config.json."""
     hf = json.loads((model_dir / "config.json").read_text())
     return [
-        f"model_name={MAXTEXT_MODEL}",
-        "override_model_config=True",
-        f"base_num_decoder_layers={hf['num_hidden_layers']}",
-        f"base_emb_dim={hf['hidden_size']}",
-        f"base_mlp_dim={hf['intermediate_size']}",
-        f"base_num_query_heads={hf['num_attention_heads']}",
-        f"base_num_kv_heads={hf['num_key_value_heads']}",
-        f"head_dim={hf['head_dim']}",
-        f"vocab_size={hf['vocab_size']}",
+        *shape_overrides(MAXTEXT_MODEL, hf),
         f"rope_max_timescale={int(hf['rope_theta'])}",
         f"normalization_layer_epsilon={hf['rms_norm_eps']}",
-        f"logits_via_embedding={hf['tie_word_embeddings']}",
     ]
 
 
