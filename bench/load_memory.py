@@ -9,7 +9,7 @@ tests/trainer/test_multiprocess.py uses, 3.2 GiB in float32), then runs the real
 devices and once as two processes (jax.distributed on loopback) with two devices each. Every
 trainer process runs as in the trainer image (torch unimportable) and reports, at the end of setup
 (base weights, LoRA, optimizer, data; what the test measures) and at the end of the run, its peak
-RSS (getrusage) and the peaks of its RssFile (mapped file pages) and RssAnon (heap, device
+RSS (VmHWM) and the peaks of its RssFile (mapped file pages) and RssAnon (heap, device
 buffers), sampled from /proc/self/status every 5 ms. Ideal per process of two: half the model
 plus the runtime; the steps add XLA's working set (on CPU devices, host memory: each device
 all-gathers one layer's weights at a time).
@@ -38,7 +38,7 @@ from trainer_testkit import arithmetic_rows, base_args, write_jsonl  # noqa: E40
 # entry point, and reports both snapshots as JSON on the last line of stderr.
 LAUNCHER = HIDE_TORCH + """
 import json, threading, time
-from lorajob_trainer import train
+from lorajob_trainer import metrics, train
 peaks = {'RssFile': 0, 'RssAnon': 0}
 def sample():
     while True:
@@ -49,7 +49,7 @@ def sample():
                     peaks[key] = max(peaks[key], int(value.split()[0]) * 1024)
         time.sleep(0.005)
 def snapshot():
-    return {**peaks, 'peak_rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {**peaks, 'peak_rss': metrics.peak_host_memory_bytes()}
 figures = {}
 run = train.Trainer.run
 def run_after_setup(self):

@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from lorajob_trainer.metrics import peak_host_memory_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -47,10 +48,6 @@ def hf_config(shape: str) -> dict:
     from lorajob_trainer import tiny
 
     return tiny.tiny_config("qwen3")
-
-
-def peak_host_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # ---------------------------------------------------------------- JAX (this project's step)
@@ -127,7 +124,7 @@ def bench_jax(args) -> dict:
         "warmup_s": compile_s, "step_s": elapsed / args.steps, "tokens_per_s": tokens_per_s,
         "mfu": metrics.mfu(tokens_per_s, flops, jax.device_count(), peak), "final_loss": loss,
         "gflops_per_token": flops.per_token / 1e9, "peak_flops": peak * jax.device_count() if peak else None,
-        "peak_memory_bytes": device_peak if device_peak is not None else peak_host_bytes(),
+        "peak_memory_bytes": device_peak if device_peak is not None else peak_host_memory_bytes(),
     }
 
 
@@ -179,7 +176,7 @@ def bench_torch(args) -> dict:
         "framework": "torch+peft", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "dtype": str(dtype), "warmup_s": warmup_s, "step_s": elapsed / args.steps,
         "tokens_per_s": args.batch * args.seq * args.steps / elapsed, "final_loss": float(loss),
-        "peak_memory_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_host_bytes(),
+        "peak_memory_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_host_memory_bytes(),
     }
 
 

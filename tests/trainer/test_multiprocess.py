@@ -26,15 +26,15 @@ TIMEOUT = 900
 # which tunix's metrics logger imports, loads it whenever it is importable (~0.6 GB RSS, 3 s).
 # Hiding it from the import system makes the trainer processes start as they do in the image.
 HIDE_TORCH = (
-    "import importlib.machinery, resource, runpy, sys\n"
+    "import importlib.machinery, runpy, sys\n"
     "class HideTorch(importlib.machinery.PathFinder):\n"
     "    @classmethod\n"
     "    def find_spec(cls, name, path=None, target=None):\n"
     "        return None if name.partition('.')[0] == 'torch' else super().find_spec(name, path, target)\n"
     "sys.meta_path = [HideTorch if f is importlib.machinery.PathFinder else f for f in sys.meta_path]\n"
 )
-REPORT_PEAK_RSS = (
-    "print('PEAK_RSS_BYTES', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)\n"
+REPORT_PEAK_RSS = (  # one line: the run launcher puts it in a `finally:` block
+    "from lorajob_trainer import metrics; print('PEAK_RSS_BYTES', metrics.peak_host_memory_bytes(), file=sys.stderr)\n"
 )
 
 # Runs the entry point, then reports this process's peak RSS on the last line of stderr.

@@ -175,3 +175,16 @@ def test_invalid_config_exits_2_naming_the_key(capsys, monkeypatch):
         monkeypatch.setattr(package_logger, attribute, getattr(package_logger, attribute))
     assert train_lib.main(["run_name=x", "lora.rank=4"]) == 2
     assert "lora.rank" in capsys.readouterr().err
+
+
+def test_peak_memory_is_this_process_not_the_parent_it_was_started_from():
+    """A trainer launched from a large parent (a test runner, a launcher) reports its own peak."""
+    import subprocess
+    import sys
+
+    parent = bytearray(512 * 2**20)
+    parent[:: 4096] = b"\1" * len(parent[:: 4096])  # touch every page: 512 MiB resident here
+    code = "from lorajob_trainer.metrics import peak_host_memory_bytes; print(peak_host_memory_bytes())"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(child.stdout) < 256 * 2**20, f"child reports {int(child.stdout) / 2**20:.0f} MiB"
+    del parent

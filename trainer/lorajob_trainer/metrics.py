@@ -81,6 +81,19 @@ def mfu(tokens_per_second: float, flops: LoraFlops, num_devices: int, peak_per_d
 
 
 def peak_host_memory_bytes() -> int:
+    """This process's peak resident memory.
+
+    Linux: VmHWM of /proc/self/status. `ru_maxrss` is no substitute there: it keeps the peak of the
+    process image replaced by exec, so a trainer started from a large parent (a test runner, a
+    launcher) would report the parent's peak.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
