@@ -166,6 +166,8 @@ class TrainingSpec(_Model):
     """gradientAccumulationSteps accumulates gradients over this many micro-batches per step."""
     checkpoint_period: int = Field(default=500, ge=1, le=10_000_000)
     """checkpointPeriod saves a checkpoint every this many steps (and at the end); a resumed run restarts from the latest."""
+    eval_interval: int | None = Field(default=None, ge=1, le=10_000_000)
+    """evalInterval evaluates dataset.evalSplit every this many steps (needs evalSplit). Defaults to checkpointPeriod."""
 
 
 class LoRARestore(_Model):
@@ -200,6 +202,12 @@ class LoRASpec(_Model):
     """restoreFrom starts training from an earlier adapter instead of zero-initialised B matrices."""
 
 
+def _topology_list(topologies: tuple[str, ...], shown: int = 12) -> str:
+    if len(topologies) <= shown:
+        return ", ".join(topologies)
+    return f"{', '.join(topologies[:shown])} or another of the {len(topologies)} in docs/user-guide.md"
+
+
 class TpuSpec(_Model):
     """TPU slices for the pathways and mcjax backends."""
 
@@ -209,7 +217,7 @@ class TpuSpec(_Model):
                 {
                     "rule": f"self.machineType != '{machine_type}' || self.topology in {list(machine.topologies)}",
                     "message": f"topology is not valid for {machine_type} (TPU {machine.generation}); "
-                    f"use one of {', '.join(machine.topologies)}",
+                    f"use one of {_topology_list(machine.topologies)}",
                     "fieldPath": ".topology",
                 }
                 for machine_type, machine in accelerators.TPU_MACHINES.items()
@@ -317,7 +325,16 @@ class ImagesSpec(_Model):
 class LoRAJobSpec(_Model):
     """LoRAJobSpec describes one LoRA fine-tune: convert (if needed), train, export (if enabled)."""
 
-    model_config = ConfigDict(json_schema_extra=_cel(*rules.immutability_rules()))
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            *rules.immutability_rules(),
+            {
+                "rule": "!has(self.training.evalInterval) || has(self.dataset.evalSplit)",
+                "message": "training.evalInterval needs dataset.evalSplit: there is nothing to evaluate",
+                "fieldPath": ".training.evalInterval",
+            },
+        )
+    )
 
     run_name: str | None = Field(default=None, max_length=DNS_LABEL_MAX)
     """runName names the run's outputs and child JobSets. Defaults to metadata.name."""
@@ -467,7 +484,7 @@ PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Progress", "type": "string", "jsonPath": ".status.progress.summary"},
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
-    {"name": "Queue", "type": "string", "jsonPath": ".spec.scheduling.queueName"},
+    {"name": "Queue", "type": "string", "jsonPath": ".status.resolved.queueName"},  # the queue in force, policy default included
     {"name": "Backend", "type": "string", "jsonPath": ".spec.compute.backend", "priority": 1},
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss", "priority": 1},
     {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},

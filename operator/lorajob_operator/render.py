@@ -157,7 +157,7 @@ def train_config(spec: api.LoRAJobSpec, run: str) -> TrainConfig:
         "hf_data_dir": dataset.data_dir or "",
         "train_split": dataset.split,
         "hf_eval_split": dataset.eval_split or "",
-        "eval_interval": training.checkpoint_period if dataset.eval_split else 0,
+        "eval_interval": (training.eval_interval or training.checkpoint_period) if dataset.eval_split else 0,
         "train_data_columns": list(dataset.columns),
         "chat_template_path": dataset.chat_template_path or "",
         "max_target_length": training.max_target_length,

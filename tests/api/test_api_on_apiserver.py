@@ -129,11 +129,11 @@ def test_kubectl_get_shows_printer_columns(kube, custom):
     _create(custom, doc)
     custom.patch_namespaced_custom_object_status(
         api.GROUP, api.VERSION, NAMESPACE, api.PLURAL, doc["metadata"]["name"],
-        {"status": {"phase": "Queued", "progress": {"summary": "0/500"}}},
+        {"status": {"phase": "Queued", "progress": {"summary": "0/500"}, "resolved": {"queueName": "team-q"}}},
     )
     out = kube.kubectl("get", "lj", "-n", NAMESPACE, doc["metadata"]["name"]).stdout
     header, row = out.splitlines()[:2]
     assert header.split() == ["NAME", "PHASE", "PROGRESS", "MODEL", "QUEUE", "AGE"]
-    assert row.split()[:4] == ["gemma3-support-v2", "Queued", "0/500", "gemma3-4b"]
+    assert row.split()[:5] == ["gemma3-support-v2", "Queued", "0/500", "gemma3-4b", "team-q"]
     wide = kube.kubectl("get", "lj", "-n", NAMESPACE, doc["metadata"]["name"], "-o", "wide").stdout
     assert "BACKEND" in wide and "gpu" in wide

@@ -291,3 +291,12 @@ def test_convert_and_export_arguments_are_accepted_by_the_trainer_entry_points(m
     assert base == ("qwen3-0.6b", "Qwen/Qwen3-0.6B", "/runs/qwen3-gsm8k/base")
     assert adapter == ("qwen3-0.6b", "/runs/qwen3-gsm8k/base", "/data/old-adapter", "/runs/qwen3-gsm8k/restore-adapter")
     assert exported == ("/runs/qwen3-gsm8k/checkpoints", "/runs/qwen3-gsm8k/huggingface")
+
+
+def test_eval_interval_is_its_own_setting_and_defaults_to_the_checkpoint_period():
+    dataset = {"name": "openai/gsm8k", "dataDir": "main", "columns": ["question", "answer"], "evalSplit": "test"}
+    own = parsed(lorajob(spec=spec_dict(dataset=dataset, training={"steps": 20, "checkpointPeriod": 10, "evalInterval": 4})))
+    assert render.train_config(own, "r").eval_interval == 4
+    default = parsed(lorajob(spec=spec_dict(dataset=dataset, training={"steps": 20, "checkpointPeriod": 10})))
+    assert render.train_config(default, "r").eval_interval == 10
+    assert render.train_config(parsed(lorajob()), "r").eval_interval == 0  # no evalSplit: no evaluation
