@@ -1,4 +1,4 @@
-"""The `lorajob` command: offline checks and previews of LoRAJob files, without a cluster."""
+"""The `lorajob` command: offline checks and previews of LoRAJob files, and a view of running LoRAJobs."""
 
 from __future__ import annotations
 
@@ -69,14 +69,21 @@ def render_files(paths: list[Path], namespace: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lorajob", description=__doc__)
+    # Installed twice: as `lorajob` and as the kubectl plugin `kubectl-lorajob` (run as `kubectl lorajob`).
+    prog = "kubectl lorajob" if Path(sys.argv[0]).name == "kubectl-lorajob" else "lorajob"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     validate = commands.add_parser("validate", help="check LoRAJob files with the same rules as the API server")
     validate.add_argument("files", nargs="+", type=Path)
     render = commands.add_parser("render", help="print the JobSets the operator would create, for review")
     render.add_argument("files", nargs="+", type=Path)
     render.add_argument("--namespace", default="default", help="namespace of LoRAJobs that do not set one")
+    from lorajob_operator import runview
+
+    runview.add_commands(commands)
     args = parser.parse_args(argv)
+    if hasattr(args, "run"):
+        return args.run(args)
     if args.command == "validate":
         return validate_files(args.files)
     if args.command == "render":

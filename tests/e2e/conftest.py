@@ -7,6 +7,7 @@ import re
 import pytest
 from lorajobs import HF_SECRET, Lorajobs
 
+from lorajob_operator import render
 from lorajob_operator.local import OperatorProcess
 
 FAST_OPERATOR = {
@@ -48,3 +49,12 @@ def start_operator(sim_cluster, namespace, tmp_path):
 @pytest.fixture
 def operator(start_operator) -> OperatorProcess:
     return start_operator()
+
+
+@pytest.fixture
+def trainer_log(sim_cluster, namespace, tmp_path):
+    """The log file kwok serves for every trainer container in the test's namespace."""
+    path = tmp_path / "trainer.log"
+    path.write_text("")
+    sim_cluster.serve_container_logs(namespace, render.TRAINER_CONTAINER, path)
+    return path

@@ -12,6 +12,8 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = REPO_ROOT / "examples" / "qwen3-gsm8k.yaml"
 HF_SECRET = "hf-token"
+STEPS = 10
+"""training.steps of `sample`."""
 
 
 def every_image(image: str) -> dict:
@@ -26,7 +28,7 @@ def sample(name: str, *, train_only: bool = False, images: dict | None = None, *
     body = copy.deepcopy(yaml.safe_load(SAMPLE.read_text()))
     body["metadata"] = {"name": name}
     spec = body["spec"]
-    spec["training"]["steps"] = 10
+    spec["training"]["steps"] = STEPS
     if train_only:
         spec["model"] = {"name": spec["model"]["name"], "maxtextCheckpoint": "gs://my-bucket/qwen3/0/items"}
         spec["export"] = {"enabled": False}
@@ -34,6 +36,15 @@ def sample(name: str, *, train_only: bool = False, images: dict | None = None, *
         spec["images"] = images
     spec["scheduling"] |= scheduling
     return body
+
+
+def progress_line(step: int, state: str = "running", **extra) -> str:
+    """A trainer progress line (as the trainer prints it) for step `step` of a `sample` run."""
+    from lorajob_trainer.metrics import PROGRESS_LINE_PREFIX
+
+    values = {"step": step, "total_steps": STEPS, "loss": round(3.0 / step, 4), "tokens_per_second": 1200.0,
+              "eta_seconds": 4.0 * (STEPS - step), "state": state, **extra}
+    return PROGRESS_LINE_PREFIX + json.dumps(values, separators=(",", ":"))
 
 
 class Lorajobs:

@@ -3,24 +3,14 @@ API server's pods/log) -> the operator -> status.progress -> `kubectl get lj`.""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from lorajobs import every_image, sample
+from lorajobs import STEPS, every_image, progress_line, sample
 
 from lorajob_devcluster import HANG_IMAGE
 from lorajob_devcluster.kwok_stages import cri_log
-from lorajob_operator import render
 from lorajob_trainer.metrics import PROGRESS_LINE_PREFIX
 
 pytestmark = pytest.mark.cluster
-STEPS = 10  # lorajobs.sample's training.steps
-
-
-def progress_line(step: int, state: str = "running") -> str:
-    values = {"step": step, "total_steps": STEPS, "loss": round(3.0 / step, 4), "tokens_per_second": 1200.0,
-              "eta_seconds": 4.0 * (STEPS - step), "state": state}
-    return PROGRESS_LINE_PREFIX + json.dumps(values, separators=(",", ":"))
 
 
 def summary(obj: dict | None) -> str | None:
@@ -31,15 +21,6 @@ def table_row(lorajobs, name: str, *options: str) -> tuple[list[str], str]:
     """The column names and the row of `kubectl get lj <name>`."""
     header, row = lorajobs.kubectl("get", "lj", name, *options).stdout.splitlines()
     return header.split(), row
-
-
-@pytest.fixture
-def trainer_log(sim_cluster, namespace, tmp_path):
-    """The log file kwok serves for every trainer container in the test's namespace."""
-    path = tmp_path / "trainer.log"
-    path.write_text("")
-    sim_cluster.serve_container_logs(namespace, render.TRAINER_CONTAINER, path)
-    return path
 
 
 def test_kubectl_get_shows_the_progress_the_trainer_logs(lorajobs, operator, trainer_log):

@@ -1,0 +1,329 @@
+"""`lorajob status | logs | plot NAME`: watch one LoRAJob from a terminal (also as `kubectl lorajob ...`).
+
+Everything comes through the API server, as `kubectl` would get it: the LoRAJob, its train JobSet, the
+lead trainer pod's log (whose progress lines give the loss history) and the operator's events. Building
+the text is pure (`format_status`), so it is tested on plain objects as well as against a real API server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator
+
+from lorajob_operator import api, render, rules
+from lorajob_operator.reconcile import RUNNING_PHASE, lead_pod_selector, parse_progress_line
+from lorajob_trainer.metrics import PROGRESS_LINE_PREFIX
+
+SPARK = "▁▂▃▄▅▆▇█"
+BAR_WIDTH = 30
+EVENTS_SHOWN = 8
+EVENT_WIDTH = 160
+LOG_TAIL_LINES = 20_000
+"""How much of the trainer's log `status` and `plot` read for the loss history (one progress line per step)."""
+
+
+class RunViewError(RuntimeError):
+    """The LoRAJob, its train step or its trainer log cannot be found; the message says which."""
+
+
+@dataclass(frozen=True)
+class LossPoint:
+    step: int
+    loss: float | None
+    eval_loss: float | None = None
+
+
+@dataclass(frozen=True)
+class RunView:
+    lorajob: dict
+    history: list[LossPoint] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+
+
+def loss_history(log: str) -> list[LossPoint]:
+    """One point per step from the trainer's progress lines (the last line of a step wins), in step order."""
+    points: dict[int, LossPoint] = {}
+    for line in log.splitlines():
+        progress = parse_progress_line(line)
+        if progress is None or progress.step is None:
+            continue
+        eval_loss = json.loads(line.partition(PROGRESS_LINE_PREFIX)[2]).get("eval_loss")
+        if not (isinstance(eval_loss, (int, float)) and math.isfinite(eval_loss)):
+            eval_loss = points[progress.step].eval_loss if progress.step in points else None
+        points[progress.step] = LossPoint(progress.step, progress.loss, eval_loss)
+    return [points[step] for step in sorted(points)]
+
+
+def sparkline(values: list[float], width: int = 60) -> str:
+    """The values as block characters, averaged into at most `width` buckets."""
+    if not values:
+        return ""
+    count = min(width, len(values))
+    buckets = [values[i * len(values) // count:(i + 1) * len(values) // count] for i in range(count)]
+    means = [sum(b) / len(b) for b in buckets]
+    low, high = min(means), max(means)
+    span = (high - low) or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int((v - low) / span * len(SPARK)))] for v in means)
+
+
+def progress_bar(step: int, total: int, width: int = BAR_WIDTH) -> str:
+    filled = width * min(step, total) // total
+    return "[" + "█" * filled + "░" * (width - filled) + "]"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 90:
+        return f"{seconds}s"
+    if seconds < 5400:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _parse_time(value: str | None) -> datetime | None:
+    return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
+
+
+def _step_marks(obj: dict) -> list[str]:
+    """Each step of the chain with its state: done (✓), running (▶), failed (✗) or not reached (·)."""
+    status = obj.get("status") or {}
+    spec, _ = render.parse_spec(obj)
+    steps = rules.phases(spec) if spec is not None else list(rules.PHASES)
+    phase = status.get("phase")
+    current = next((step for step, running in RUNNING_PHASE.items() if running.value == phase), None)
+    failed = next((c for c in status.get("conditions") or [] if c.get("type") == "Failed" and c.get("status") == "True"), None)
+    if failed is not None:  # a step's failure is reported as <Step>Failed (TrainFailed, ...)
+        current = next((step for step in steps if failed.get("reason") == f"{step.capitalize()}Failed"), None)
+    restarts = status.get("restarts") or {}
+    marks = []
+    for index, step in enumerate(steps):
+        if phase == api.Phase.Succeeded.value or (current in steps and index < steps.index(current)):
+            mark = "✓"
+        elif step == current:
+            mark = "✗" if failed is not None else "▶"
+        else:
+            mark = "·"
+        retries = f" ({restarts[step]} retries)" if restarts.get(step) else ""
+        marks.append(f"{mark} {step}{retries}")
+    return marks
+
+
+def format_status(view: RunView, now: datetime | None = None) -> str:
+    """What `lorajob status` prints."""
+    now = now or datetime.now(timezone.utc)
+    obj = view.lorajob
+    metadata, spec, status = obj["metadata"], obj.get("spec") or {}, obj.get("status") or {}
+    resolved = status.get("resolved") or {}
+    queue = resolved.get("queueName") or (spec.get("scheduling") or {}).get("queueName") or "-"
+    lines = [
+        f"LoRAJob {metadata.get('namespace', '')}/{metadata['name']}: {status.get('phase') or 'Pending'}",
+        f"  model {(spec.get('model') or {}).get('name', '?')}, backend {(spec.get('compute') or {}).get('backend', 'pathways')},"
+        f" queue {queue}",
+    ]
+    if status.get("message"):
+        lines.append(f"  {status['message']}")
+    lines.append("steps     " + "   ".join(_step_marks(obj)))
+    started, finished = _parse_time(status.get("startTime")), _parse_time(status.get("completionTime"))
+    if started:
+        lines[-1] += f"   ({_duration(((finished or now) - started).total_seconds())})"
+
+    progress = status.get("progress") or {}
+    if progress.get("step") is not None:
+        total = progress.get("totalSteps")
+        text = f"{progress['step']}/{total} ({100 * progress['step'] // total}%)" if total else str(progress["step"])
+        bar = progress_bar(progress["step"], total) + " " if total else ""
+        extras = [f"loss {progress['loss']:.4f}"] if progress.get("loss") is not None else []
+        if progress.get("tokensPerSecond") is not None:
+            extras.append(f"{progress['tokensPerSecond']:,.0f} tok/s")
+        if progress.get("etaSeconds") is not None and status.get("phase") == api.Phase.Training.value:
+            extras.append(f"ETA {_duration(progress['etaSeconds'])}")
+        lines.append(f"progress  {bar}{text}  " + "  ".join(extras))
+
+    losses = [p for p in view.history if p.loss is not None]
+    if losses:
+        values = [p.loss for p in losses]
+        lines.append(
+            f"loss      {sparkline(values)}  step {losses[0].step}..{losses[-1].step}: "
+            f"{values[0]:.4f} -> {values[-1]:.4f} (min {min(values):.4f})"
+        )
+    evaluated = [p for p in view.history if p.eval_loss is not None]
+    if evaluated:
+        lines.append(f"eval loss {sparkline([p.eval_loss for p in evaluated])}  last {evaluated[-1].eval_loss:.4f} at step {evaluated[-1].step}")
+
+    for checkpoint in status.get("checkpoints") or []:
+        losses_text = ", ".join(
+            f"{label} {checkpoint[key]:.4f}" for label, key in (("loss", "trainLoss"), ("eval", "evalLoss")) if checkpoint.get(key) is not None
+        )
+        lines.append(f"checkpoint step {checkpoint.get('step')}: {checkpoint.get('path', '')}" + (f" ({losses_text})" if losses_text else ""))
+
+    outputs = status.get("outputs") or {}
+    for label, key in (("base", "baseCheckpointPath"), ("checkpoints", "checkpointPath"), ("adapter", "adapterPath")):
+        if outputs.get(key):
+            lines.append(f"{label + ':':12}{outputs[key]}")
+
+    conditions = [c for c in status.get("conditions") or [] if c.get("status") == "True"]
+    if conditions:
+        lines.append("conditions " + ", ".join(f"{c['type']}" + (f" ({c['reason']})" if c.get("reason") else "") for c in conditions))
+    if view.events:
+        lines.append("events")
+        for event in view.events[-EVENTS_SHOWN:]:
+            at = _parse_time(event.get("lastTimestamp") or event.get("eventTime") or event["metadata"].get("creationTimestamp"))
+            age = _duration((now - at).total_seconds()) + " ago" if at else ""
+            text = f"  {age:>10}  {event.get('type', ''):8} {event.get('reason', ''):16} {event.get('message', '')}"
+            lines.append(text if len(text) <= EVENT_WIDTH else text[:EVENT_WIDTH - 1] + "…")
+    return "\n".join(lines)
+
+
+# --- I/O through the API server ----------------------------------------------------------------------
+
+class Client:
+    """The few reads the run view needs, through the kubernetes client (kubeconfig or in-cluster)."""
+
+    def __init__(self, context: str | None = None):
+        from kubernetes import client, config
+
+        try:
+            config.load_kube_config(context=context)
+        except config.ConfigException:
+            config.load_incluster_config()
+        self.core = client.CoreV1Api()
+        self.custom = client.CustomObjectsApi()
+
+    def lorajob(self, namespace: str, name: str) -> dict:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return self.custom.get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, name)
+        except ApiException as error:
+            if error.status == 404:
+                raise RunViewError(f"no LoRAJob {name!r} in namespace {namespace!r}") from None
+            raise
+
+    def lead_pod(self, namespace: str, obj: dict) -> str:
+        """The newest pod of the train step's process 0, whose trainer log carries the progress lines."""
+        from kubernetes.client.exceptions import ApiException
+
+        name = (obj.get("status", {}).get("children") or {}).get("train")
+        if not name:
+            raise RunViewError(f"LoRAJob {obj['metadata']['name']!r} has no train step yet")
+        try:
+            jobset = self.custom.get_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets", name)
+        except ApiException as error:
+            if error.status == 404:
+                raise RunViewError(f"the train JobSet {name!r} does not exist (not started yet, or finished and deleted)") from None
+            raise
+        selector = lead_pod_selector(jobset)
+        pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items if selector else []
+        if not pods:
+            raise RunViewError(f"the train JobSet {name!r} has no trainer pod yet")
+        return max(pods, key=lambda p: p.metadata.creation_timestamp).metadata.name
+
+    def log(self, namespace: str, pod: str, tail_lines: int | None = LOG_TAIL_LINES) -> str:
+        response = self.core.read_namespaced_pod_log(
+            pod, namespace, container=render.TRAINER_CONTAINER, tail_lines=tail_lines, _preload_content=False,
+        )
+        return response.data.decode("utf-8", errors="replace")
+
+    def follow(self, namespace: str, pod: str) -> Iterator[str]:
+        response = self.core.read_namespaced_pod_log(
+            pod, namespace, container=render.TRAINER_CONTAINER, follow=True, _preload_content=False,
+        )
+        for chunk in response.stream(decode_content=True):
+            yield chunk.decode("utf-8", errors="replace")
+
+    def events(self, namespace: str, name: str) -> list[dict]:
+        listing = self.core.list_namespaced_event(namespace, field_selector=f"involvedObject.kind={api.KIND},involvedObject.name={name}")
+        events = [self.core.api_client.sanitize_for_serialization(e) for e in listing.items]
+        return sorted(events, key=lambda e: int(e["metadata"]["resourceVersion"]))
+
+    def view(self, namespace: str, name: str) -> RunView:
+        obj = self.lorajob(namespace, name)
+        try:
+            history = loss_history(self.log(namespace, self.lead_pod(namespace, obj)))
+        except RunViewError:
+            history = []  # no train step (yet): the rest of the view still helps
+        except Exception as error:  # noqa: BLE001 - an unreadable log must not hide the status
+            print(f"note: the trainer log could not be read: {error}", file=sys.stderr)
+            history = []
+        return RunView(obj, history, self.events(namespace, name))
+
+
+def plot(view: RunView, path: Path) -> Path:
+    """Draw the loss (and eval loss) curve of the run to a PNG."""
+    losses = [p for p in view.history if p.loss is not None]
+    if not losses:
+        raise RunViewError(f"LoRAJob {view.lorajob['metadata']['name']!r} has no loss to plot yet (no progress lines in the trainer log)")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axes = pyplot.subplots(figsize=(8, 4.5))
+    axes.plot([p.step for p in losses], [p.loss for p in losses], label="train loss")
+    evaluated = [p for p in view.history if p.eval_loss is not None]
+    if evaluated:
+        axes.plot([p.step for p in evaluated], [p.eval_loss for p in evaluated], "o-", label="eval loss")
+    axes.set(xlabel="step", ylabel="loss", title=f"LoRAJob {view.lorajob['metadata']['name']}")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+    return path
+
+
+def add_commands(commands) -> None:
+    """Register status, logs and plot on the `lorajob` argument parser's subcommands."""
+    for command, text in (
+        ("status", "show a LoRAJob's phase, steps, progress, loss, checkpoints, outputs and recent events"),
+        ("logs", "print (or follow with -f) the lead trainer's log of a LoRAJob"),
+        ("plot", "draw a LoRAJob's loss curve (and eval loss) to a PNG"),
+    ):
+        sub = commands.add_parser(command, help=text, description=text)
+        sub.add_argument("name", help="name of the LoRAJob")
+        sub.add_argument("-n", "--namespace", default=None, help="namespace of the LoRAJob (default: the kubeconfig context's)")
+        sub.add_argument("--context", default=None, help="kubeconfig context to use")
+        if command == "logs":
+            sub.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the trainer exits")
+        if command == "plot":
+            sub.add_argument("-o", "--output", type=Path, default=Path("loss.png"), help="PNG file to write (default: loss.png)")
+        sub.set_defaults(run=_run)
+
+
+def _namespace(args) -> str:
+    if args.namespace:
+        return args.namespace
+    from kubernetes import config
+
+    try:
+        _, active = config.list_kube_config_contexts()
+        return (active or {}).get("context", {}).get("namespace") or "default"
+    except config.ConfigException:
+        return "default"
+
+
+def _run(args) -> int:
+    try:
+        cluster = Client(args.context)
+        namespace = _namespace(args)
+        if args.command == "status":
+            print(format_status(cluster.view(namespace, args.name)))
+        elif args.command == "logs":
+            pod = cluster.lead_pod(namespace, cluster.lorajob(namespace, args.name))
+            if args.follow:
+                for chunk in cluster.follow(namespace, pod):
+                    sys.stdout.write(chunk)
+                    sys.stdout.flush()
+            else:
+                sys.stdout.write(cluster.log(namespace, pod, tail_lines=None))
+        else:
+            print(f"wrote {plot(cluster.view(namespace, args.name), args.output)}")
+    except RunViewError as error:
+        print(f"lorajob {args.command}: {error}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,73 @@
+"""`lorajob status` on plain objects: the loss history from progress lines, the step marks, the text."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+from builders import condition, lorajob
+
+from lorajob_operator import runview
+from lorajob_trainer.metrics import PROGRESS_LINE_PREFIX
+
+NOW = datetime(2026, 1, 1, 0, 10, tzinfo=timezone.utc)
+
+
+def line(**values) -> str:
+    return PROGRESS_LINE_PREFIX + json.dumps(values)
+
+
+def test_loss_history_keeps_one_point_per_step_in_order_and_skips_garbage():
+    log = "\n".join([
+        "2026-01-01 loading the base", line(step=2, total_steps=4, loss=2.0), line(step=1, total_steps=4, loss=3.0),
+        PROGRESS_LINE_PREFIX + '{"step": 3, "total', line(step=2, total_steps=4, loss=1.9, eval_loss=2.5),
+        line(step=3, total_steps=4, loss=float("nan")), line(step=4, total_steps=4, loss=1.5, eval_loss=None),
+    ])
+    assert runview.loss_history(log) == [
+        runview.LossPoint(1, 3.0), runview.LossPoint(2, 1.9, 2.5), runview.LossPoint(4, 1.5),
+    ]
+
+
+def test_sparkline_spans_the_range_and_fits_the_width():
+    assert runview.sparkline([3.0, 2.0, 1.0]) == "█▅▁"
+    assert runview.sparkline([1.0, 1.0]) == "▁▁"
+    assert len(runview.sparkline([float(i) for i in range(1000)], width=40)) == 40
+    assert runview.sparkline([]) == ""
+
+
+def _training(**status) -> dict:
+    body = lorajob(status={
+        "phase": "Training", "startTime": "2026-01-01T00:00:00Z", "restarts": {"train": 1},
+        "progress": {"step": 70, "totalSteps": 100, "loss": 0.4286, "tokensPerSecond": 1234.5, "etaSeconds": 125},
+        "resolved": {"queueName": "team-q"},
+        "conditions": [condition("Admitted"), condition("Running", reason="TrainRunning")],
+        "outputs": {"checkpointPath": "gs://bucket/runs/qwen3-gsm8k/checkpoints"},
+        **status,
+    })
+    return body
+
+
+def test_status_text_shows_steps_progress_loss_outputs_and_events():
+    event = {"metadata": {"creationTimestamp": "2026-01-01T00:09:30Z"}, "type": "Normal", "reason": "Created",
+             "message": "created JobSet qwen3-gsm8k"}
+    history = [runview.LossPoint(step, 3.0 / step, 2.0 if step == 50 else None) for step in range(1, 71)]
+    text = runview.format_status(runview.RunView(_training(), history, [event]), now=NOW)
+    lines = text.splitlines()
+    assert lines[0] == "LoRAJob team-a/qwen3-gsm8k: Training"
+    assert lines[1] == "  model qwen3-0.6b, backend pathways, queue team-q"
+    assert lines[2] == "steps     ✓ convert   ▶ train (1 retries)   · export   (10m00s)"
+    assert lines[3] == "progress  [" + "█" * 21 + "░" * 9 + "] 70/100 (70%)  loss 0.4286  1,234 tok/s  ETA 2m05s"
+    assert lines[4].startswith("loss      █") and lines[4].endswith("step 1..70: 3.0000 -> 0.0429 (min 0.0429)")
+    assert lines[5] == "eval loss ▁  last 2.0000 at step 50"
+    assert "checkpoints:gs://bucket/runs/qwen3-gsm8k/checkpoints" in lines
+    assert "conditions Admitted, Running (TrainRunning)" in lines
+    assert lines[-1].split() == ["30s", "ago", "Normal", "Created", "created", "JobSet", "qwen3-gsm8k"]
+
+
+def test_a_failed_step_is_marked_where_it_failed():
+    body = _training(phase="Failed", conditions=[condition("Failed", reason="TrainFailed", message="the train step failed")])
+    assert "steps     ✓ convert   ✗ train (1 retries)   · export   (10m00s)" in runview.format_status(
+        runview.RunView(body), now=NOW
+    ).splitlines()
+    done = _training(phase="Succeeded", completionTime="2026-01-01T00:05:00Z")
+    assert "✓ convert   ✓ train (1 retries)   ✓ export   (5m00s)" in runview.format_status(runview.RunView(done), now=NOW)
