@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from datetime import datetime
 
 import pytest
@@ -75,6 +74,15 @@ def workload_admitted(sim_cluster, jobset_name: str) -> bool:
     return condition_is_true(workload_of(sim_cluster, jobset_name) or {}, "Admitted")
 
 
+def quota_pending(workload: dict) -> dict | None:
+    """Kueue's QuotaReserved=False/Pending condition on a Workload it tried and could not fit."""
+    return next(
+        (c for c in workload.get("status", {}).get("conditions", [])
+         if c["type"] == "QuotaReserved" and c["status"] == "False" and c["reason"] == "Pending"),
+        None,
+    )
+
+
 def jobset_pods(sim_cluster, name: str) -> list[dict]:
     return sim_cluster.get_json("pods", "-n", NAMESPACE, "-l", f"jobset.sigs.k8s.io/jobset-name={name}")["items"]
 
@@ -111,7 +119,9 @@ def test_second_tpu_jobset_waits_for_quota_until_the_first_is_gone(sim_cluster, 
     create(sim_cluster, tpu_jobset("second"))
     wait_for(lambda: workload_of(sim_cluster, "second"), TIMEOUT, "Workload of second created")
 
-    time.sleep(3)  # give Kueue several scheduling cycles in which it must not admit `second`
+    # Kueue has tried `second` and said why it waits: QuotaReserved=False, Pending, with the missing quota.
+    pending = wait_for(lambda: quota_pending(workload_of(sim_cluster, "second") or {}), TIMEOUT, "Kueue's verdict on second")
+    assert "couldn't assign flavors" in pending["message"] or "insufficient" in pending["message"], pending
     assert not workload_admitted(sim_cluster, "second")
     assert sim_cluster.get_json("jobsets.jobset.x-k8s.io", "second", "-n", NAMESPACE)["spec"]["suspend"] is True
     assert not jobset_condition(sim_cluster, "first", "Completed"), "the slow image must still be running"
