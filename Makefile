@@ -15,3 +15,4 @@ train-demo: setup
 
 crds:
 	.venv/bin/python -m lorajob_operator.crd
+	.venv/bin/python -m lorajob_operator.policy_crd

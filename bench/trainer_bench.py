@@ -1,10 +1,11 @@
 """LoRA training throughput: our JAX trainer step vs HF transformers + PEFT (PyTorch), same shape and device.
 
-    python bench/trainer_bench.py --shape tiny [--steps 10] [--batch 8] [--seq 128] [--rank 16]
+    python bench/trainer_bench.py --shape tiny [--steps 10] [--batch 8] [--seq 128] [--rank 16] [--loss-chunk 256] [--remat minimal]
                                   [--peak-tflops 989] [--frameworks jax,torch]
 
 Shapes are Qwen3 configurations with random weights made on the device (no files, no network):
-`tiny` (the test model), `small` (~40M), `0.6b` (Qwen3-0.6B) and `8b` (Qwen3-8B). Each framework
+`tiny` (the test model), `small` (~40M), `real-vocab` (`small` with Qwen3's 151,936-entry vocabulary),
+`0.6b` (Qwen3-0.6B) and `8b` (Qwen3-8B). Each framework
 runs in a child process of its own (clean peak-memory figures): a few warm-up steps (compilation),
 then `--steps` timed optimizer steps on a fixed random batch, LoRA on all seven projections,
 AdamW with clipping, bf16 on accelerators and float32 on CPU. Prints tokens/s, step time, MFU
@@ -35,6 +36,8 @@ SHAPES = {
     "tiny": None,  # lorajob_trainer.tiny's qwen3 config
     "small": {**QWEN3, "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,
               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "tie_word_embeddings": True},
+    "real-vocab": {**QWEN3, "vocab_size": 151936, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,
+                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "tie_word_embeddings": True},
     "0.6b": {**QWEN3, "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True},
     "8b": {**QWEN3, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
@@ -53,32 +56,50 @@ def hf_config(shape: str) -> dict:
 # ---------------------------------------------------------------- JAX (this project's step)
 
 
+def bench_dtype():
+    """bfloat16 on accelerators, float32 on CPU (as the trainer's dtype=auto)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def random_lora_model(hf: dict, rank: int, dtype, mesh):
+    """(Qwen3 of config `hf` with random weights made in place on the mesh and LoRA on TARGETS, its Tunix config)."""
+    import jax
+    from flax import nnx
+
+    from lorajob_trainer import lora as lora_lib
+    from lorajob_trainer import models, weights
+
+    family = models.family_for_hf_config(hf)
+    tunix_config = family.config_from_hf(hf, dtype)
+    graphdef, state = nnx.split(models.abstract_model(family, tunix_config, hf))
+    for index, (_, variable) in enumerate(nnx.to_flat_state(state)):
+        shape = tuple(variable.get_value().shape)
+        make = jax.jit(lambda key, shape=shape: 0.02 * jax.random.normal(key, shape, dtype),
+                       out_shardings=weights.variable_sharding(mesh, variable))
+        variable.set_value(make(jax.random.key(index)))
+    model = lora_lib.apply_lora(nnx.merge(graphdef, state), rank=rank, alpha=2.0 * rank,
+                                target_regex=lora_lib.module_path_regex("qwen3", TARGETS), mesh=mesh, rngs=nnx.Rngs(0))
+    return model, tunix_config
+
+
 def bench_jax(args) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from lorajob_trainer import lora as lora_lib
     from lorajob_trainer import mesh as mesh_lib
-    from lorajob_trainer import metrics, models, weights
+    from lorajob_trainer import metrics
     from lorajob_trainer import train as train_lib
     from lorajob_trainer.config import MeshConfig, TrainConfig
     from lorajob_trainer.optim import build_optimizer
 
     hf = hf_config(args.shape)
-    on_cpu = jax.default_backend() == "cpu"
-    dtype = jnp.float32 if on_cpu else jnp.bfloat16
+    dtype = bench_dtype()
     mesh = mesh_lib.build_mesh(MeshConfig())
-    family = models.family_for_hf_config(hf)
-    tunix_config = family.config_from_hf(hf, dtype)
-    graphdef, state = nnx.split(models.abstract_model(family, tunix_config, hf))
-    for index, (_, variable) in enumerate(nnx.to_flat_state(state)):
-        shape = tuple(variable.value.shape)
-        make = jax.jit(lambda key, shape=shape: 0.02 * jax.random.normal(key, shape, dtype),
-                       out_shardings=weights.variable_sharding(mesh, variable))
-        variable.value = make(jax.random.key(index))
-    model = lora_lib.apply_lora(nnx.merge(graphdef, state), rank=args.rank, alpha=2.0 * args.rank,
-                                target_regex=lora_lib.module_path_regex("qwen3", TARGETS), mesh=mesh, rngs=nnx.Rngs(0))
+    model, tunix_config = random_lora_model(hf, args.rank, dtype, mesh)
 
     config = TrainConfig.from_dict({
         "run_name": "bench", "base_output_directory": "/tmp/bench", "model_name": "tiny-qwen3",
@@ -91,7 +112,8 @@ def bench_jax(args) -> dict:
     adapters = train_lib.trainable_adapters(layout, lora_state)
     opt_state = train_lib.init_optimizer_state(optimizer, adapters, mesh)
     steps = train_lib.build_step_functions(
-        graphdef, layout, optimizer, dtype, train_lib.step_shardings(adapters, opt_state, base, mesh)
+        graphdef, layout, optimizer, dtype, train_lib.step_shardings(adapters, opt_state, base, mesh), args.loss_chunk,
+        args.remat
     )
     rows = args.batch
     tokens = jax.random.randint(jax.random.key(1), (1, rows, args.seq + 1), 0, hf["vocab_size"], jnp.int32)
@@ -188,17 +210,17 @@ def child(args) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_child(framework: str, argv: list[str], single_thread: bool) -> dict:
+def run_child(script: str, argv: list[str], single_thread: bool) -> dict:
+    """The `RESULT {json}` line of `script argv` run in a child process (a clean peak-memory figure)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "trainer"), os.environ.get("PYTHONPATH", "")])}
     if single_thread:
         # The same CPU budget for both, immune to other load: one XLA thread, one OpenMP thread.
         env["OMP_NUM_THREADS"] = "1"
         env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
-    completed = subprocess.run([sys.executable, __file__, *argv, "--framework", framework],
-                               capture_output=True, text=True, env=env)
+    completed = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, env=env)
     lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
     if completed.returncode != 0 or not lines:
-        raise SystemExit(f"{framework} benchmark failed:\n{completed.stderr[-4000:]}")
+        raise SystemExit(f"{Path(script).name} {' '.join(argv[-4:])} failed:\n{completed.stderr[-4000:]}")
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
@@ -229,6 +251,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--loss-chunk", type=int, default=256, help="loss_chunk_length: positions per LM-head chunk")
+    parser.add_argument("--remat", choices=["none", "minimal", "full"], default="minimal", help="remat_policy")
     parser.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (needed on CPU)")
     parser.add_argument("--frameworks", default="jax,torch")
     parser.add_argument("--single-thread", action="store_true", help="CPU: one thread for each framework")
@@ -239,7 +263,9 @@ def main() -> None:
         return
     argv = sys.argv[1:]
     frameworks = args.frameworks.split(",")
-    results = {framework: run_child(framework, argv, args.single_thread) for framework in frameworks}
+    results = {
+        framework: run_child(__file__, [*argv, "--framework", framework], args.single_thread) for framework in frameworks
+    }
     report(args, results)
 
 

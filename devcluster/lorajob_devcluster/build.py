@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -23,6 +24,8 @@ from . import toolchain
 from .versions import DEFAULT_VERSIONS, VersionSet, bin_dir, build_dir
 
 GO_LDFLAGS_STRIP = "-s -w"
+PROGRESS_INTERVAL_SECONDS = 20.0
+"""How often a running Go command reports that it is still at work (a Kubernetes build is silent for minutes)."""
 
 
 class BuildError(RuntimeError):
@@ -45,12 +48,31 @@ class BuildContext:
     bin: Path
     src: Path
     env: dict[str, str]
+    log: Callable[[str], None]
 
-    def go(self, *args: str, cwd: Path | None = None) -> None:
-        command = ["go", *args]
-        result = subprocess.run(command, cwd=cwd, env=self.env, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise BuildError(f"`{' '.join(command)}` failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
+    def go(self, *args: str, what: str, cwd: Path | None = None) -> None:
+        run_reporting_progress(["go", *args], what=what, log=self.log, cwd=cwd, env=self.env)
+
+
+def run_reporting_progress(command: list[str], *, what: str, log: Callable[[str], None], cwd: Path | None = None,
+                           env: dict[str, str] | None = None, interval: float = PROGRESS_INTERVAL_SECONDS) -> None:
+    """Run `command` quietly, logging `what` and the time so far every `interval` s; its output's tail on failure."""
+    started = time.monotonic()
+    with tempfile.TemporaryFile("w+") as output:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
+        while True:
+            try:
+                process.wait(timeout=interval)
+                break
+            except subprocess.TimeoutExpired:
+                log(f"  {what}: {_minutes(time.monotonic() - started)} so far")
+        if process.returncode != 0:
+            output.seek(0)
+            raise BuildError(f"{what}: `{' '.join(command)}` failed (exit {process.returncode}):\n{output.read()[-4000:]}")
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
 
 
 def go_environment() -> dict[str, str]:
@@ -109,10 +131,11 @@ def build_kubernetes(ctx: BuildContext, component: Component) -> None:
         f"godebug default=go{versions.kubernetes_go_line.rsplit('.', 1)[0]}\n\n"
         f"tool (\n{tools}\n)\n\nrequire k8s.io/kubernetes {versions.kubernetes}\n\nreplace (\n{replaces}\n)\n",
     )
-    ctx.go("mod", "tidy", cwd=wrapper)
+    ctx.go("mod", "tidy", what="kubernetes: resolving modules", cwd=wrapper)
     ldflags = f"{GO_LDFLAGS_STRIP} {version_ldflags(versions)}"
     packages = [f"k8s.io/kubernetes/cmd/{c}" for c in KUBE_COMMANDS]
-    ctx.go("build", "-ldflags", ldflags, "-o", f"{ctx.bin}/", *packages, cwd=wrapper)
+    ctx.go("build", "-ldflags", ldflags, "-o", f"{ctx.bin}/", *packages, cwd=wrapper,
+           what=f"kubernetes: compiling {', '.join(KUBE_COMMANDS)}")
 
 
 def write_wrapper_module(directory: Path, go_mod: str) -> None:
@@ -136,8 +159,9 @@ def build_in_wrapper_module(ctx: BuildContext, component: Component) -> None:
     write_wrapper_module(
         wrapper, f"module local/lorajob-{binary}\n\ngo 1.24.0\n\ntool {component.main_package}\n\nrequire {component.module} {version}\n"
     )
-    ctx.go("mod", "tidy", cwd=wrapper)
-    ctx.go("build", "-ldflags", GO_LDFLAGS_STRIP, "-o", str(ctx.bin / binary), component.main_package, cwd=wrapper)
+    ctx.go("mod", "tidy", what=f"{component.name}: resolving modules", cwd=wrapper)
+    ctx.go("build", "-ldflags", GO_LDFLAGS_STRIP, "-o", str(ctx.bin / binary), component.main_package, cwd=wrapper,
+           what=f"{component.name}: compiling {component.main_package}")
 
 
 COMPONENTS: tuple[Component, ...] = (
@@ -184,7 +208,8 @@ def build(
     bin_path.mkdir(parents=True, exist_ok=True)
     with open(root / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        ctx = BuildContext(versions, bin_path, root / "src", go_environment())
+        ctx = BuildContext(versions, bin_path, root / "src", go_environment(), log)
+        build_started = time.monotonic()
         for component in wanted:
             if is_built(bin_path, component, versions):
                 continue
@@ -195,6 +220,7 @@ def build(
             stamp = {"version": component.version(versions), "cold_build_seconds": seconds}
             stamp_path(bin_path, component).write_text(json.dumps(stamp))
             log(f"built {component.name} in {seconds} s")
+        log(f"control plane built in {_minutes(time.monotonic() - build_started)}; binaries cached in {bin_path}")
     return bin_path
 
 

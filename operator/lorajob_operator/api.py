@@ -308,7 +308,11 @@ class SchedulingSpec(_Model):
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=31_536_000)
     """ttlSecondsAfterFinished deletes the LoRAJob (and its children) this long after it succeeded or failed."""
     retry_limit: int = Field(default=2, ge=0, le=20)
-    """retryLimit is how many times each step is retried (with backoff) before the LoRAJob fails."""
+    """retryLimit is how many times each step is retried (with backoff) after a failure of unknown cause before the LoRAJob fails. A user error (a bad config, dataset or adapter, as the trainer's exit code says) fails it at once; infrastructure failures count against infrastructureRetryLimit instead."""
+    infrastructure_retry_limit: int = Field(default=10, ge=0, le=1000)
+    """infrastructureRetryLimit is how many times each step is retried after infrastructure failures (pod evicted or preempted, node lost, killed by a signal, trainer stopped by SIGTERM); training resumes from its latest checkpoint."""
+    termination_grace_period_seconds: int = Field(default=120, ge=1, le=3600)
+    """terminationGracePeriodSeconds is how long a train pod has after SIGTERM (preemption, drain, suspend) to finish its step and save a checkpoint there before it is killed; size it to a step plus a checkpoint write."""
 
 
 class ImagesSpec(_Model):
@@ -471,7 +475,9 @@ class LoRAJobStatus(_Model):
     completion_time: datetime | None = None
     """completionTime is when the LoRAJob succeeded or failed."""
     restarts: PhaseRestarts | None = None
-    """restarts counts retries per step."""
+    """restarts counts retries per step, whatever their cause."""
+    infrastructure_restarts: PhaseRestarts | None = None
+    """infrastructureRestarts counts the retries (of restarts) after infrastructure failures, which do not use up retryLimit."""
     outputs: Outputs | None = None
     """outputs of the run."""
     progress: Progress | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import re
 import sys
 from pathlib import Path
@@ -23,6 +24,13 @@ _Yaml12Loader.add_implicit_resolver(
 
 def load_documents(text: str) -> list[dict]:
     return [doc for doc in yaml.load_all(text, Loader=_Yaml12Loader) if doc]
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("lorajob")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 def _documents(path: Path) -> list[dict]:
@@ -72,11 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     # Installed twice: as `lorajob` and as the kubectl plugin `kubectl-lorajob` (run as `kubectl lorajob`).
     prog = "kubectl lorajob" if Path(sys.argv[0]).name == "kubectl-lorajob" else "lorajob"
     parser = argparse.ArgumentParser(prog=prog, description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     validate = commands.add_parser("validate", help="check LoRAJob files with the same rules as the API server")
-    validate.add_argument("files", nargs="+", type=Path)
+    validate.add_argument("files", nargs="+", type=Path, metavar="FILE",
+                          help="YAML files, each holding one or more LoRAJob documents")
     render = commands.add_parser("render", help="print the JobSets the operator would create, for review")
-    render.add_argument("files", nargs="+", type=Path)
+    render.add_argument("files", nargs="+", type=Path, metavar="FILE", help="YAML files holding LoRAJob documents")
     render.add_argument("--namespace", default="default", help="namespace of LoRAJobs that do not set one")
     from lorajob_operator import runview
 

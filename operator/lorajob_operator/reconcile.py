@@ -14,7 +14,11 @@ Mechanisms, in one place:
   is queued, admitted or evicted.
 * Retries: a failed try N of a step (label lorajob.dev/attempt) is deleted once its backoff has
   passed and `status.restarts` records try N+1; the next pass, seeing no child, creates try N+1
-  under the same name. After `scheduling.retryLimit` retries the LoRAJob fails.
+  under the same name. Failures are classed (`failure_kind`): a user error (the trainer's documented
+  exit codes, lorajob_trainer.exit_codes) fails the LoRAJob at once with the trainer's message; an
+  infrastructure failure (a pod disrupted: evicted, preempted, node lost; a container killed by a
+  signal; the trainer stopped by SIGTERM) is retried up to `scheduling.infrastructureRetryLimit`
+  times, counted in `status.infrastructureRestarts`; anything else up to `scheduling.retryLimit`.
 * suspend: the running step's JobSet is deleted (foreground, so its pods are gone before a new one
   can take its name) and recreated on resume; training restarts from its latest checkpoint.
 * activeDeadlineSeconds counts from the later of startTime and the last resume.
@@ -43,6 +47,7 @@ from typing import Mapping
 from lorajob_operator import api, policy, rules
 from lorajob_operator.render import JOB_INDEX_LABEL, LABEL_ATTEMPT, LABEL_PHASE, TRAINER_CONTAINER, run_paths
 from lorajob_operator.settings import ReconcileSettings, RenderSettings
+from lorajob_trainer import exit_codes
 from lorajob_trainer.metrics import PROGRESS_LINE_PREFIX
 
 RUNNING_PHASE = {"convert": api.Phase.Converting, "train": api.Phase.Training, "export": api.Phase.Exporting}
@@ -55,6 +60,8 @@ TERMINATED_BY_SIGTERM = 143
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+DISRUPTED_POD_REASONS = ("Evicted", "NodeLost", "Preempting", "Shutdown", "Terminated", "UnexpectedAdmissionError")
+"""status.reason of a pod the node or kubelet stopped (the pod's DisruptionTarget condition says the same, when set)."""
 
 
 # --- What exists -------------------------------------------------------------------------------------
@@ -104,6 +111,8 @@ class ChildState:
     suspended: bool
     workload: WorkloadState | None = None
     container_failure: ContainerFailure | None = None
+    disruption: str = ""
+    """Set when the cluster stopped one of its pods (see observe_disruption)."""
     uid: str = ""
     lead_pod_selector: str | None = None
     """Label selector of the pod whose trainer is process 0 (None: no pod runs the trainer)."""
@@ -220,10 +229,29 @@ def observe_container_failure(pods: list[dict]) -> ContainerFailure | None:
                     terminated.get("finishedAt") or "",
                     ContainerFailure(
                         pod["metadata"]["name"], status["name"], terminated["exitCode"],
-                        terminated.get("reason", ""), (terminated.get("message") or "").strip()[-300:],
+                        terminated.get("reason", ""), _last_line(terminated.get("message") or "")[-300:],
                     ),
                 ))
     return min(failures, key=lambda f: (f[0], f[1]))[2] if failures else None
+
+
+def _last_line(text: str) -> str:
+    """The termination message's last line: the trainer's own error line (the rest is the log before it)."""
+    lines = text.strip().splitlines()
+    return lines[-1].strip() if lines else ""
+
+
+def observe_disruption(pods: list[dict]) -> str:
+    """Why the cluster stopped one of these pods ("" when none was disrupted): its DisruptionTarget
+    condition's reason (preemption, eviction, node lost) or the pod's status.reason (kubelet eviction)."""
+    for pod in pods:
+        target = _condition(pod, "DisruptionTarget")
+        if target is not None and target.get("status") == "True":
+            return f"pod {pod['metadata']['name']}: {target.get('reason') or 'DisruptionTarget'}"
+        reason = pod.get("status", {}).get("reason") or ""
+        if reason in DISRUPTED_POD_REASONS:
+            return f"pod {pod['metadata']['name']}: {reason}"
+    return ""
 
 
 def lead_pod_selector(jobset: dict) -> str | None:
@@ -263,6 +291,7 @@ def observe_child(
         suspended=bool(jobset.get("spec", {}).get("suspend")) or _is_true(jobset, "Suspended"),
         workload=observe_workload(workload) if workload else None,
         container_failure=observe_container_failure(failed_pods or []),
+        disruption=observe_disruption(failed_pods or []),
         uid=metadata.get("uid", ""),
         lead_pod_selector=lead_pod_selector(jobset),
     )
@@ -378,6 +407,8 @@ class _Draft:
     message: str
     conditions: dict[str, tuple[str, str, str]] = dataclasses.field(default_factory=dict)
     restarts: dict[str, int] = dataclasses.field(default_factory=dict)
+    infrastructure_restarts: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The retries of `restarts` after infrastructure failures (they do not use up retryLimit)."""
     start_time: str | None = None
     completion_time: str | None = None
 
@@ -419,6 +450,7 @@ class _Draft:
             "conditions": conditions,
             "observedGeneration": o.generation,
             "restarts": {phase: self.restarts.get(phase, 0) for phase in rules.PHASES},
+            "infrastructureRestarts": {phase: self.infrastructure_restarts.get(phase, 0) for phase in rules.PHASES},
         }
         if o.spec is not None:
             status["children"] = {
@@ -457,6 +489,9 @@ def _new_draft(o: Observed) -> _Draft:
         phase=status.get("phase") or api.Phase.Pending.value,
         message=status.get("message") or "",
         restarts={phase: int((status.get("restarts") or {}).get(phase, 0)) for phase in rules.PHASES},
+        infrastructure_restarts={
+            phase: int((status.get("infrastructureRestarts") or {}).get(phase, 0)) for phase in rules.PHASES
+        },
         start_time=status.get("startTime"),
         completion_time=status.get("completionTime"),
     )
@@ -608,20 +643,48 @@ def _failure_text(phase: str, child: ChildState) -> str:
     return text
 
 
+def failure_kind(child: ChildState) -> exit_codes.Kind:
+    """A user error when the trainer exited with one of its user-error codes (a bad input stays bad,
+    whatever else happened); else infrastructure when the cluster stopped a pod or a container died of
+    a signal or the trainer says so; else unknown."""
+    failure = child.container_failure
+    if failure is not None and failure.container == TRAINER_CONTAINER:
+        trainer_kind = exit_codes.kind(failure.exit_code)
+    elif failure is not None and failure.exit_code > exit_codes.SIGNAL_BASE:
+        trainer_kind = exit_codes.Kind.infrastructure
+    else:
+        trainer_kind = exit_codes.Kind.unknown  # only the trainer documents what its codes mean
+    if trainer_kind is exit_codes.Kind.user or not child.disruption:
+        return trainer_kind
+    return exit_codes.Kind.infrastructure
+
+
 def _step_failed(o, draft: _Draft, settings, decision: Decision, phase: str, child: ChildState) -> None:
     failure = _failure_text(phase, child)
-    limit = o.spec.scheduling.retry_limit
-    if child.attempt >= limit:
-        retries = f"after {limit} retr{'y' if limit == 1 else 'ies'}" if limit else "(retryLimit is 0)"
+    kind = failure_kind(child)
+    if kind is exit_codes.Kind.user:
+        code = exit_codes.BY_CODE[child.container_failure.exit_code]
+        _fail(draft, code.name, f"{failure}; not retried: exit code {code.code} is a user error ({code.meaning})")
+        return
+    infrastructure = kind is exit_codes.Kind.infrastructure
+    if infrastructure:
+        failure += f"; an infrastructure failure ({child.disruption})" if child.disruption else "; an infrastructure failure"
+        limit, used, budget = o.spec.scheduling.infrastructure_retry_limit, draft.infrastructure_restarts[phase], "infrastructureRetryLimit"
+    else:
+        limit, used, budget = o.spec.scheduling.retry_limit, child.attempt - draft.infrastructure_restarts[phase], "retryLimit"
+    if used >= limit:
+        retries = f"after {limit} retr{'y' if limit == 1 else 'ies'}" if limit else f"({budget} is 0)"
         _fail(draft, f"{phase.capitalize()}Failed", f"{failure}; giving up {retries}")
         return
-    retry = child.attempt + 1
+    retry = used + 1
     wait = ((child.failed_at or o.now) + timedelta(seconds=backoff_seconds(retry, settings)) - o.now).total_seconds()
     if wait > 0:
         draft.message = f"{failure}; retry {retry}/{limit} in {int(wait) + 1}s"
         decision.requeue_after = wait
         return
-    draft.restarts[phase] = retry
+    draft.restarts[phase] = child.attempt + 1
+    if infrastructure:
+        draft.infrastructure_restarts[phase] = retry
     decision.delete.append(child.name)
     draft.message = f"{failure}; retrying ({retry}/{limit})"
     decision.events.append(Event("Warning", "Retrying", draft.message))

@@ -168,6 +168,7 @@ def train_config(spec: api.LoRAJobSpec, run: str) -> TrainConfig:
         "lr_schedule": training.schedule,
         "warmup_steps_fraction": training.warmup_steps_fraction,
         "checkpoint_period": training.checkpoint_period,
+        "progress_lines": True,
         "checkpoint_storage_use_zarr3": spec.model.checkpoint_storage.use_zarr3,
         "checkpoint_storage_use_ocdbt": spec.model.checkpoint_storage.use_ocdbt,
         "lora": {
@@ -336,6 +337,8 @@ def _trainer_container(spec: api.LoRAJobSpec, settings: RenderSettings, command:
         "command": command,
         "env": [*env, *_credential_env(spec)],
         "resources": resources,
+        # The trainer's last log line names what failed; the operator puts it in the Failed condition.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
 
 
@@ -407,6 +410,7 @@ def _pathways_train(spec, owner, run, settings, attempt) -> dict:
         initContainers=[resource_manager, proxy],
         hostNetwork=True,
         dnsPolicy="ClusterFirstWithHostNet",
+        terminationGracePeriodSeconds=spec.scheduling.termination_grace_period_seconds,
     )
     worker_container = {
         "name": "pathways-worker",
@@ -432,7 +436,7 @@ def _pathways_train(spec, owner, run, settings, attempt) -> dict:
         tolerations=[TPU_TOLERATION],
         hostNetwork=True,
         dnsPolicy="ClusterFirstWithHostNet",
-        terminationGracePeriodSeconds=30,
+        terminationGracePeriodSeconds=spec.scheduling.termination_grace_period_seconds,
     )
     jobs = [
         _replicated_job(
@@ -485,6 +489,7 @@ def _mcjax_train(spec, owner, run, settings, attempt) -> dict:
     pod = _pod_spec(
         [container], _tpu_node_selector(spec), settings,
         tolerations=[TPU_TOLERATION], hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet",
+        terminationGracePeriodSeconds=spec.scheduling.termination_grace_period_seconds,
     )
     job = _replicated_job(
         WORKER, replicas=slices, pods=vms, pod_spec=pod, pod_labels=labels, exclusive_topology=NODE_POOL_LABEL,
@@ -499,7 +504,10 @@ def _gpu_train(spec, owner, run, settings, attempt) -> dict:
     gpus = str(gpu.gpus_per_node)
     resources = {"requests": {GPU_RESOURCE: gpus}, "limits": {GPU_RESOURCE: gpus}}
     container = _multi_controller_trainer(spec, settings, run, 1, gpu.nodes, [], resources)
-    pod = _pod_spec([container], {GPU_ACCELERATOR_LABEL: gpu.accelerator}, settings, tolerations=[GPU_TOLERATION])
+    pod = _pod_spec(
+        [container], {GPU_ACCELERATOR_LABEL: gpu.accelerator}, settings, tolerations=[GPU_TOLERATION],
+        terminationGracePeriodSeconds=spec.scheduling.termination_grace_period_seconds,
+    )
     job = _replicated_job(WORKER, replicas=1, pods=gpu.nodes, pod_spec=pod, pod_labels=labels)
     return _jobset(name, owner, labels, _queue_labels(spec), [job])
 

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_checked_in_crd_is_generated_from_the_models():
     checked_in = (REPO / "crds" / crd.CRD_FILE).read_text()
-    assert checked_in == crd.render(), "crds/ is stale: run `python -m lorajob_operator.crd`"
+    assert checked_in == crd.render(), "crds/ is stale: run `make crds`"
 
 
 def _walk(schema, path="spec"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from lorajob_devcluster import build
@@ -29,3 +31,19 @@ def test_version_stamp_sets_both_version_packages():
 
 def test_version_sets_have_distinct_cache_keys():
     assert VersionSet().key() != VersionSet(kueue="v0.17.1").key()
+
+
+def test_a_long_build_step_reports_what_it_compiles_and_the_time_so_far():
+    lines: list[str] = []
+    build.run_reporting_progress([sys.executable, "-c", "import time; print('go noise'); time.sleep(0.5)"],
+                                 what="kueue: compiling cmd/kueue", log=lines.append, interval=0.1)
+    assert len(lines) >= 3, lines
+    assert all(line.startswith("  kueue: compiling cmd/kueue: 0m00s so far") for line in lines), lines
+    assert not any("go noise" in line for line in lines)
+
+
+def test_a_failed_build_step_shows_the_tail_of_its_output():
+    code = "import sys; print('\\n'.join(f'line {i}' for i in range(5000))); print('undefined: Foo'); sys.exit(2)"
+    with pytest.raises(build.BuildError, match=r"(?s)kwok: compiling.*exit 2.*undefined: Foo") as raised:
+        build.run_reporting_progress([sys.executable, "-c", code], what="kwok: compiling", log=print, interval=5)
+    assert "line 0\n" not in str(raised.value)

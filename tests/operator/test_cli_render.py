@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,12 @@ def test_render_refuses_an_invalid_lorajob_with_the_reason(tmp_path):
     result = _lorajob_cli("render", str(bad))
     assert result.returncode == 1
     assert "cannot render" in result.stderr and "at most 22" in result.stderr
+
+
+def test_version_and_help_on_every_argument():
+    version = _lorajob_cli("--version")
+    assert version.returncode == 0 and version.stdout.split() == ["lorajob", importlib.metadata.version("lorajob")]
+    for command in ("validate", "render"):
+        help_text = _lorajob_cli(command, "--help").stdout
+        described = [line.split(maxsplit=1) for line in help_text.splitlines() if line.strip().startswith("FILE ")]
+        assert described and described[0][1].startswith("YAML files"), help_text

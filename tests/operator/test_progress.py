@@ -21,7 +21,8 @@ from lorajob_operator.reconcile import (
     progress_summary,
     train_log_wanted,
 )
-from lorajob_operator.render import parse_spec
+from lorajob_operator import api
+from lorajob_operator.render import parse_spec, train_command
 from lorajob_operator.settings import ReconcileSettings
 from lorajob_trainer.metrics import PROGRESS_LINE_PREFIX, MetricsWriter
 
@@ -87,7 +88,7 @@ def test_summary(step, total, summary):
 
 
 def test_the_line_the_trainer_prints_is_the_one_the_operator_reads(tmp_path, capsys):
-    writer = MetricsWriter(tmp_path, total_steps=40, enabled=True, tensorboard=False)
+    writer = MetricsWriter(tmp_path, total_steps=40, enabled=True, tensorboard=False, progress_lines=True)
     writer.progress(12, loss=2.5, tokens_per_second=812.0, eta_seconds=30.2, state="running")
     writer.progress(40, loss=float("nan"), tokens_per_second=790.0, eta_seconds=float("nan"), state="succeeded")
     printed = capsys.readouterr().out.splitlines()
@@ -98,9 +99,20 @@ def test_the_line_the_trainer_prints_is_the_one_the_operator_reads(tmp_path, cap
 
 
 def test_only_the_lead_process_prints(tmp_path, capsys):
-    MetricsWriter(tmp_path, total_steps=40, enabled=False, tensorboard=False).progress(
+    MetricsWriter(tmp_path, total_steps=40, enabled=False, tensorboard=False, progress_lines=True).progress(
         1, loss=1.0, tokens_per_second=1.0, eta_seconds=1.0, state="running")
     assert capsys.readouterr().out == ""
+
+
+def test_a_person_running_the_trainer_sees_no_json_but_the_progress_file_is_written(tmp_path, capsys):
+    MetricsWriter(tmp_path, total_steps=40, enabled=True, tensorboard=False).progress(
+        1, loss=1.0, tokens_per_second=1.0, eta_seconds=1.0, state="running")
+    assert capsys.readouterr().out == ""
+    assert (tmp_path / "progress.json").exists()
+
+
+def test_the_rendered_train_pods_turn_the_progress_lines_on():
+    assert "progress_lines=true" in train_command(api.LoRAJobSpec.model_validate(spec_dict()), "run-1")
 
 
 # --- A log tail -------------------------------------------------------------------------------------------

@@ -174,10 +174,10 @@ def test_policy_objects_reject_unknown_fields():
 
 def test_checked_in_policy_crd_and_admission_rules_are_generated():
     assert (REPO / "crds" / policy_crd.CRD_FILE).read_text() == policy_crd.render_crd(), (
-        "stale: run `python -m lorajob_operator.policy_crd`"
+        "stale: run `make crds`"
     )
     chart_rules = REPO / "helm" / "lorajob" / "files" / policy_crd.ADMISSION_RULES_FILE
-    assert chart_rules.read_text() == policy_crd.render_admission_rules(), "stale: run `python -m lorajob_operator.policy_crd`"
+    assert chart_rules.read_text() == policy_crd.render_admission_rules(), "stale: run `make crds`"
 
 
 def test_admission_rules_cover_every_policy_rule_once():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lorajob_trainer.config import ConfigError, TrainConfig, resolve_target_modules
+from lorajob_trainer.config import ConfigError, TrainConfig, all_keys, resolve_target_modules
 
 REQUIRED = [
     "run_name=demo",
@@ -145,3 +145,28 @@ def test_config_imports_without_jax():
         "assert 'jax' not in sys.modules and 'flax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env={"PYTHONPATH": str(Path(__file__).parents[2] / "trainer")})
+
+
+def test_help_lists_every_key_with_type_default_and_doc():
+    completed = subprocess.run([sys.executable, "-m", "lorajob_trainer.train", "--help"], capture_output=True,
+                               text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    lines = completed.stdout.splitlines()
+    for key in all_keys():
+        entry = next((i for i, line in enumerate(lines) if line.startswith(f"  {key}  (")), None)
+        assert entry is not None, f"--help does not list {key}"
+        assert ("default: " in lines[entry] or "required" in lines[entry]), lines[entry]
+        assert lines[entry + 1].startswith("      ") and lines[entry + 1].strip(), f"{key} has no doc line"
+    assert "lora.lora_rank  (int, default: 16)" in completed.stdout
+    assert "lr_schedule  (cosine | linear | constant, default: cosine)" in completed.stdout
+
+
+@pytest.mark.parametrize(("typo", "suggested"), [
+    ("learnig_rate", "learning_rate"),
+    ("lora.rank", "lora.lora_rank"),
+    ("rank", "lora.lora_rank"),
+    ("mesh.fsdpp", "mesh.fsdp"),
+])
+def test_an_unknown_key_suggests_the_closest_valid_one(typo, suggested):
+    with pytest.raises(ConfigError, match=f"Did you mean '{suggested}'"):
+        parse(f"{typo}=1")

@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 from safetensors.numpy import load_file
 from trainer_testkit import arithmetic_rows, base_args, write_jsonl
 
-from lorajob_trainer import convert, export, lora, maxtext, models, tiny, weights
+from lorajob_trainer import convert, exit_codes, export, lora, maxtext, models, tiny, weights
 from lorajob_trainer import train as train_lib
 
 FIXTURES = Path(__file__).parent / "fixtures" / "maxtext"
@@ -269,14 +269,14 @@ def test_training_on_a_maxtext_base_runs_and_exports(name, hf_source, tmp_path, 
         export.main(["--checkpoint", str(tmp_path / "recorded-False"), "--out", str(tmp_path / "none"), "--merged"])
 
 
-def test_training_without_a_config_json_exits_1_naming_tokenizer_path(tmp_path, capsys, caplog):
+def test_training_without_a_config_json_exits_with_the_model_code_naming_tokenizer_path(tmp_path, capsys, caplog):
     tokenizer_only = tiny.write_tiny_tokenizer(tmp_path / "tokenizer")
     train_file = write_jsonl(tmp_path / "train.jsonl", arithmetic_rows(8))
     args = base_args(
         items("qwen3-scanned"), tmp_path / "out", train_file, f"tokenizer_path={tokenizer_only}", "steps=1"
     )
     with caplog.at_level(logging.ERROR):
-        assert train_lib.main(args) == 1
+        assert train_lib.main(args) == exit_codes.MODEL
     assert "set tokenizer_path" in capsys.readouterr().err + caplog.text
 
 

@@ -162,13 +162,11 @@ def test_default_targets_cover_attention_and_mlp():
 
 def test_target_regexes():
     assert lora.module_path_regex("qwen3", ["q_proj", "down_proj"]) == r"layers/\d+/(attn/q_proj|mlp/down_proj)"
-    gemma = lora.module_path_regex("gemma3", ["k_proj", "v_proj"])
-    assert gemma == r"layers/\d+/(attn/kv_einsum)"
-    assert lora.names_for_regex("gemma3", gemma, num_layers=6) == ["k_proj", "v_proj"]
+    gemma = lora.module_path_regex("gemma3", ["k_proj"])
+    assert gemma == r"layers/\d+/(attn/kv_einsum/k_einsum)"
+    assert lora.names_for_regex("gemma3", gemma, num_layers=6) == ["k_proj"]
     with pytest.raises(lora.LoraError, match="unknown target modules \\['qkv'\\]"):
         lora.module_path_regex("llama3", ["qkv"])
-    with pytest.raises(lora.LoraError, match="k_proj and v_proj in one einsum"):
-        lora.module_path_regex("gemma3", ["k_proj"])
 
 
 def test_apply_lora_adds_adapters_only_where_asked(qwen3, mesh):

@@ -73,6 +73,7 @@ def train(tmp_path: Path, model_dir: Path, data_file: Path, *overrides: str, col
         "lora.lora_alpha=8",
         "enable_tensorboard=False",
         "async_checkpointing=False",
+        "progress_lines=true",
         *overrides,
     ]
     env = {

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
-from lorajob_trainer import export, lora, models, tiny
+from lorajob_trainer import convert, export, lora, models, tiny
 from lorajob_trainer.checkpoint import CheckpointMetadata
 
 pytestmark = pytest.mark.torch
@@ -128,3 +128,28 @@ def test_merged_export_matches_lora_model(checkpoint, mesh, tmp_path):
     merged = export.export_merged(step_dir, tmp_path / "merged")
     ids = tokens()
     np.testing.assert_allclose(jax_logits(model, ids), torch_logits(load_hf(merged), ids), atol=ATOL, rtol=0)
+
+
+def test_peft_made_adapter_converts_to_peft_logits(checkpoint, mesh, tmp_path):
+    """An adapter PEFT wrote (k_proj and v_proj with their own lora_A) converts in and gives PEFT's logits."""
+    from peft import PeftModel
+    from safetensors.numpy import load_file
+    from test_convert_export import make_peft_adapter
+
+    family, directory = checkpoint
+    adapter = make_peft_adapter(family, directory, tmp_path / "adapter")
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    attn = f"{lora.PEFT_PREFIX}.0.self_attn"
+    assert not np.array_equal(tensors[f"{attn}.k_proj.lora_A.weight"], tensors[f"{attn}.v_proj.lora_A.weight"])
+    params, metadata = lora.load_adapter_checkpoint(
+        convert.convert_adapter(f"tiny-{family}", directory, adapter, tmp_path / "converted")
+    )
+    model, _ = models.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
+    regex = lora.module_path_regex(family, metadata.target_modules)
+    model = lora.apply_lora(
+        model, rank=metadata.lora_rank, alpha=metadata.lora_alpha, target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0)
+    )
+    lora.set_lora_params(model, params)
+    ids = tokens()
+    peft_logits = torch_logits(PeftModel.from_pretrained(load_hf(directory), adapter), ids)
+    np.testing.assert_allclose(jax_logits(model, ids), peft_logits, atol=ATOL, rtol=0)

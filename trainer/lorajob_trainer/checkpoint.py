@@ -9,18 +9,22 @@ Layout: `<base_output_directory>/<run_name>/checkpoints/<step>/` with three item
 
 and custom metadata (`CheckpointMetadata`: rank, alpha, target modules, base model, step) so
 export needs nothing else. Orbax writes a step to a temporary directory and renames it when
-complete, so `latest_step()` only ever sees complete checkpoints.
+complete (on gs://, where renames are not atomic, it marks completion with a commit file), so
+`latest_step()` only ever sees complete checkpoints: a process killed mid-write leaves a
+temporary directory that is never restored.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import uuid
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from lorajob_trainer import weights
 
@@ -31,6 +35,22 @@ ITEMS = ("lora", "optimizer", "data")
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read."""
+
+
+class OutputNotWritable(CheckpointError):
+    """The run's output directory cannot be created or written."""
+
+
+def ensure_writable(directory: str | Path) -> None:
+    """Create `directory` and write a file into it, so an output that cannot be written fails before the model loads."""
+    path = epath.Path(directory)
+    probe = path / f".write-probe-{uuid.uuid4().hex}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except Exception as error:  # noqa: BLE001 - each storage backend raises its own errors
+        raise OutputNotWritable(f"cannot write the output directory {directory}: {error}") from error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +157,21 @@ class Checkpointer:
 
     def metadata(self, step: int) -> CheckpointMetadata:
         return CheckpointMetadata.from_json(self._manager.metadata(step).custom_metadata)
+
+    def check_matches(self, step: int, expected: CheckpointMetadata) -> None:
+        """CheckpointError naming the differences when checkpoint `step` was written by a run of another
+        model or adapter shape (e.g. a reused run_name), before a restore fails on mismatched arrays."""
+        found = self.metadata(step)
+        fields = ("base_model", "family", "lora_rank", "target_modules", "lora_module_path")
+        differences = [
+            f"{name} {getattr(found, name)!r} (this run: {getattr(expected, name)!r})"
+            for name in fields if getattr(found, name) != getattr(expected, name)
+        ]
+        if differences:
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} belongs to another run: {', '.join(differences)}; "
+                "use another run_name or base_output_directory"
+            )
 
     def wait(self) -> None:
         """Block until the last write is complete; CheckpointError naming its step on failure."""

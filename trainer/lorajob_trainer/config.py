@@ -10,6 +10,7 @@ with a message naming the key.
 
 from __future__ import annotations
 
+import difflib
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -78,13 +79,11 @@ class MeshConfig(_Section):
 
 
 class TrainConfig(_Section):
-    # Run identity and outputs.
     run_name: str = Field(min_length=1)
     """Name of the run; outputs go to <base_output_directory>/<run_name>/."""
     base_output_directory: str = Field(min_length=1)
     """Root for checkpoints, metrics and the progress file."""
 
-    # Model.
     model_name: str
     """A model name from lorajob_trainer.catalog (selects the model family)."""
     load_parameters_path: str = Field(min_length=1)
@@ -97,7 +96,6 @@ class TrainConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute and base-weight dtype; auto = bfloat16 on accelerators, float32 on CPU."""
 
-    # Data.
     hf_path: str = ""
     """Dataset: a Hugging Face hub name, or a builder (json, parquet, csv) used with hf_train_files."""
     hf_name: str = ""
@@ -127,7 +125,6 @@ class TrainConfig(_Section):
     epoch_policy: Literal["continue", "fail"] = "continue"
     """At the end of the data: continue into the next epoch (logged), or fail the run."""
 
-    # Optimisation.
     steps: int = Field(gt=0)
     """Optimizer steps to run."""
     per_device_batch_size: int = Field(1, gt=0)
@@ -143,37 +140,54 @@ class TrainConfig(_Section):
     learning_rate_final_fraction: float = Field(0.1, ge=0, le=1)
     """Final learning rate as a fraction of the peak (cosine and linear)."""
     adam_b1: float = Field(0.9, ge=0, lt=1)
+    """Adam's first-moment decay."""
     adam_b2: float = Field(0.999, ge=0, lt=1)
+    """Adam's second-moment decay."""
     adam_eps: float = Field(1e-8, gt=0)
+    """Adam's denominator epsilon."""
     adam_weight_decay: float = Field(0.0, ge=0)
     """Decoupled (AdamW) weight decay on the adapters."""
     gradient_clipping_threshold: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this; 0 = no clipping."""
     seed: int = 0
     """Seed of the adapter initialisation."""
+    loss_chunk_length: int = Field(256, gt=0)
+    """Positions per row whose LM-head logits exist at one time: the loss never builds all
+    [batch, length, vocab] logits, and skips chunks without trained tokens."""
+    remat_policy: Literal["none", "minimal", "full"] = "minimal"
+    """What the backward pass recomputes per decoder layer (MaxText's names): none = keep every activation;
+    minimal = keep the weight matmuls' outputs, recompute norms, activations and attention scores;
+    full = keep only each layer's input."""
 
-    # Evaluation.
     eval_interval: int = Field(0, ge=0)
     """Evaluate every N steps (and after the last); 0 = never."""
     eval_steps: int = Field(1, gt=0)
     """Batches per evaluation."""
 
-    # Checkpointing.
     enable_checkpointing: bool = True
+    """Save LoRA checkpoints (adapters, optimizer state, data position) to resume from."""
     checkpoint_period: int = Field(100, gt=0)
     """Save every N steps; the last step is always saved."""
     max_num_checkpoints_to_keep: int = Field(3, gt=0)
+    """Older checkpoints beyond this many are deleted."""
     async_checkpointing: bool = True
     """Write checkpoints in the background while training continues."""
     checkpoint_storage_use_zarr3: bool = True
+    """Write checkpoints in Zarr v3 (Pathways needs it off)."""
     checkpoint_storage_use_ocdbt: bool = True
+    """Write checkpoints as one OCDBT key-value store (Pathways needs it off)."""
 
-    # Parallelism and reporting.
     mesh: MeshConfig = MeshConfig()
+    """Device mesh axes."""
     lora: LoraConfig = LoraConfig()
+    """LoRA adapters."""
     log_period: int = Field(1, gt=0)
     """Log metrics every N steps."""
     enable_tensorboard: bool = True
+    """Also write TensorBoard event files under <run>/tensorboard."""
+    progress_lines: bool = False
+    """Print each progress update as one `LORAJOB_PROGRESS {json}` line on stdout for the operator, which
+    reads it from the pod log (the pods it renders turn this on); a person gets a progress bar instead."""
     peak_tflops_per_device: float | None = Field(None, gt=0)
     """Peak dense TFLOP/s of one device for MFU; None = look up the device kind."""
 
@@ -232,6 +246,68 @@ class TrainConfig(_Section):
     def to_args(self) -> list[str]:
         """`key=value` overrides that reproduce this config (fields that differ from defaults)."""
         return [f"{key}={_format_value(value)}" for key, value in _flatten(self.model_dump(exclude_defaults=True))]
+
+
+KEY_GROUPS: dict[str, str] = {
+    "run_name": "Run identity and outputs",
+    "model_name": "Model",
+    "hf_path": "Data",
+    "steps": "Optimisation",
+    "eval_interval": "Evaluation",
+    "enable_checkpointing": "Checkpointing",
+    "log_period": "Reporting",
+}
+"""The first top-level key of each group of `--help`, in field order; `lora.*` and `mesh.*` get their own."""
+
+
+def describe_keys() -> str:
+    """Every config key with its type, default and doc, grouped as the config is: the `--help` text."""
+    lines: list[str] = []
+    for title, fields in _key_groups():
+        lines.append(f"{title}:")
+        for key, field in fields:
+            lines.append(f"  {key}  ({_type_name(field.annotation)}, {_default_text(field)})")
+            lines.extend(f"      {line.strip()}" for line in (field.description or "").strip().splitlines())
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def all_keys() -> list[str]:
+    """Every dotted config key a YAML file or override may set."""
+    return [key for _, fields in _key_groups() for key, _ in fields]
+
+
+def _key_groups() -> list[tuple[str, list[tuple[str, Any]]]]:
+    groups: list[tuple[str, list[tuple[str, Any]]]] = []
+    sections: list[tuple[str, list[tuple[str, Any]]]] = []
+    for name, field in TrainConfig.model_fields.items():
+        if name in KEY_GROUPS:
+            groups.append((KEY_GROUPS[name], []))
+        if _is_section_type(field.annotation):
+            sub_keys = [(f"{name}.{key}", sub) for key, sub in field.annotation.model_fields.items()]
+            sections.append((f"{field.description.rstrip('.')} ({name}.*)", sub_keys))
+        else:
+            groups[-1][1].append((name, field))
+    return groups + sections
+
+
+def _type_name(annotation: Any) -> str:
+    if typing.get_origin(annotation) is Literal:
+        return " | ".join(str(choice) for choice in typing.get_args(annotation))
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+def _default_text(field: Any) -> str:
+    if field.is_required():
+        return "required"
+    default = field.get_default(call_default_factory=True)
+    return f"default: {_format_value(default) if default not in ('', None) else repr(default)}"
+
+
+def _is_section_type(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, _Section)
 
 
 def resolve_target_modules(config: TrainConfig, family_default: list[str]) -> list[str] | None:
@@ -296,7 +372,7 @@ def _is_section(dotted_key: str) -> bool:
         annotation = _field_annotation(dotted_key)
     except ConfigError:
         return False
-    return isinstance(annotation, type) and issubclass(annotation, _Section)
+    return _is_section_type(annotation)
 
 
 def _field_annotation(dotted_key: str, *, source: str = "command line") -> Any:
@@ -308,13 +384,25 @@ def _field_annotation(dotted_key: str, *, source: str = "command line") -> Any:
         if field is None:
             where = ".".join(parts[:depth]) or "the top level"
             known = ", ".join(sorted(model.model_fields))
-            raise ConfigError(f"unknown config key {dotted_key!r} ({source}); keys at {where}: {known}")
+            raise ConfigError(f"unknown config key {dotted_key!r} ({source}).{_suggestion(dotted_key)} Keys at {where}: "
+                              f"{known} (every key: --help)")
         annotation = field.annotation
         if depth < len(parts) - 1:
-            if not (isinstance(annotation, type) and issubclass(annotation, _Section)):
+            if not _is_section_type(annotation):
                 raise ConfigError(f"unknown config key {dotted_key!r} ({source}): {'.'.join(parts[: depth + 1])} has no sub-keys")
             model = annotation
     return annotation
+
+
+def _suggestion(dotted_key: str) -> str:
+    """` Did you mean 'x'?` for the closest valid key, also across sections (`rank` -> `lora.lora_rank`)."""
+    keys = all_keys()
+    leaves = {key.rsplit(".", 1)[-1]: key for key in keys}
+    close = difflib.get_close_matches(dotted_key, keys, n=1, cutoff=0.6)
+    if not close:
+        leaf_match = difflib.get_close_matches(dotted_key.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.6)
+        close = [leaves[leaf_match[0]]] if leaf_match else []
+    return f" Did you mean {close[0]!r}?" if close else ""
 
 
 def _parse_value(key: str, raw: str) -> Any:

@@ -131,7 +131,7 @@ def _write_adapter(model_name: str, base: str | Path, base_dir: Path, adapter: P
     rank, names = int(config["r"]), list(config["target_modules"])
     targets = lora.target_modules(family.name, names)
     template = lora_template(family, tunix_config, hf_config, rank, lora.module_path_regex(family.name, names))
-    params = lora.from_peft(tensors, family.name, targets, template)
+    params = lora.from_peft(tensors, targets, template)
     metadata = CheckpointMetadata(
         step=0,
         lora_rank=rank,

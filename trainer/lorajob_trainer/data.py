@@ -80,6 +80,8 @@ def load_dataset_split(source: DataSource, columns: Sequence[str]):
     if source.files:
         data_files = _expand_files(source.files)
         builder = source.hf_path or _builder_for(data_files)
+        if all(Path(f).stat().st_size == 0 for f in data_files):
+            raise DataError(f"dataset is empty: {', '.join(data_files)} hold no bytes")
         dataset = datasets.load_dataset(builder, data_files=data_files, split="train")
     elif source.hf_path:
         dataset = datasets.load_dataset(
@@ -130,7 +132,22 @@ def load_tokenizer(tokenizer_path: str, chat_template_path: str = ""):
         tokenizer.chat_template = read_chat_template(Path(chat_template_path))
     if not tokenizer.chat_template:
         raise DataError(f"tokenizer at {tokenizer_path} has no chat template; set chat_template_path")
+    check_chat_template(tokenizer, chat_template_path or tokenizer_path)
     return tokenizer
+
+
+SAMPLE_CONVERSATION = ({"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "2"})
+
+
+def check_chat_template(tokenizer, source: str) -> None:
+    """DataError unless the chat template renders a user/assistant exchange (found before step 1, not in it)."""
+    try:
+        tokenizer.apply_chat_template(list(SAMPLE_CONVERSATION), tokenize=False)
+    except Exception as error:  # noqa: BLE001 - Jinja syntax, undefined names and the template's raise_exception
+        raise DataError(
+            f"the chat template of {source} does not render a user/assistant conversation: "
+            f"{type(error).__name__}: {error}"
+        ) from None
 
 
 def read_chat_template(path: Path) -> str:

@@ -21,9 +21,9 @@ a single step from an HF PEFT adapter, export.py reads it):
 
 HF PEFT adapter: `base_model.model.model.layers.<i>.<hf module>.lora_A.weight` [r, in] and
 `lora_B.weight` [out, r], where `lora_A = A.reshape(-1, r).T` and `lora_B = B.reshape(r, -1).T`
-(row-major flattening of heads x head_dim matches HF's projection layout). Gemma 3 computes key
-and value in one `kv_einsum`: its B is [r, 2, K, H] (slice 0 = k_proj, 1 = v_proj) and the two
-PEFT adapters share its A.
+(row-major flattening of heads x head_dim matches HF's projection layout). Every HF projection
+has its own Tunix module and adapter (Gemma 3's fused key/value einsum is split by
+models/kv_split.py), so k_proj and v_proj get independent A and B, as in PEFT.
 """
 
 from __future__ import annotations
@@ -67,8 +67,6 @@ class TargetModule:
     """Path inside an HF decoder layer, e.g. self_attn.q_proj."""
     tunix_path: str
     """NNX module path inside a Tunix decoder layer, e.g. attn.q_proj."""
-    fused_index: int | None
-    """Slice of a fused einsum's output (Gemma 3 key/value), else None."""
 
 
 @functools.cache
@@ -90,15 +88,7 @@ def default_targets(family: str) -> list[str]:
 
 def target_modules_all(family: str) -> list[TargetModule]:
     """Every projection LoRA can adapt in `family`, in lora_targets.yaml order."""
-    return [
-        TargetModule(name, spec["hf"], *_split_fused(spec["tunix"]))
-        for name, spec in _family_table(family)["modules"].items()
-    ]
-
-
-def _split_fused(tunix: str) -> tuple[str, int | None]:
-    match = re.fullmatch(r"(.*?)(?:\[(\d+)\])?", tunix)
-    return match.group(1), None if match.group(2) is None else int(match.group(2))
+    return [TargetModule(name, spec["hf"], spec["tunix"]) for name, spec in _family_table(family)["modules"].items()]
 
 
 def target_modules(family: str, names: list[str] | None = None) -> list[TargetModule]:
@@ -108,12 +98,7 @@ def target_modules(family: str, names: list[str] | None = None) -> list[TargetMo
     unknown = sorted(set(names) - set(known))
     if unknown:
         raise LoraError(f"unknown target modules {unknown} for {family}; known: {', '.join(known)}")
-    chosen = [known[name] for name in names]
-    for path in {t.tunix_path for t in chosen if t.fused_index is not None}:
-        siblings = {t.name for t in known.values() if t.tunix_path == path}
-        if not siblings <= set(names):
-            raise LoraError(f"{family} computes {' and '.join(sorted(siblings))} in one einsum: target all or none")
-    return chosen
+    return [known[name] for name in names]
 
 
 def module_path_regex(family: str, names: list[str] | None = None) -> str:
@@ -155,10 +140,22 @@ def apply_lora(
     flat = nnx.to_flat_state(state)
     if not flat:
         raise LoraError(f"LoRA target regex {target_regex!r} matches no module of the model")
+    _check_rank_fits(flat, rank)
     for _, variable in flat:
         variable.set_value(jax.device_put(variable.get_value(), weights.variable_sharding(mesh, variable)))
     nnx.update(lora_model, state)
     return lora_model
+
+
+def _check_rank_fits(flat: list, rank: int) -> None:
+    """LoraError when `rank` exceeds a side of an adapted weight: such an adapter is no longer low-rank
+    (it holds more parameters than the weight it adapts and can express no more)."""
+    for path, variable in flat:
+        shape = variable.get_value().shape
+        side = math.prod(shape[:-1]) if path[-1] == "lora_a" else math.prod(shape[1:])
+        if rank > side:
+            module = "/".join(str(part) for part in path[:-1])
+            raise LoraError(f"lora.lora_rank={rank} does not fit {module}: that weight has a side of {side}")
 
 
 def get_lora_params(model: nnx.Module) -> dict[str, jax.Array]:
@@ -221,8 +218,6 @@ def to_peft(
             used.update((a_key, b_key))
             if a.shape[-1] != rank or b.shape[0] != rank:
                 raise LoraError(f"{a_key}/{b_key} have rank {a.shape[-1]}/{b.shape[0]}, metadata says {rank}")
-            if target.fused_index is not None:
-                b = b[:, target.fused_index]
             tensors[_peft_key(layer, target, "A")] = np.ascontiguousarray(a.reshape(-1, rank).T)
             tensors[_peft_key(layer, target, "B")] = np.ascontiguousarray(b.reshape(rank, -1).T)
             if target.name not in found:
@@ -234,57 +229,38 @@ def to_peft(
 
 
 def from_peft(
-    tensors: Mapping[str, np.ndarray], family: str, targets: list[TargetModule], template: Mapping[str, Any]
+    tensors: Mapping[str, np.ndarray], targets: list[TargetModule], template: Mapping[str, Any]
 ) -> dict[str, np.ndarray]:
     """PEFT adapter tensors -> trainer LoRA params shaped like `template` (the model's LoRA params).
 
-    LoraError for missing or unexpected tensors, wrong shapes, or Gemma 3 key/value adapters
-    whose A matrices differ (the fused einsum has one A for both).
+    LoraError for missing or unexpected tensors, or wrong shapes.
     """
     params: dict[str, np.ndarray] = {}
     used: set[str] = set()
     layers = sorted({int(k.split(".")[1]) for k in template})
     for layer in layers:
-        for path, group in _group_fused(targets).items():
-            weight = _weight_name(template, layer, group[0])
+        for target in targets:
+            weight = _weight_name(template, layer, target)
             if weight is None:
-                raise LoraError(f"the model has no adapter at layers.{layer}.{path}")
-            a_key, b_key = _our_key(layer, group[0], weight, "a"), _our_key(layer, group[0], weight, "b")
+                raise LoraError(f"the model has no adapter at layers.{layer}.{target.tunix_path}")
+            a_key, b_key = _our_key(layer, target, weight, "a"), _our_key(layer, target, weight, "b")
             a_shape, b_shape = tuple(template[a_key].shape), tuple(template[b_key].shape)
-            rank = a_shape[-1]
-            a_list, b_list = [], []
-            for target in group:
-                a_name, b_name = _peft_key(layer, target, "A"), _peft_key(layer, target, "B")
-                for name in (a_name, b_name):
-                    if name not in tensors:
-                        raise LoraError(f"adapter lacks {name}")
-                used.update((a_name, b_name))
-                a_list.append(np.asarray(tensors[a_name]).T)
-                b_list.append(np.asarray(tensors[b_name]).T)
-            if any(not np.array_equal(a_list[0], other) for other in a_list[1:]):
-                raise LoraError(
-                    f"{family} layer {layer}: {', '.join(t.name for t in group)} share one LoRA A in the fused "
-                    "einsum, but the adapter's lora_A matrices differ"
-                )
-            a = a_list[0]
-            b = np.stack([x.reshape(rank, *b_shape[2:]) for x in b_list], axis=1) if len(group) > 1 else b_list[0]
+            a_name, b_name = _peft_key(layer, target, "A"), _peft_key(layer, target, "B")
+            for name in (a_name, b_name):
+                if name not in tensors:
+                    raise LoraError(f"adapter lacks {name}")
+            used.update((a_name, b_name))
+            a, b = np.asarray(tensors[a_name]).T, np.asarray(tensors[b_name]).T
             if a.size != math.prod(a_shape) or b.size != math.prod(b_shape):
                 raise LoraError(
-                    f"adapter tensors for layers.{layer}.{path} have shapes {a.shape}/{b.shape}, model needs "
-                    f"{a_shape}/{b_shape} (rank {rank})"
+                    f"adapter tensors for layers.{layer}.{target.tunix_path} have shapes {a.shape}/{b.shape}, "
+                    f"model needs {a_shape}/{b_shape} (rank {a_shape[-1]})"
                 )
             params[a_key], params[b_key] = a.reshape(a_shape), b.reshape(b_shape)
     unexpected = sorted(set(tensors) - used)
     if unexpected:
         raise LoraError(f"adapter tensors with no place in the model: {unexpected[:4]}")
     return params
-
-
-def _group_fused(targets: list[TargetModule]) -> dict[str, list[TargetModule]]:
-    groups: dict[str, list[TargetModule]] = {}
-    for target in targets:
-        groups.setdefault(target.tunix_path, []).append(target)
-    return {path: sorted(group, key=lambda t: t.fused_index or 0) for path, group in groups.items()}
 
 
 def merged_base_params(model: nnx.Module, alpha: float, rank: int) -> dict[str, np.ndarray]:

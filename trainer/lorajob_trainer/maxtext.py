@@ -43,8 +43,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
-from tunix.models.gemma3 import model as gemma3_lib
 
+from lorajob_trainer import tunix_models_only  # noqa: F401  (first: before any tunix import)
+from tunix.models.gemma3 import model as gemma3_lib
 from lorajob_trainer import weights
 
 log = logging.getLogger(__name__)
@@ -162,12 +163,8 @@ def _gemma3_maps(config: gemma3_lib.ModelConfig) -> list[MaxTextMap]:
         ),
         MaxTextMap("final_norm.scale", ("decoder.decoder_norm.scale",), convert=_gemma_norm),
         MaxTextMap("layers.{i}.attn.q_einsum.w", ("self_attention.query.kernel",), "d n h", "n d h"),
-        MaxTextMap(
-            "layers.{i}.attn.kv_einsum.w",
-            ("self_attention.key.kernel", "self_attention.value.kernel"),
-            "d n h",
-            "c n d h",
-        ),
+        MaxTextMap("layers.{i}.attn.kv_einsum.k_einsum.w", ("self_attention.key.kernel",), "d n h", "n d h"),
+        MaxTextMap("layers.{i}.attn.kv_einsum.v_einsum.w", ("self_attention.value.kernel",), "d n h", "n d h"),
         MaxTextMap("layers.{i}.attn.attn_vec_einsum.w", ("self_attention.out.kernel",)),
         MaxTextMap("layers.{i}.mlp.gate_proj.kernel", ("mlp.wi_0.kernel",)),
         MaxTextMap("layers.{i}.mlp.up_proj.kernel", ("mlp.wi_1.kernel",)),

@@ -131,9 +131,11 @@ class StepTimer:
 class MetricsWriter:
     """Writes metrics on the lead process: `metrics.jsonl`, TensorBoard events and `progress.json`."""
 
-    def __init__(self, run_directory: Path, total_steps: int, *, enabled: bool, tensorboard: bool):
+    def __init__(self, run_directory: Path, total_steps: int, *, enabled: bool, tensorboard: bool,
+                 progress_lines: bool = False):
         self.total_steps = total_steps
         self.enabled = enabled
+        self.progress_lines = progress_lines
         self.metrics_path = run_directory / "metrics.jsonl"
         self.progress_path = run_directory / "progress.json"
         self._tensorboard = None
@@ -158,7 +160,7 @@ class MetricsWriter:
     def progress(
         self, step: int, *, loss: float | None, tokens_per_second: float, eta_seconds: float, state: str, message: str = ""
     ) -> None:
-        """Atomically replace the progress file and print it as one progress line on stdout."""
+        """Atomically replace the progress file and, with `progress_lines`, print it as one line on stdout."""
         if not self.enabled:
             return
         progress = {
@@ -174,6 +176,8 @@ class MetricsWriter:
         partial = self.progress_path.with_suffix(".json.tmp")
         partial.write_text(json.dumps(progress))
         os.replace(partial, self.progress_path)
+        if not self.progress_lines:
+            return
         # Flushed: a container's stdout is a pipe, and the operator polls the log while training runs.
         print(PROGRESS_LINE_PREFIX + json.dumps(progress, separators=(",", ":")), file=sys.stdout, flush=True)
 

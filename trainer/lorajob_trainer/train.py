@@ -6,9 +6,9 @@ weight-gradient GEMMs are built for them), normalises by the number of trained t
 whole step, clips and applies AdamW. The run resumes from the latest complete checkpoint in
 `<base_output_directory>/<run_name>/checkpoints`, including the data position.
 
-Exit status: 0 when all steps ran; 1 when the run cannot complete (NaN loss, failed checkpoint
-write, data exhausted with epoch_policy=fail), with a message naming what and the step; 2 for
-an invalid config.
+Exit status: the codes of `lorajob_trainer.exit_codes` (0 when all steps ran), each non-zero one
+with a line on stderr naming what failed and at which step. On SIGTERM the run finishes the step
+it is in, saves a checkpoint at that step and exits `exit_codes.PREEMPTED`.
 """
 
 from __future__ import annotations
@@ -30,11 +30,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lorajob_trainer import checkpoint as ckpt
 from lorajob_trainer import data as data_lib
-from lorajob_trainer import distributed
+from lorajob_trainer import distributed, exit_codes, preemption
 from lorajob_trainer import lora as lora_lib
+from lorajob_trainer import loss as loss_lib
 from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import metrics as metrics_lib
+from lorajob_trainer import remat as remat_lib
 from lorajob_trainer import models, weights
+from lorajob_trainer import config as config_lib
 from lorajob_trainer.config import ConfigError, TrainConfig, resolve_target_modules
 from lorajob_trainer.optim import build_optimizer, learning_rate_per_step
 
@@ -48,6 +51,10 @@ PREFETCH_BATCHES = 2
 
 class TrainingFailed(RuntimeError):
     """The run cannot complete its requested steps; the message names what and the step."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
 
 
 # ---------------------------------------------------------------- model
@@ -113,15 +120,6 @@ class LoraLayout:
 # ---------------------------------------------------------------- loss and steps
 
 
-def token_losses(model: nnx.Module, micro_batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """(sum of masked next-token NLL, number of trained tokens) of one micro-batch."""
-    logits = models.forward(model, micro_batch["inputs"], micro_batch["positions"], micro_batch["segment_ids"])
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(log_probs, micro_batch["targets"][..., None], axis=-1)[..., 0]
-    loss_weights = micro_batch["weights"]
-    return jnp.sum(nll * loss_weights), jnp.sum(loss_weights)
-
-
 @dataclass
 class StepFunctions:
     train: Callable[..., Any]
@@ -135,13 +133,17 @@ def build_step_functions(
     optimizer: optax.GradientTransformation,
     dtype: jnp.dtype,
     shardings: dict[str, Any],
+    loss_chunk_length: int,
+    remat_policy: remat_lib.RematPolicy,
 ) -> StepFunctions:
     """Jitted train and eval steps with fixed in/out shardings, so each compiles once."""
     traces = {"train": 0, "eval": 0}
 
     def losses(lora, base, micro_batch):
         adapters = layout.state({name: value.astype(dtype) for name, value in lora.items()})
-        return token_losses(nnx.merge(graphdef, adapters, base), micro_batch)
+        model = nnx.merge(graphdef, adapters, base)
+        with remat_lib.rematerialised_layers(model, remat_policy):
+            return loss_lib.token_losses(model, micro_batch, loss_chunk_length)
 
     grad_fn = jax.value_and_grad(losses, has_aux=True)
 
@@ -318,7 +320,8 @@ class Trainer:
         self.learning_rates = learning_rate_per_step(config)
         self.opt_state = init_optimizer_state(self.optimizer, self.lora, mesh)
         self.steps = build_step_functions(
-            graphdef, self.layout, self.optimizer, self.dtype, step_shardings(self.lora, self.opt_state, base, mesh)
+            graphdef, self.layout, self.optimizer, self.dtype, step_shardings(self.lora, self.opt_state, base, mesh),
+            config.loss_chunk_length, config.remat_policy,
         )
         self.tokenizer = data_lib.load_tokenizer(
             str(models.local_config_directory(config.tokenizer_directory)), config.chat_template_path
@@ -328,11 +331,13 @@ class Trainer:
         self.eval_data = self._load(self._eval_source()) if config.eval_interval else None
         self.is_lead = jax.process_index() == 0
         self.writer = metrics_lib.MetricsWriter(
-            config.run_directory, config.steps, enabled=self.is_lead, tensorboard=config.enable_tensorboard
+            config.run_directory, config.steps, enabled=self.is_lead, tensorboard=config.enable_tensorboard,
+            progress_lines=config.progress_lines,
         )
         self.flops = lora_flops(base, self.lora, lora_model.attention_width, config.max_target_length)
         self.peak_flops = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind, config.peak_tflops_per_device)
         self.checkpointer = self._checkpointer()
+        self.stop = preemption.StopSignal()
         self.current_step = 0
         self.last_tokens_per_second = 0.0
 
@@ -401,6 +406,7 @@ class Trainer:
         """Resume from the latest complete checkpoint, else start (from lora_restore_path if set)."""
         latest = self.checkpointer.latest_step() if self.checkpointer else None
         if latest is not None:
+            self.checkpointer.check_matches(latest, self.metadata(latest))
             self.lora, self.opt_state, positions = self.checkpointer.restore(
                 latest, self.lora, self.opt_state, self.train_feed.positions()
             )
@@ -437,7 +443,7 @@ class Trainer:
             return result
         timer = metrics_lib.StepTimer()
         pending: tuple[int, dict[str, jax.Array]] | None = None
-        with self.mesh:
+        with self.mesh, self.stop:
             for step in range(start + 1, total + 1):
                 try:
                     batch = self._next_batch(step)
@@ -458,6 +464,10 @@ class Trainer:
                         self._save(step)
                     timer.reset()
                 result.final_step = self.current_step = step
+                if step < total and self.stop.due(step):
+                    if pending is not None:
+                        result.final_loss = self._report(*pending, timer)
+                    self._stop_preempted(step)
             if pending is not None:
                 result.final_loss = self._report(*pending, timer)
         if self.checkpointer:
@@ -470,9 +480,9 @@ class Trainer:
         try:
             return self.train_feed.next_batch(step)
         except data_lib.DataExhausted as error:
-            raise TrainingFailed(str(error)) from None
+            raise TrainingFailed(str(error), exit_codes.DATA) from None
         except data_lib.DataError as error:
-            raise TrainingFailed(f"data error at step {step}: {error}") from None
+            raise TrainingFailed(f"data error at step {step}: {error}", exit_codes.DATA) from None
 
     def _checkpoint_due(self, step: int) -> bool:
         return self.checkpointer is not None and (step % self.config.checkpoint_period == 0 or step == self.config.steps)
@@ -485,18 +495,29 @@ class Trainer:
         try:
             self.checkpointer.save(step, self.lora, self.opt_state, self.train_feed.positions(), self.metadata(step))
         except ckpt.CheckpointError as error:
-            raise TrainingFailed(str(error)) from None
+            raise TrainingFailed(str(error), exit_codes.CHECKPOINT_WRITE) from None
 
     def _finish_checkpoints(self) -> None:
         try:
             self.checkpointer.wait()
         except ckpt.CheckpointError as error:
-            raise TrainingFailed(str(error)) from None
+            raise TrainingFailed(str(error), exit_codes.CHECKPOINT_WRITE) from None
+
+    def _stop_preempted(self, step: int) -> None:
+        """SIGTERM: a complete checkpoint at `step`, the last step run, before exiting."""
+        if self.checkpointer is None:
+            raise TrainingFailed(f"stopped by SIGTERM after step {step}; checkpointing is off, nothing saved",
+                                 exit_codes.PREEMPTED)
+        if not self._checkpoint_due(step):
+            self._save(step)
+        self._finish_checkpoints()
+        raise TrainingFailed(f"stopped by SIGTERM after step {step}; checkpoint saved at step {step}",
+                             exit_codes.PREEMPTED)
 
     def _report(self, step: int, step_metrics: dict[str, jax.Array], timer: metrics_lib.StepTimer) -> float:
         values = {name: float(value) for name, value in jax.device_get(step_metrics).items()}
         if not math.isfinite(values["loss"]):
-            raise TrainingFailed(f"loss is {values['loss']} at step {step}")
+            raise TrainingFailed(f"loss is {values['loss']} at step {step}", exit_codes.DIVERGED)
         step_time = timer.lap()
         tokens_per_second = self.last_tokens_per_second = values["real_tokens"] / step_time
         eta = timer.eta_seconds(self.config.steps - step)
@@ -546,14 +567,23 @@ def _shapes(state: nnx.State) -> dict[str, tuple[int, ...]]:
     }
 
 
-SETUP_ERRORS = (data_lib.DataError, mesh_lib.MeshError, lora_lib.LoraError, weights.WeightsError, models.ModelConfigError)
-"""Bad inputs found while setting up (data, mesh, adapters, base weights): reported without a traceback."""
+SETUP_ERRORS = {
+    data_lib.DataError: exit_codes.DATA,
+    mesh_lib.MeshError: exit_codes.CONFIG,
+    lora_lib.LoraError: exit_codes.MODEL,
+    weights.WeightsError: exit_codes.MODEL,
+    models.ModelConfigError: exit_codes.MODEL,
+    ckpt.CheckpointError: exit_codes.MODEL,
+    ckpt.OutputNotWritable: exit_codes.OUTPUT,
+}
+"""Bad inputs found while setting up, by exit code: reported without a traceback (most specific type first)."""
 
 
 def build_trainer(
     config: TrainConfig, load_model: Callable[[TrainConfig, Mesh, jnp.dtype], LoraModel] = load_lora_model
 ) -> Trainer:
     mesh = mesh_lib.build_mesh(config.mesh)
+    ckpt.ensure_writable(config.run_directory)
     with mesh:
         lora_model = load_model(config, mesh, compute_dtype(config))
     return Trainer(config, lora_model, mesh)
@@ -564,8 +594,9 @@ def train(config: TrainConfig) -> RunResult:
     try:
         return trainer.run()
     except TrainingFailed as error:
+        state = "preempted" if error.code == exit_codes.PREEMPTED else "failed"
         trainer.writer.progress(trainer.current_step, loss=float("nan"), tokens_per_second=0.0,
-                                eta_seconds=float("nan"), state="failed", message=str(error))
+                                eta_seconds=float("nan"), state=state, message=str(error))
         raise
     finally:
         trainer.close()
@@ -581,27 +612,38 @@ def configure_logging() -> None:
     package_logger.propagate = False
 
 
+USAGE = """usage: python -m lorajob_trainer.train [CONFIG.yaml] KEY=VALUE...
+
+Keys come from the YAML file, then the KEY=VALUE overrides (nested keys with dots: lora.lora_rank=8;
+lists in YAML flow style: train_data_columns=['question','answer']).
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
+    arguments = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(arguments):
+        print(USAGE + "\n" + config_lib.describe_keys(), end="")
+        return 0
     configure_logging()
     try:
-        config = TrainConfig.from_args(sys.argv[1:] if argv is None else argv)
+        config = TrainConfig.from_args(arguments)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
-        return 2
+        return exit_codes.CONFIG
     try:
         distributed.initialize()
     except distributed.DistributedConfigError as error:
         print(f"distributed config error: {error}", file=sys.stderr)
-        return 2
+        return exit_codes.CONFIG
     started = time.time()
     try:
         result = train(config)
     except TrainingFailed as error:
-        print(f"training failed: {error}", file=sys.stderr)
-        return 1
-    except SETUP_ERRORS as error:
+        print(f"training {'stopped' if error.code == exit_codes.PREEMPTED else 'failed'}: {error}", file=sys.stderr)
+        return error.code
+    except tuple(SETUP_ERRORS) as error:
         print(f"training failed before step 1: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
+        return next(code for kind, code in reversed(SETUP_ERRORS.items()) if isinstance(error, kind))
     log.info("done: step %d, loss %s, %.1f s", result.final_step, result.final_loss, time.time() - started)
     return 0
 

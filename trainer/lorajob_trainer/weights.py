@@ -280,10 +280,14 @@ def named_sharding(mesh: Mesh, axis_names: tuple[str | None, ...] | None, shape:
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
-def variable_sharding(mesh: Mesh, variable: nnx.Variable) -> NamedSharding:
+def sharding_names(variable: nnx.Variable) -> tuple[str | None, ...] | None:
+    """The logical axis names a Tunix parameter was declared with (None: replicated)."""
     metadata = variable.get_metadata()
-    names = metadata.get("out_sharding") or metadata.get("sharding_names") or metadata.get("sharding")
-    return named_sharding(mesh, names, tuple(variable.get_value().shape))
+    return metadata.get("out_sharding") or metadata.get("sharding_names") or metadata.get("sharding")
+
+
+def variable_sharding(mesh: Mesh, variable: nnx.Variable) -> NamedSharding:
+    return named_sharding(mesh, sharding_names(variable), tuple(variable.get_value().shape))
 
 
 def path_key(path: tuple[Any, ...]) -> str:

@@ -9,6 +9,8 @@ no segment ids). Positions restart at 0 in each segment.
 
 from __future__ import annotations
 
+from lorajob_trainer import tunix_models_only  # noqa: F401  (first: before any tunix import)
+
 import atexit
 import contextlib
 import dataclasses

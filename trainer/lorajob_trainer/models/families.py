@@ -2,9 +2,8 @@
 
 Each family names the Tunix model class, turns an HF config dict into a Tunix config (rejecting
 what Tunix cannot represent), and lists its parameters as `TensorMap`s. A `TensorMap` says how
-one Tunix parameter is laid out relative to one HF tensor (or, for Gemma 3's fused key/value
-einsum, a stack of two) with einops-style axis patterns; weights.py reads it in one direction,
-export.py writes it in the other.
+one Tunix parameter is laid out relative to one HF tensor (or a stack of several) with
+einops-style axis patterns; weights.py reads it in one direction, export.py writes it in the other.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from tunix.models.gemma3 import model as gemma3_lib
 from tunix.models.llama3 import model as llama3_lib
 from tunix.models.qwen3 import model as qwen3_lib
 
+from lorajob_trainer.models.kv_split import split_kv_einsum
 from lorajob_trainer.models.rope import RopeSpec, patch_attention
 
 
@@ -54,6 +54,8 @@ class Family:
     """The TensorMaps of a model with this Tunix config (one entry per parameter, layers expanded)."""
     patch_rope: bool = False
     """Tunix ignores this family's rope_theta / rope scaling (0.1.7): swap in `rope.patch_attention`."""
+    split_kv: bool = False
+    """Tunix fuses key and value in one einsum: split it (`kv_split`) so each has its own LoRA, as in PEFT."""
 
     def build(self, config: Any, hf_config: dict[str, Any], rngs: Any) -> Any:
         """The Tunix model for `config` (made from `hf_config`), with RoPE fixed where needed."""
@@ -62,6 +64,8 @@ class Family:
             spec = rope_spec(hf_config)
             for layer in model.layers:
                 layer.attn.__class__ = patch_attention(type(layer.attn), spec)
+        if self.split_kv:
+            split_kv_einsum(model)
         return model
 
 
@@ -245,12 +249,8 @@ def _gemma3_config(hf: dict[str, Any], dtype: Any) -> gemma3_lib.ModelConfig:
 def _gemma3_maps(config: gemma3_lib.ModelConfig) -> list[TensorMap]:
     per_layer = [
         TensorMap("layers.{i}.attn.q_einsum.w", ("layers.{i}.self_attn.q_proj.weight",), "(n h) d", "n d h"),
-        TensorMap(
-            "layers.{i}.attn.kv_einsum.w",
-            ("layers.{i}.self_attn.k_proj.weight", "layers.{i}.self_attn.v_proj.weight"),
-            "(n h) d",
-            "c n d h",
-        ),
+        TensorMap("layers.{i}.attn.kv_einsum.k_einsum.w", ("layers.{i}.self_attn.k_proj.weight",), "(n h) d", "n d h"),
+        TensorMap("layers.{i}.attn.kv_einsum.v_einsum.w", ("layers.{i}.self_attn.v_proj.weight",), "(n h) d", "n d h"),
         TensorMap("layers.{i}.attn.attn_vec_einsum.w", ("layers.{i}.self_attn.o_proj.weight",), "d (n h)", "n h d"),
         TensorMap("layers.{i}.attn._query_norm.scale", ("layers.{i}.self_attn.q_norm.weight",)),
         TensorMap("layers.{i}.attn._key_norm.scale", ("layers.{i}.self_attn.k_norm.weight",)),
@@ -274,6 +274,7 @@ GEMMA3 = Family(
     model_class=gemma3_lib.Gemma3,
     config_from_hf=_gemma3_config,
     tensor_maps=_gemma3_maps,
+    split_kv=True,
 )
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (QWEN3, LLAMA3, GEMMA3)}

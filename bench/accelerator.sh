@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# One accelerator, one call, at most 8 minutes: our LoRA step vs HF + PEFT on the Qwen3-8B shape (bf16,
+# seq 2048) with the MFU of each, and the chunked loss's memory at vocabularies 151,936 and 262,144.
+# Prints one table and writes it to a file (default accelerator-<date>.txt; see bench/accelerator.py).
+#
+#   bash bench/accelerator.sh [--out FILE] [--smoke]       PYTHON=... to use another interpreter
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec timeout 480 "${PYTHON:-.venv/bin/python}" bench/accelerator.py "$@"

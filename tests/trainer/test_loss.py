@@ -1,0 +1,122 @@
+"""The chunked loss, with or without rematerialised layers, gives the loss and LoRA gradients of full logits +
+log-softmax, in float32."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+from trainer_testkit import tiny_checkpoint
+
+from lorajob_trainer import lora, models, remat
+from lorajob_trainer import loss as loss_lib
+
+LENGTH = 24
+
+
+def full_logits_losses(model, batch):
+    """The loss as it was before chunking: every position's logits, then a log-softmax over the vocabulary."""
+    logits = models.forward(model, batch["inputs"], batch["positions"], batch["segment_ids"])
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), batch["targets"][..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * batch["weights"]), jnp.sum(batch["weights"])
+
+
+def batch_with_gaps(vocab: int) -> dict[str, jax.Array]:
+    """Three rows: two packed examples with prompt (weight 0) and answer tokens, one short row, one all padding."""
+    rng = np.random.default_rng(0)
+    segments = np.zeros((3, LENGTH), np.int32)
+    weights = np.zeros((3, LENGTH), np.float32)
+    segments[0, :10], segments[0, 10:22] = 1, 2
+    weights[0, 4:10], weights[0, 15:22] = 1.0, 1.0
+    segments[1, :7] = 1
+    weights[1, 5:7] = 1.0
+    positions = np.zeros((3, LENGTH), np.int32)
+    for row in range(3):
+        for segment in set(segments[row]) - {0}:
+            span = segments[row] == segment
+            positions[row, span] = np.arange(span.sum())
+    return {
+        "inputs": jnp.asarray(rng.integers(0, vocab, (3, LENGTH)), jnp.int32),
+        "targets": jnp.asarray(rng.integers(0, vocab, (3, LENGTH)), jnp.int32),
+        "weights": jnp.asarray(weights),
+        "segment_ids": jnp.asarray(segments),
+        "positions": jnp.asarray(positions),
+    }
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama3", "gemma3"])
+def lora_model(request, tmp_path_factory):
+    """A tiny model of each family (qwen3 has an lm_head, llama3 and gemma3 tie it) with random, non-zero adapters."""
+    family = request.param
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    directory = tiny_checkpoint(tmp_path_factory.mktemp(family), family, tokenizer=False)
+    model, _ = models.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
+    model = lora.apply_lora(model, rank=4, alpha=8.0, target_regex=lora.module_path_regex(family), mesh=mesh,
+                            rngs=nnx.Rngs(0))
+    params = lora.get_lora_params(model)
+    keys = jax.random.split(jax.random.key(1), len(params))
+    lora.set_lora_params(model, {
+        name: 0.1 * jax.random.normal(key, value.shape, value.dtype) for key, (name, value) in zip(keys, params.items())
+    })
+    return model
+
+
+def chunked_losses(chunk_length: int, policy: remat.RematPolicy = "none"):
+    def losses(model, batch):
+        with remat.rematerialised_layers(model, policy):
+            return loss_lib.token_losses(model, batch, chunk_length)
+
+    return losses
+
+
+@pytest.mark.parametrize(("chunk_length", "policy"), [(5, "none"), (64, "minimal"), (5, "full")])
+def test_chunked_loss_and_gradients_equal_full_logits(lora_model, chunk_length, policy):
+    graphdef, adapters, base = nnx.split(lora_model, nnx.LoRAParam, ...)
+    batch = batch_with_gaps(lora_model.embedder.input_embedding.get_value().shape[0])
+
+    def value_and_grad(loss_fn):
+        def total(adapters):
+            return loss_fn(nnx.merge(graphdef, adapters, base), batch)
+
+        return jax.jit(jax.value_and_grad(total, has_aux=True))(adapters)
+
+    (reference, reference_weight), reference_grads = value_and_grad(full_logits_losses)
+    (chunked, chunked_weight), chunked_grads = value_and_grad(chunked_losses(chunk_length, policy))
+    assert float(chunked_weight) == float(reference_weight) == 15.0
+    # Recomputed layers fuse differently: float32 rounding, not a different gradient.
+    tolerance = 1e-6 if policy == "none" else 1e-5
+    np.testing.assert_allclose(chunked, reference, rtol=tolerance)
+    for (path, expected), (_, actual) in zip(nnx.to_flat_state(reference_grads), nnx.to_flat_state(chunked_grads)):
+        scale = float(jnp.max(jnp.abs(expected.get_value())))
+        assert scale > 0, path
+        np.testing.assert_allclose(actual.get_value(), expected.get_value(), rtol=tolerance, atol=tolerance * scale,
+                                   err_msg=str(path))
+
+
+@pytest.mark.parametrize(("policy", "saved"), [("none", None), ("minimal", "DotsSaveable"), ("full", "nothing_saveable")])
+def test_remat_policy_checkpoints_every_decoder_layer(lora_model, policy, saved):
+    graphdef, adapters, base = nnx.split(lora_model, nnx.LoRAParam, ...)
+    batch = batch_with_gaps(lora_model.embedder.input_embedding.get_value().shape[0])
+    losses = chunked_losses(8, policy)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda a: losses(nnx.merge(graphdef, a, base), batch)[0]))(adapters))
+    checkpointed = sum(jaxpr.count(name) for name in ("DotsSaveable", "nothing_saveable"))
+    assert checkpointed == (0 if saved is None else jaxpr.count(saved)), jaxpr.count("policy=")
+    assert checkpointed == (0 if saved is None else len(lora_model.layers))
+
+
+def test_chunks_without_trained_tokens_are_skipped_in_both_passes():
+    """Untrained positions hold NaN hidden states: any chunk of them that ran would make the loss or gradient NaN."""
+    weights = jnp.zeros((2, 16), jnp.float32).at[0, 3].set(1.0).at[0, 12].set(2.0).at[1, 0].set(1.0).at[1, 9].set(1.0)
+    hidden = jnp.where((weights != 0)[..., None], 1.0, jnp.nan) * jnp.ones((2, 16, 4), jnp.float32)
+    head = jnp.ones((4, 8), jnp.float32)
+    targets = jnp.zeros((2, 16), jnp.int32)
+
+    def total(hidden):
+        return loss_lib.chunked_cross_entropy(hidden, head, targets, weights, chunk_length=2)[0]
+
+    value, gradient = jax.jit(jax.value_and_grad(total))(hidden)
+    np.testing.assert_allclose(float(value), 5 * np.log(8), rtol=1e-6)
+    assert np.isfinite(np.asarray(gradient)[np.asarray(weights) != 0]).all()

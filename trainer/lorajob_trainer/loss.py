@@ -1,0 +1,95 @@
+"""Next-token cross-entropy that never materialises the `[batch, length, vocab]` logits.
+
+The model runs up to its final norm; the LM head and the log-softmax then run on chunks of
+`chunk_length` positions per row, one chunk at a time (a `lax.scan` whose body is rematerialised,
+so the backward pass recomputes a chunk's logits instead of keeping them). Within each row the
+trained positions (loss weight != 0) are moved to the front first, so a chunk holding no trained
+token of any row is skipped in both passes: the LM head runs only where SFT trains. The batch axis
+is never reordered or flattened, so its data-parallel sharding is kept. The head weight is frozen
+(LoRA never trains it): only the hidden states' gradient flows back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lorajob_trainer import models
+
+
+def token_losses(model: nnx.Module, micro_batch: dict[str, jax.Array], chunk_length: int) -> tuple[jax.Array, jax.Array]:
+    """(sum of weighted next-token NLL, sum of loss weights) of one micro-batch."""
+    hidden = hidden_states(model, micro_batch["inputs"], micro_batch["positions"], micro_batch["segment_ids"])
+    return chunked_cross_entropy(
+        hidden, output_head(model), micro_batch["targets"], micro_batch["weights"], chunk_length
+    )
+
+
+def hidden_states(model: nnx.Module, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """The final-norm output [B, L, D]: the model's forward with its LM head replaced by the identity."""
+    with _head_bypassed(model):
+        hidden, _ = model(tokens, positions, None, models.attention_mask(segment_ids))
+    return hidden
+
+
+def output_head(model: nnx.Module) -> jax.Array:
+    """The LM head as a [D, vocab] matrix: `lm_head.w`, or the transposed embedding of a tied model."""
+    if hasattr(model, "lm_head"):
+        return model.lm_head.w.get_value()
+    return model.embedder.input_embedding.get_value().T
+
+
+@contextlib.contextmanager
+def _head_bypassed(model: nnx.Module) -> Iterator[None]:
+    # Every supported family ends its forward with `lm_head(x)` or `embedder.decode(x)`.
+    module, method = (model.lm_head, "__call__") if hasattr(model, "lm_head") else (model.embedder, "decode")
+    original = type(module)
+    module.__class__ = _passthrough_class(original, method)
+    try:
+        yield
+    finally:
+        module.__class__ = original
+
+
+@functools.cache
+def _passthrough_class(cls: type, method: str) -> type:
+    return type(cls.__name__, (cls,), {method: lambda self, x: x})
+
+
+def chunked_cross_entropy(
+    hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array, chunk_length: int
+) -> tuple[jax.Array, jax.Array]:
+    """(sum of weights * NLL(targets), sum of weights) for hidden [B, L, D], head [D, V], targets/weights [B, L].
+
+    The matmul runs in the head's dtype (the compute dtype) and accumulates in float32."""
+    length = hidden.shape[1]
+    chunk = min(chunk_length, length)
+    chunks = -(-length // chunk)
+    order = jnp.argsort(weights == 0, axis=1, stable=True)
+    hidden = jnp.take_along_axis(hidden, order[..., None], axis=1)
+    targets = jnp.take_along_axis(targets, order, axis=1)
+    ordered_weights = jnp.take_along_axis(weights, order, axis=1)
+    pad = chunks * chunk - length
+
+    def split(x: jax.Array) -> jax.Array:
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(x.shape[0], chunks, chunk, *x.shape[2:]), 1, 0)
+
+    def chunk_loss(h: jax.Array, t: jax.Array, w: jax.Array) -> jax.Array:
+        logits = jnp.dot(h.astype(head.dtype), head, preferred_element_type=jnp.float32)
+        picked = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+        return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - picked) * w)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def body(total: jax.Array, xs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, None]:
+        h, t, w = xs
+        trained = jnp.any(w != 0)
+        return total + jax.lax.cond(trained, chunk_loss, lambda *_: jnp.zeros((), jnp.float32), h, t, w), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(hidden), split(targets), split(ordered_weights)))
+    return total, jnp.sum(weights)
