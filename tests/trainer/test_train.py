@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import jax
@@ -74,6 +75,13 @@ def test_metrics_progress_and_tensorboard(run):
         assert record["tokens_per_second"] > 0 and record["step_time_s"] > 0
         assert 0 < record["trained_tokens"] < record["real_tokens"] <= 2 * 4 * 64
         assert record["mfu"] is not None and record["mfu"] > 0
+    # The rate the step used: warmup over 3 steps from 0 (optax counts from 0), then cosine to 10 % of the peak.
+    peak, warmup = 1e-2, 3
+    for record in step_records:
+        count = record["step"] - 1
+        progress = max(count - warmup, 0) / (STEPS - warmup)
+        expected = peak * count / warmup if count < warmup else peak * (0.9 * 0.5 * (1 + math.cos(math.pi * progress)) + 0.1)
+        assert record["learning_rate"] == pytest.approx(expected, rel=1e-5, abs=1e-12), record["step"]
     progress = json.loads((run["config"].run_directory / "progress.json").read_text())
     assert progress["state"] == "succeeded" and progress["step"] == progress["total_steps"] == STEPS
     assert progress["loss"] == pytest.approx(step_records[-1]["loss"])
