@@ -9,17 +9,14 @@ devices hold, a process sets up training with about half the model in memory, no
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from trainer_testkit import arithmetic_rows, base_args, tiny_checkpoint, write_jsonl
+from trainer_testkit import arithmetic_rows, base_args, free_port, tiny_checkpoint, trainer_env, write_jsonl
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 900
 
 # The trainer image has no torch; this venv has it (for the PEFT parity tests), and tensorboardX,
@@ -56,20 +53,10 @@ SETUP_LAUNCHER = HIDE_TORCH + (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(args: list[str], *, devices: int, process_id: int = 0, num_processes: int = 1, port: int = 0,
            launcher: str = LAUNCHER):
     env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO_ROOT / "trainer"),
-        "JAX_PLATFORMS": "cpu",
-        "HF_HUB_OFFLINE": "1",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        **trainer_env(devices),
         "JAX_NUM_PROCESSES": str(num_processes),
         "JAX_PROCESS_ID": str(process_id),
         "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
@@ -140,7 +127,7 @@ def test_each_process_holds_about_half_the_model(tmp_path):
         [sys.executable, "-c",
          f"from lorajob_trainer import tiny; tiny.make_tiny_checkpoint('qwen3', {str(model_dir)!r}, shards=4, "
          f"**{WIDE_QWEN3!r})"],
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "trainer"), "JAX_PLATFORMS": "cpu"}, check=True,
+        env=trainer_env(), check=True,
     )
     model_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     train_file = write_jsonl(tmp_path / "train.jsonl", arithmetic_rows(40))

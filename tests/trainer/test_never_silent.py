@@ -22,11 +22,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from trainer_testkit import arithmetic_rows, tiny_checkpoint, write_jsonl
+from trainer_testkit import arithmetic_rows, tiny_checkpoint, trainer_env, write_jsonl
 
 from lorajob_trainer.metrics import PROGRESS_LINE_PREFIX
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN_NAME = "run"
 
 
@@ -76,12 +75,7 @@ def train(tmp_path: Path, model_dir: Path, data_file: Path, *overrides: str, col
         "progress_lines=true",
         *overrides,
     ]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "trainer"), os.environ.get("PYTHONPATH", "")]),
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-    }
+    env = trainer_env(devices=1)
     completed = subprocess.run(
         [*launcher, sys.executable, "-m", "lorajob_trainer.train", *arguments],
         capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path,

@@ -37,8 +37,7 @@ from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import metrics as metrics_lib
 from lorajob_trainer import remat as remat_lib
 from lorajob_trainer import models, weights
-from lorajob_trainer import config as config_lib
-from lorajob_trainer.config import ConfigError, TrainConfig, resolve_target_modules
+from lorajob_trainer.config import ConfigError, TrainConfig, describe_keys, resolve_target_modules
 from lorajob_trainer.optim import build_optimizer, learning_rate_per_step
 
 log = logging.getLogger("lorajob_trainer.train")
@@ -622,7 +621,7 @@ lists in YAML flow style: train_data_columns=['question','answer']).
 def main(argv: list[str] | None = None) -> int:
     arguments = sys.argv[1:] if argv is None else argv
     if {"-h", "--help"} & set(arguments):
-        print(USAGE + "\n" + config_lib.describe_keys(), end="")
+        print(USAGE + "\n" + describe_keys(), end="")
         return 0
     configure_logging()
     try:
