@@ -1,22 +1,32 @@
-"""The operator's API cost and burst speed at N LoRAJobs, on the simulated cluster.
+"""The operator's API cost, burst speed, full-chain throughput and memory at N LoRAJobs, on the simulated cluster.
 
     python bench/operator_scale.py [--jobs 100 500 1000] [--idle-seconds 60]
 
-For each N, on a fresh simulated cluster:
+For each N, on a fresh simulated cluster whose pods complete at once (kwok, no delays) and with room for
+many single-host trainings at a time (BENCH_POOLS):
 - burst: N LoRAJobs created at once; the time until each one's first JobSet exists (p50, p99, last),
   against one client creating N JobSets directly in another namespace of the same cluster;
-- idle: the same N LoRAJobs suspended, then kube-apiserver's `apiserver_request_total` sampled over
-  `--idle-seconds`, minus the same window with the operator stopped: requests per LoRAJob per minute;
-- the operator's peak RSS (VmHWM).
+- idle, suspended: the N LoRAJobs suspended, then the requests the operator sends over `--idle-seconds`
+  (its own client counters, /metrics), and kube-apiserver's `apiserver_request_total` over the same
+  window minus one with the operator stopped (the method of the figures before the watch caches);
+- full chain: the N LoRAJobs resumed, the time until all are Succeeded, the operator's requests per LoRAJob,
+  and the step hand-off (a step's JobSet Completed -> the next step's JobSet created: the operator's share);
+- idle, finished: the operator's requests over `--idle-seconds` with all N Succeeded (and, for both idle
+  windows, the share of one CPU core the operator used: its resync re-decides every LoRAJob);
+- memory: the operator's peak RSS (VmHWM) and its RSS growth per LoRAJob (VmRSS at the end minus before the burst).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,6 +35,23 @@ from operator_latency import NAMESPACE, REPO_ROOT, FirstJobSetWatch, _lorajob  #
 
 DIRECT_NAMESPACE = "bench-direct"
 CLIENT_THREADS = 16
+CHAIN_TIMEOUT_SECONDS = 3600
+
+
+def _bench_pools():
+    from lorajob_devcluster import topology
+
+    return (
+        dataclasses.replace(topology.CPU_NP, node_count=16),  # 128 convert/export pods at a time
+        dataclasses.replace(topology.TPU_V6E_2X2, node_count=32),  # 32 single-host trainings at a time
+    )
+
+
+def _chain_lorajob(name: str) -> dict:
+    """The tutorial sample on one single-host v6e 2x2 (mcjax): convert, train and export one pod each."""
+    body = _lorajob(name)
+    body["spec"]["compute"] = {"backend": "mcjax", "tpu": {"machineType": "ct6e-standard-4t", "topology": "2x2"}}
+    return body
 
 
 def _request_total(cluster) -> float:
@@ -32,10 +59,28 @@ def _request_total(cluster) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("apiserver_request_total{"))
 
 
-def _requests_per_minute(cluster, seconds: float) -> float:
-    before = _request_total(cluster)
+def _operator_requests(operator) -> float:
+    with urllib.request.urlopen(operator.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("lorajob_operator_api_requests_total{"))
+
+
+def _cpu_seconds(operator) -> float:
+    fields = Path(f"/proc/{operator._process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _idle(cluster, operator, seconds: float) -> tuple[float, float | None, float | None]:
+    """Over `seconds`: kube-apiserver's requests per minute, the operator's own (None: no operator) and the
+    share of one CPU core the operator used."""
+    server = _request_total(cluster)
+    ours, cpu = (_operator_requests(operator), _cpu_seconds(operator)) if operator else (None, None)
     time.sleep(seconds)
-    return (_request_total(cluster) - before) * 60 / seconds
+    server_rate = (_request_total(cluster) - server) * 60 / seconds
+    if operator is None:
+        return server_rate, None, None
+    return server_rate, (_operator_requests(operator) - ours) * 60 / seconds, (_cpu_seconds(operator) - cpu) / seconds
 
 
 def _percentile(values: list[float], fraction: float) -> float:
@@ -43,19 +88,22 @@ def _percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))]
 
 
+def _names(jobs: int) -> list[str]:
+    return [f"bench-{index:04d}" for index in range(jobs)]
+
+
 def _burst(custom, watch: FirstJobSetWatch, jobs: int) -> tuple[list[float], float]:
-    names = [f"bench-{index:04d}" for index in range(jobs)]
     created: dict[str, float] = {}
 
     def create(name: str) -> None:
-        custom.create_namespaced_custom_object("lorajob.dev", "v1alpha1", NAMESPACE, "lorajobs", _lorajob(name))
+        custom.create_namespaced_custom_object("lorajob.dev", "v1alpha1", NAMESPACE, "lorajobs", _chain_lorajob(name))
         created[name] = time.monotonic()
 
     start = time.monotonic()
     with ThreadPoolExecutor(CLIENT_THREADS) as pool:
-        list(pool.map(create, names))
-    seen = {name: watch.wait_for(f"{name}-convert", timeout=600) for name in names}
-    return [seen[name] - created[name] for name in names], max(seen.values()) - start
+        list(pool.map(create, _names(jobs)))
+    seen = {name: watch.wait_for(f"{name}-convert", timeout=600) for name in created}
+    return [seen[name] - created[name] for name in created], max(seen.values()) - start
 
 
 def _direct_jobsets(cluster, custom, template: dict, jobs: int) -> float:
@@ -75,36 +123,87 @@ def _direct_jobsets(cluster, custom, template: dict, jobs: int) -> float:
     return time.monotonic() - start
 
 
-def _suspend_all(custom, jobs: int) -> None:
-    def suspend(index: int) -> None:
-        custom.patch_namespaced_custom_object("lorajob.dev", "v1alpha1", NAMESPACE, "lorajobs", f"bench-{index:04d}",
-                                              {"spec": {"suspend": True}})
+def _set_suspend(custom, jobs: int, suspend: bool) -> None:
+    def patch(name: str) -> None:
+        custom.patch_namespaced_custom_object("lorajob.dev", "v1alpha1", NAMESPACE, "lorajobs", name, {"spec": {"suspend": suspend}})
 
     with ThreadPoolExecutor(CLIENT_THREADS) as pool:
-        list(pool.map(suspend, range(jobs)))
+        list(pool.map(patch, _names(jobs)))
 
 
-def _peak_rss_mib(pid: int) -> float:
+def _wait_all(custom, phase: str, jobs: int, timeout: float, no_jobsets: bool = False) -> float:
+    """Seconds until all `jobs` LoRAJobs are in `phase` (and, with `no_jobsets`, no JobSet is left)."""
+    from urllib3.exceptions import HTTPError
+
+    start, done = time.monotonic(), 0
+    while time.monotonic() - start < timeout:
+        try:
+            items = custom.list_namespaced_custom_object("lorajob.dev", "v1alpha1", NAMESPACE, "lorajobs")["items"]
+            done = sum(1 for item in items if item.get("status", {}).get("phase") == phase)
+            if done == jobs and not (no_jobsets and custom.list_namespaced_custom_object(
+                    "jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets", limit=1)["items"]):
+                return time.monotonic() - start
+        except HTTPError as error:  # a list of N LoRAJobs cut short by a loaded API server: look again
+            print(f"listing LoRAJobs failed ({error}); retrying", file=sys.stderr)
+        time.sleep(1.0)
+    raise TimeoutError(f"only {done} of {jobs} LoRAJobs reached {phase} within {timeout:.0f} s")
+
+
+def _handoffs(custom) -> list[float]:
+    """Seconds from each step's JobSet Completed to the next step's JobSet created (1 s resolution: the API's
+    timestamps): the operator's own share of the chain time."""
+    from datetime import datetime
+
+    from lorajob_operator import render
+
+    def parse(value: str) -> datetime:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+    by_run: dict[str, dict[str, dict]] = {}
+    for jobset in custom.list_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets")["items"]:
+        labels = jobset["metadata"]["labels"]
+        by_run.setdefault(labels[render.LABEL_RUN], {})[labels[render.LABEL_PHASE]] = jobset
+    gaps = []
+    for steps in by_run.values():
+        for done, following in (("convert", "train"), ("train", "export")):
+            if done in steps and following in steps:
+                completed = next(c for c in steps[done]["status"]["conditions"] if c["type"] == "Completed")
+                created = steps[following]["metadata"]["creationTimestamp"]
+                gaps.append((parse(created) - parse(completed["lastTransitionTime"])).total_seconds())
+    return gaps
+
+
+def _memory_kib(pid: int) -> dict[str, int]:
+    fields = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmHWM for pid {pid}")
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0])
+    return fields
 
 
-def run(jobs: int, idle_seconds: float) -> dict:
+CHAIN_KEYS = ("chain", "chain_requests", "handoff_p50", "handoff_max", "ours_finished", "cpu_finished")
+
+
+def run(jobs: int, idle_seconds: float, chain: bool) -> dict:
     from kubernetes import client
 
-    from lorajob_devcluster import ControlPlaneConfig, SimCluster
+    from lorajob_devcluster import ControlPlaneConfig, PodTiming, SimCluster, SimClusterConfig
+    from lorajob_devcluster.process import free_loopback_port
     from lorajob_operator.local import OperatorProcess
 
-    with SimCluster.start(plane_config=ControlPlaneConfig(crd_dirs=(REPO_ROOT / "crds",))) as cluster:
+    config = SimClusterConfig(node_pools=_bench_pools(), pod_timing=PodTiming(
+        start_delay_ms=0, complete_delay_ms=0, complete_jitter_ms=0, delete_delay_ms=0))
+    with SimCluster.start(config, plane_config=ControlPlaneConfig(crd_dirs=(REPO_ROOT / "crds",))) as cluster:
         cluster.create_namespace_with_queue(NAMESPACE)
         cluster.kubectl("-n", NAMESPACE, "create", "secret", "generic", "hf-token", "--from-literal=HF_TOKEN=hf_bench")
         api_client = cluster.api_client()
         custom = client.CustomObjectsApi(api_client)
         log = Path(tempfile.mkdtemp(prefix="lorajob-scale-")) / "operator.log"
-        operator = OperatorProcess(cluster.kubeconfig, [NAMESPACE], log).start()
+        operator = OperatorProcess(cluster.kubeconfig, [NAMESPACE], log, {"LORAJOB_METRICS_PORT": str(free_loopback_port())}).start()
+        pid = operator._process.pid
         try:
+            rss_before = _memory_kib(pid)["VmRSS"]
             watch = FirstJobSetWatch(api_client)
             watch.start()
             time.sleep(1.0)  # let the watch connect before the first create
@@ -112,33 +211,63 @@ def run(jobs: int, idle_seconds: float) -> dict:
             watch.stop()
             template = custom.get_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets",
                                                            "bench-0000-convert")
-            _suspend_all(custom, jobs)
-            time.sleep(15)  # let the suspends settle (JobSets deleted, status written)
-            with_operator = _requests_per_minute(cluster, idle_seconds)
-            rss = _peak_rss_mib(operator._process.pid)
+            _set_suspend(custom, jobs, True)
+            _wait_all(custom, "Suspended", jobs, 600, no_jobsets=True)
+            server_suspended, ours_suspended, cpu_suspended = _idle(cluster, operator, idle_seconds)
+            chained = {}
+            if chain:
+                requests_before_chain = _operator_requests(operator)
+                _set_suspend(custom, jobs, False)
+                chained["chain"] = _wait_all(custom, "Succeeded", jobs, CHAIN_TIMEOUT_SECONDS)
+                chained["chain_requests"] = (_operator_requests(operator) - requests_before_chain) / jobs
+                handoffs = _handoffs(custom)
+                chained |= {"handoff_p50": statistics.median(handoffs), "handoff_max": max(handoffs)}
+                _, ours_finished, chained["cpu_finished"] = _idle(cluster, operator, idle_seconds)
+                chained["ours_finished"] = ours_finished / jobs
+            memory = _memory_kib(pid)
         finally:
             operator.stop()
-        without_operator = _requests_per_minute(cluster, idle_seconds)
+        server_without, _, _ = _idle(cluster, None, idle_seconds)
         direct_seconds = _direct_jobsets(cluster, custom, template, jobs)
     return {
         "jobs": jobs, "p50": statistics.median(latencies), "p99": _percentile(latencies, 0.99),
         "burst": burst_seconds, "direct": direct_seconds,
-        "idle_per_job_min": (with_operator - without_operator) / jobs, "rss": rss, "log": log,
+        "server_idle": (server_suspended - server_without) / jobs, "ours_suspended": ours_suspended / jobs,
+        "cpu_suspended": cpu_suspended, **dict.fromkeys(CHAIN_KEYS), **chained,
+        "peak_rss": memory["VmHWM"] / 1024, "rss_per_job": (memory["VmRSS"] - rss_before) / jobs, "log": str(log),
     }
+
+
+COLUMNS = (
+    ("N", "jobs", "{:>6}"), ("p50 s", "p50", "{:>7.2f}"), ("p99 s", "p99", "{:>7.2f}"),
+    ("all first JobSets s", "burst", "{:>19.1f}"), ("direct s", "direct", "{:>9.1f}"),
+    ("idle susp. req/job/min (server diff)", "server_idle", "{:>36.3f}"),
+    ("idle susp. (own)", "ours_suspended", "{:>16.4f}"), ("idle done (own)", "ours_finished", "{:>15.4f}"),
+    ("idle CPU susp.", "cpu_suspended", "{:>14.1%}"), ("idle CPU done", "cpu_finished", "{:>13.1%}"),
+    ("chain s", "chain", "{:>8.1f}"), ("chain req/job", "chain_requests", "{:>13.1f}"),
+    ("step hand-off p50 s", "handoff_p50", "{:>19.0f}"), ("max s", "handoff_max", "{:>5.0f}"),
+    ("peak RSS MiB", "peak_rss", "{:>12.0f}"), ("RSS KiB/job", "rss_per_job", "{:>11.1f}"),
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, nargs="+", default=[100, 500, 1000])
     parser.add_argument("--idle-seconds", type=float, default=60.0)
+    parser.add_argument("--chain-up-to", type=int, default=None,
+                        help="run the full chain only for N up to this (on 2 CPU cores the simulated controllers take minutes per 100)")
     args = parser.parse_args()
-    rows = [run(jobs, args.idle_seconds) for jobs in args.jobs]
-    print(f"{'N':>6} {'p50 s':>7} {'p99 s':>7} {'all JobSets s':>14} {'direct s':>9} {'idle req/job/min':>17} {'peak RSS MiB':>13}")
+    rows = []
+    for jobs in args.jobs:
+        rows.append(run(jobs, args.idle_seconds, args.chain_up_to is None or jobs <= args.chain_up_to))
+        print(json.dumps(rows[-1]), flush=True)
+    print(" ".join(title for title, _, _ in COLUMNS))
     for row in rows:
-        print(f"{row['jobs']:>6} {row['p50']:>7.2f} {row['p99']:>7.2f} {row['burst']:>14.1f} {row['direct']:>9.1f}"
-              f" {row['idle_per_job_min']:>17.2f} {row['rss']:>13.0f}")
-    for row in rows:
-        print(f"operator log (N={row['jobs']}): {row['log']}")
+        print(" ".join(_cell(title, fmt, row[key]) for title, key, fmt in COLUMNS))
+
+
+def _cell(title: str, fmt: str, value) -> str:
+    return "-".rjust(len(title)) if value is None else fmt.format(value).rjust(len(title))
 
 
 if __name__ == "__main__":

@@ -1,31 +1,42 @@
-"""The lorajob demo: a simulated TPU cluster, the operator, and the tutorial's LoRAJob run to Succeeded.
+"""The lorajob demo: a simulated TPU cluster, the operator, and a LoRAJob that really fine-tunes.
 
-    python scripts/demo.py [--timeout SECONDS]
+    python scripts/demo.py [--out DIR] [--steps N] [--timeout SECONDS]
+    python scripts/demo.py --fast          # kwok-only: the tutorial's LoRAJob on fake pods (~10 s)
 
-Starts etcd, kube-apiserver, KCM, kube-scheduler, kwok (fake v6e and CPU nodes), JobSet and Kueue on
-loopback (lorajob_devcluster; binaries are built on first use), runs `python -m lorajob_operator`,
-applies examples/qwen3-gsm8k.yaml and prints `kubectl get lj -w` until the LoRAJob finishes, then
-its steps' JobSets and events, and tears everything down.
+Starts etcd, kube-apiserver, KCM, kube-scheduler, kwok (fake v6e and CPU nodes), the pod runner,
+JobSet and Kueue on loopback (lorajob_devcluster; binaries are built on first use) and runs
+`python -m lorajob_operator`. By default it generates a tiny Qwen3 model, tokenizer and dataset
+under DIR and applies a LoRAJob over them (DIR/lorajob.yaml): convert, multi-controller training on
+2 fake v6e hosts (2 jax.distributed processes) and export run for real, as local processes on the
+pod runner's nodes, with exactly the command lines the operator renders. `kubectl get lj -o wide -w`
+shows the phase, progress and loss; at the end the demo writes the loss curve and prints where the
+PEFT adapter and the curve are. `--fast` applies examples/qwen3-gsm8k.yaml instead, whose pods kwok
+plays (nothing is trained).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = REPO_ROOT / "examples" / "qwen3-gsm8k.yaml"
 NAMESPACE = "demo"
+RUN = "tiny-qwen3-demo"
 FINAL_PHASES = ("Succeeded", "Failed")
 
 
 def _watch_until_final(kubectl: list[str], name: str, timeout: float) -> str:
-    """Stream `kubectl get lj -w` (the user's view) until the LoRAJob reaches a final phase."""
-    watch = subprocess.Popen([*kubectl, "get", "lj", name, "-w"], stdout=subprocess.PIPE, text=True)
+    """Stream `kubectl get lj -o wide -w` (the user's view) until the LoRAJob reaches a final phase."""
+    watch = subprocess.Popen([*kubectl, "get", "lj", name, "-o", "wide", "-w"], stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout
     final = ""
     try:
@@ -40,16 +51,49 @@ def _watch_until_final(kubectl: list[str], name: str, timeout: float) -> str:
     return final
 
 
+def _real_lorajob(out: Path, steps: int) -> tuple[str, Path, object]:
+    from lorajob_devcluster import localjob
+
+    assets = localjob.write_assets(out)
+    shutil.rmtree(assets.run_directory(RUN), ignore_errors=True)  # a fresh run: convert refuses to overwrite
+    manifest = out / "lorajob.yaml"
+    manifest.write_text(yaml.safe_dump(localjob.lorajob(RUN, assets, steps=steps, checkpoint_period=max(steps // 3, 1)), sort_keys=False))
+    return RUN, manifest, assets
+
+
+def _report(assets, run: str, out: Path) -> None:
+    from lorajob_trainer import metrics
+
+    losses = [record["loss"] for record in metrics.read_metrics(assets.metrics(run)) if "loss" in record]
+    png = metrics.plot_loss_curve(assets.metrics(run), out / "loss.png")
+    print(f"\ntraining loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps")
+    print(f"PEFT adapter: {assets.adapter(run)}")
+    print(f"loss curve:   {png}")
+    print(f"checkpoints:  {assets.run_directory(run) / 'checkpoints'}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the LoRAJob to finish")
+    parser.add_argument("--fast", action="store_true", help="kwok-only: fake pods, nothing is trained")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "out" / "demo", help="model, data and outputs")
+    parser.add_argument("--steps", type=int, default=30, help="training steps")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the LoRAJob to finish")
     args = parser.parse_args()
 
     from lorajob_devcluster import ControlPlaneConfig, SimCluster
     from lorajob_operator.local import OperatorProcess
 
     started = time.monotonic()
-    with SimCluster.start(plane_config=ControlPlaneConfig(crd_dirs=(REPO_ROOT / "crds",))) as cluster:
+    if args.fast:
+        name, manifest, assets = "qwen3-gsm8k", SAMPLE, None
+    else:
+        name, manifest, assets = _real_lorajob(args.out.absolute(), args.steps)
+        print(f"tiny model, tokenizer and dataset in {args.out} ({time.monotonic() - started:.1f} s)", flush=True)
+    plane_config = ControlPlaneConfig(crd_dirs=(REPO_ROOT / "crds",))
+    if not args.fast:  # kept after the demo: the pods' logs and directories are under podrunner/
+        shutil.rmtree(args.out / "cluster", ignore_errors=True)
+        plane_config = dataclasses.replace(plane_config, state_dir=args.out.absolute() / "cluster")
+    with SimCluster.start(plane_config=plane_config) as cluster:
         cluster_ready = time.monotonic() - started
         print(f"simulated cluster ready in {cluster_ready:.1f} s (kubeconfig {cluster.kubeconfig})", flush=True)
         cluster.create_namespace_with_queue(NAMESPACE)
@@ -58,13 +102,17 @@ def main() -> int:
         log = Path(tempfile.mkdtemp(prefix="lorajob-demo-")) / "operator.log"
         with OperatorProcess(cluster.kubeconfig, [NAMESPACE], log, {"LORAJOB_RECONCILE_RESYNC_SECONDS": "2"}):
             applied = time.monotonic()
-            subprocess.run([*kubectl, "apply", "-f", str(SAMPLE)], check=True)
-            final = _watch_until_final(kubectl, "qwen3-gsm8k", args.timeout)
+            subprocess.run([*kubectl, "apply", "-f", str(manifest)], check=True)
+            final = _watch_until_final(kubectl, name, args.timeout)
             chain = time.monotonic() - applied
             subprocess.run([*kubectl, "get", "jobsets.jobset.x-k8s.io,workloads.kueue.x-k8s.io"], check=False)
             subprocess.run([*kubectl, "get", "events", "--field-selector", "involvedObject.kind=LoRAJob",
                             "--sort-by=.lastTimestamp"], check=False)
         print(f"operator log: {log}")
+        if assets is not None:
+            print(f"pod logs and directories: {cluster.state_dir / 'podrunner' / 'pods' / NAMESPACE}")
+    if final == "Succeeded" and assets is not None:
+        _report(assets, name, args.out.absolute())
     total = time.monotonic() - started
     print(f"\nLoRAJob {final or 'did not finish'}: apply -> {final or 'timeout'} {chain:.1f} s; "
           f"cluster start {cluster_ready:.1f} s; demo wall time {total:.1f} s (incl. teardown)")

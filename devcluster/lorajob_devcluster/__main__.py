@@ -1,4 +1,4 @@
-"""`python -m lorajob_devcluster build | up`."""
+"""`python -m lorajob_devcluster build | up | run-pods`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import build, toolchain
+from . import build, podrunner, toolchain
 from .controlplane import ControlPlaneConfig, KubectlError
 from .process import ComponentFailed
 from .simcluster import SimCluster, SimClusterError
@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     up_parser.add_argument("--state-dir", type=Path, default=None, help="kept after exit; default: fresh tmpfs dir")
     up_parser.add_argument("--crds", type=Path, action="append", default=[], help="directory of CRD YAMLs to apply")
     up_parser.set_defaults(run=command_up)
+    pods_parser = commands.add_parser("run-pods", help="run the pods of the given nodes as local processes (started by `up`)")
+    podrunner.add_arguments(pods_parser)
+    pods_parser.set_defaults(run=podrunner.serve)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -59,6 +60,8 @@ class ControlPlane:
         self.server = f"https://127.0.0.1:{self.api_port}"
         self.kubeconfig = state_dir / "kubeconfig"
         self.processes: list[ManagedProcess] = []
+        self.ready_probes: dict[str, Callable[[], bool]] = {}
+        """Per component name: whether it serves again after `restart` (registered by whoever launched it)."""
 
     @classmethod
     def start(cls, config: ControlPlaneConfig = ControlPlaneConfig()) -> "ControlPlane":
@@ -116,7 +119,8 @@ class ControlPlane:
                 "--log-level=warn",
             ],
         )
-        etcd.wait_until(lambda: b"true" in urllib.request.urlopen(f"{client_url}/health", timeout=2).read(), STARTUP_TIMEOUT_SECONDS, "healthy")
+        self.ready_probes[etcd.name] = lambda: b"true" in urllib.request.urlopen(f"{client_url}/health", timeout=2).read()
+        etcd.wait_until(self.ready_probes[etcd.name], STARTUP_TIMEOUT_SECONDS, "healthy")
 
     def _start_apiserver(self) -> None:
         p = self.pki
@@ -147,7 +151,8 @@ class ControlPlane:
                 "--max-mutating-requests-inflight=0",
             ],
         )
-        apiserver.wait_until(lambda: self.get("/readyz") == "ok", STARTUP_TIMEOUT_SECONDS, "ready")
+        self.ready_probes[apiserver.name] = lambda: self.get("/readyz") == "ok"
+        apiserver.wait_until(self.ready_probes[apiserver.name], STARTUP_TIMEOUT_SECONDS, "ready")
 
     def _write_kubeconfig(self) -> None:
         config = {
@@ -159,6 +164,20 @@ class ControlPlane:
             "current-context": "lorajob-dev",
         }
         self.kubeconfig.write_text(yaml.safe_dump(config))
+
+    def restart(self, name: str, crash: bool = True) -> float:
+        """Stop component `name` (SIGKILL when `crash`, else SIGTERM) and start it again with the same
+        arguments, ports, state and log; return the seconds from the stop until it is ready again.
+        For fault-injection tests: clients see the component vanish and come back at the same address."""
+        process = next(p for p in self.processes if p.name == name)
+        started = time.monotonic()
+        if crash:
+            process.kill()
+        else:
+            process.stop()
+        process.start()
+        process.wait_until(self.ready_probes[name], STARTUP_TIMEOUT_SECONDS, "ready after a restart")
+        return time.monotonic() - started
 
     def stop(self) -> None:
         """Stop every component in reverse start order, then remove the state directory if we made it."""

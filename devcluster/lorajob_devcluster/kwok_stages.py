@@ -15,10 +15,12 @@ Only pods owned by a Job ever complete; other pods stay Running. The pod annotat
 ``sim.lorajob.dev/run-duration`` (a Go duration such as ``45s``) overrides its run time.
 A deleted pod is first made terminal (exit 143, like a kubelet after SIGTERM) and then removed once
 no finalizer is left, so the Job controller sees the same sequence it sees on a real node.
+Pods bound to the nodes given as `runner_nodes` match no Stage: `podrunner` runs them for real.
 
 Container logs: kwok serves `pods/log` from files named by `ClusterLogs` objects (kwok's CRDs, read
 from the cluster): `cluster_logs` points the given containers of every pod of a namespace at a file
-in the container runtime's log format, which `cri_log` writes.
+in the container runtime's log format, which `cri_log` writes; a `Logs` object (namespaced, named after
+a pod) does the same for one pod and takes precedence.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ KWOK_NODE_STAGE_FILES = (
     "kustomize/stage/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
 )
 KWOK_API_VERSION = "kwok.x-k8s.io/v1alpha1"
-LOG_CRD_KINDS = ("ClusterLogs",)
+LOG_CRD_KINDS = ("ClusterLogs", "Logs")
 """kwok reads these kinds from the cluster (`--enable-crds`) instead of its config file."""
-KWOK_LOG_CRD_FILES = ("kustomize/crd/bases/kwok.x-k8s.io_clusterlogs.yaml",)
+KWOK_LOG_CRD_FILES = ("kustomize/crd/bases/kwok.x-k8s.io_clusterlogs.yaml", "kustomize/crd/bases/kwok.x-k8s.io_logs.yaml")
 
 
 def failing_image(exit_code: int) -> str:
@@ -162,7 +164,7 @@ phase: {phase}
     )
 
 
-def pod_stages(timing: PodTiming = PodTiming()) -> list[dict]:
+def pod_stages(timing: PodTiming = PodTiming(), runner_nodes: tuple[str, ...] = ()) -> list[dict]:
     failing = {failing_image(code): code for code in FAILING_EXIT_CODES}
     special_images = [*failing, SLOW_IMAGE, HANG_IMAGE]
     completes = [NOT_DELETED, IS_RUNNING, OWNED_BY_JOB]
@@ -213,6 +215,9 @@ def pod_stages(timing: PodTiming = PodTiming()) -> list[dict]:
             [{"delete": True}],
         ),
     ]
+    if runner_nodes:
+        for stage in stages:
+            stage["spec"]["selector"]["matchExpressions"].append(_jq(".spec.nodeName", "NotIn", list(runner_nodes)))
     return stages
 
 
@@ -221,8 +226,11 @@ def node_stages(kwok_module_dir: Path) -> list[dict]:
     return [load_document(kwok_module_dir / path) for path in KWOK_NODE_STAGE_FILES]
 
 
-def write_kwok_config(path: Path, kwok_module_dir: Path, timing: PodTiming = PodTiming()) -> Path:
-    path.write_text(yaml.safe_dump_all([*node_stages(kwok_module_dir), *pod_stages(timing)], sort_keys=False))
+def write_kwok_config(
+    path: Path, kwok_module_dir: Path, timing: PodTiming = PodTiming(), runner_nodes: tuple[str, ...] = ()
+) -> Path:
+    stages = [*node_stages(kwok_module_dir), *pod_stages(timing, runner_nodes)]
+    path.write_text(yaml.safe_dump_all(stages, sort_keys=False))
     return path
 
 

@@ -69,5 +69,10 @@ class ManagedProcess:
         try:
             self.popen.wait(STOP_GRACE_SECONDS)
         except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: the component gets no chance to shut down cleanly."""
+        if self.popen is not None and self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait()

@@ -12,13 +12,14 @@ import json
 import os
 import shutil
 import ssl
+import sys
 import urllib.request
 from pathlib import Path
 from typing import Callable, Iterator
 
 import yaml
 
-from . import build, kwok_stages, manifests, topology
+from . import build, kwok_stages, manifests, podrunner, topology
 from .controlplane import ControlPlane, ControlPlaneConfig, condition_is_true, wait_for
 from .documents import as_kubectl_input
 from .process import ManagedProcess, free_loopback_port
@@ -78,6 +79,7 @@ class SimCluster:
         self.api_client = plane.api_client
         self.apply_documents = plane.apply_documents
         self.wait_condition = plane.wait_condition
+        self.restart = plane.restart
         self.webhook_cert_dir = plane.state_dir / "webhook-certs"
         self.jobset_dir = build.component_module_dir("jobset")
         self.kueue_dir = build.component_module_dir("kueue")
@@ -103,10 +105,11 @@ class SimCluster:
         build.build()
         cluster = cls(plane, config)
         cluster._write_webhook_certs()
-        starting = [*cluster._launch_kube_controllers(), cluster._launch_kwok()]
+        starting = [*cluster._launch_kube_controllers(), cluster._launch_kwok(), *cluster._launch_pod_runner()]
         cluster._install_controller_crds()
         starting += [cluster._launch_jobset(), cluster._launch_kueue()]
         for process, ready in starting:
+            plane.ready_probes[process.name] = ready
             process.wait_until(ready, COMPONENT_READY_TIMEOUT, "ready")
         cluster._register_webhooks()
         cluster._create_nodes()
@@ -159,7 +162,9 @@ class SimCluster:
     def _launch_kwok(self) -> Starting:
         plane = self.plane
         kwok_dir = build.component_module_dir("kwok")
-        stages = kwok_stages.write_kwok_config(plane.state_dir / "kwok-stages.yaml", kwok_dir, self.config.pod_timing)
+        stages = kwok_stages.write_kwok_config(
+            plane.state_dir / "kwok-stages.yaml", kwok_dir, self.config.pod_timing, self.runner_nodes
+        )
         # One port for health checks and the kubelet API (logs) that the nodes advertise to the apiserver.
         server_port = free_loopback_port()
         annotation = "=".join(topology.KWOK_NODE_ANNOTATION)
@@ -180,6 +185,20 @@ class SimCluster:
             ],
         )
         return kwok, lambda: _http_ok(f"http://127.0.0.1:{server_port}/healthz")
+
+    @property
+    def runner_nodes(self) -> tuple[str, ...]:
+        """The nodes whose pods run as local processes."""
+        return tuple(name for pool in self.config.node_pools if pool.runs_pods for name in pool.node_names())
+
+    def _launch_pod_runner(self) -> list[Starting]:
+        if not self.runner_nodes:
+            return []
+        state = self.plane.state_dir / "podrunner"
+        nodes = [f"--node={name}" for name in self.runner_nodes]
+        argv = [sys.executable, "-m", "lorajob_devcluster", "run-pods", f"--kubeconfig={self.plane.kubeconfig}", f"--state-dir={state}", *nodes]
+        runner = self.plane.launch("podrunner", argv)
+        return [(runner, lambda: (state / podrunner.READY_FILE).exists())]
 
     def _install_controller_crds(self) -> None:
         """JobSet's, Kueue's (converting through its loopback webhook) and kwok's log CRDs, created in one go."""

@@ -30,6 +30,8 @@ class NodePool:
     tpu_chips_per_node: int = 0
     tpu_accelerator: str | None = None
     tpu_topology: str | None = None
+    runs_pods: bool = False
+    """Its pods run as real local processes (`podrunner`) instead of being played by kwok."""
 
     @property
     def is_tpu(self) -> bool:
@@ -92,7 +94,13 @@ class NodePool:
 TPU_V6E_4X4 = NodePool("tpu-v6e-4x4-np", 4, cpu=180, memory_gi=720, tpu_chips_per_node=4, tpu_accelerator="tpu-v6e-slice", tpu_topology="4x4")
 TPU_V6E_2X2 = NodePool("tpu-v6e-2x2-np", 1, cpu=180, memory_gi=720, tpu_chips_per_node=4, tpu_accelerator="tpu-v6e-slice", tpu_topology="2x2")
 CPU_NP = NodePool("cpu-np", 3, cpu=64, memory_gi=256)  # fits an xpk-sized Pathways head (>= 49 vCPU)
-DEFAULT_NODE_POOLS = (CPU_NP, TPU_V6E_4X4, TPU_V6E_2X2)
+# Pools whose pods really run (podrunner): convert/export on CPU, a 2-host v6e-8 slice for multi-host training.
+LOCAL_CPU_NP = NodePool("local-cpu-np", 2, cpu=64, memory_gi=256, runs_pods=True)
+LOCAL_V6E_2X4 = NodePool(
+    "local-v6e-2x4-np", 2, cpu=180, memory_gi=720, tpu_chips_per_node=4, tpu_accelerator="tpu-v6e-slice",
+    tpu_topology="2x4", runs_pods=True,
+)
+DEFAULT_NODE_POOLS = (CPU_NP, TPU_V6E_4X4, TPU_V6E_2X2, LOCAL_CPU_NP, LOCAL_V6E_2X4)
 
 
 def resource_flavor(pool: NodePool) -> dict:

@@ -12,11 +12,12 @@ from datetime import datetime
 from enum import Enum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
 
 from lorajob_operator import accelerators, rules
 from lorajob_trainer import catalog
+from lorajob_trainer.contract import CHECKPOINT_SELECTORS, COLUMN_LAYOUTS, DEFAULTS
 
 GROUP = "lorajob.dev"
 VERSION = "v1alpha1"
@@ -24,9 +25,17 @@ KIND = "LoRAJob"
 PLURAL = "lorajobs"
 SHORT_NAMES = ("lj",)
 
-DNS_LABEL_MAX = 63
+DNS_LABEL_MAX = rules.DNS_LABEL_MAX
 PATH_MAX = 1024
+CHECKPOINTS_LISTED = 32
+"""Bound on status.checkpoints (the trainer keeps max_num_checkpoints_to_keep newest, 3 by default, and the best)."""
 """Bound on every path/URI string: CEL cost estimation needs a maximum length on each string."""
+
+# Value types a LoRAJob and a LoRAJobPolicy share.
+QueueName = Annotated[str, Field(max_length=DNS_LABEL_MAX, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
+Topology = Annotated[str, Field(max_length=16, pattern=r"^[0-9]+x[0-9]+(x[0-9]+)?$")]
+StoragePath = Annotated[str, Field(max_length=PATH_MAX, pattern=r"^(gs://|/)")]
+"""A gs:// URI or an absolute path."""
 
 
 def _cel(*validations: dict) -> dict:
@@ -68,9 +77,9 @@ GpuAccelerator = Literal[accelerators.GPU_ACCELERATORS]  # type: ignore[valid-ty
 class CheckpointStorage(_Model):
     """Orbax storage options used when reading the base checkpoint and writing new ones."""
 
-    use_zarr3: bool = False
+    use_zarr3: bool = DEFAULTS.use_zarr3
     """useZarr3 writes/reads Zarr v3 arrays. Off by default: Pathways cannot restore zarr3 base checkpoints efficiently."""
-    use_ocdbt: bool = False
+    use_ocdbt: bool = DEFAULTS.use_ocdbt
     """useOcdbt uses Orbax's OCDBT layout. Off by default: Pathways' array handler cannot read OCDBT, so the head pod would load the whole checkpoint."""
 
 
@@ -90,9 +99,9 @@ class ModelSpec(_Model):
 
     name: ModelName
     """name of the model, which selects the model code and per-family LoRA defaults (e.g. qwen3-0.6b, llama3.1-8b, gemma3-4b)."""
-    maxtext_checkpoint: str | None = Field(default=None, max_length=PATH_MAX, alias="maxtextCheckpoint")
+    maxtext_checkpoint: str | None = Field(default=None, min_length=1, max_length=PATH_MAX, alias="maxtextCheckpoint")
     """maxtextCheckpoint is the path of a base checkpoint already in the trainer's format (MaxText `.../0/items` or a lorajob Orbax checkpoint). No convert step runs."""
-    hugging_face: str | None = Field(default=None, max_length=PATH_MAX, alias="huggingFace")
+    hugging_face: str | None = Field(default=None, min_length=1, max_length=PATH_MAX, alias="huggingFace")
     """huggingFace is a Hugging Face repo id (org/name) or a path (gs://... or local) of a safetensors checkpoint. A convert step turns it into the trainer's format first."""
     tokenizer: str | None = Field(default=None, max_length=PATH_MAX)
     """tokenizer is a Hugging Face repo id or path of the tokenizer. Defaults to the model's Hugging Face repo."""
@@ -123,28 +132,37 @@ class DatasetSpec(_Model):
         json_schema_extra=_cel(
             {
                 "rule": " || ".join(
-                    f"self.columns == {list(layout)}" for layout in rules.COLUMN_LAYOUTS
+                    f"self.columns == {list(layout)}" for layout in COLUMN_LAYOUTS
                 ),
                 "message": "dataset.columns must be one of " + "; ".join(
-                    str(list(layout)) for layout in rules.COLUMN_LAYOUTS
+                    str(list(layout)) for layout in COLUMN_LAYOUTS
                 ),
                 "fieldPath": ".columns",
             }
         )
     )
 
-    name: str = Field(max_length=PATH_MAX)
+    name: str = Field(min_length=1, max_length=PATH_MAX)
     """name is a Hugging Face dataset name (e.g. openai/gsm8k) or a path/builder (e.g. json) with files under dataDir."""
-    split: str = Field(default="train", max_length=128)
+    split: str = Field(default=DEFAULTS.train_split, max_length=128)
     """split to train on."""
     eval_split: str | None = Field(default=None, max_length=128)
     """evalSplit, when set, is evaluated periodically and reported as eval loss."""
     data_dir: str | None = Field(default=None, max_length=PATH_MAX)
     """dataDir is the dataset configuration/subset or data directory (MaxText's hf_data_dir, e.g. main for gsm8k)."""
-    columns: list[Annotated[str, Field(max_length=64)]] = Field(default=["messages"], min_length=1, max_length=2)
+    columns: list[Annotated[str, Field(max_length=64)]] = Field(default=list(COLUMN_LAYOUTS[0]), min_length=1, max_length=2)
     """columns to read: [messages] (chat turns), [prompt, completion], or [question, answer]. Loss is computed only on the answer tokens."""
     chat_template_path: str | None = Field(default=None, max_length=PATH_MAX)
     """chatTemplatePath is a Jinja (or JSON with a chat_template key) chat template. Defaults to the tokenizer's template."""
+
+
+class EarlyStopping(_Model):
+    """When to stop training before its last step."""
+
+    patience: int = Field(ge=1, le=10_000)
+    """patience is the number of evaluations in a row without improvement after which training stops."""
+    min_delta: float = Field(default=0.0, ge=0, le=1000)
+    """minDelta is the decrease of the best eval loss that counts as an improvement."""
 
 
 class TrainingSpec(_Model):
@@ -152,22 +170,24 @@ class TrainingSpec(_Model):
 
     steps: int = Field(ge=1, le=10_000_000)
     """steps is the number of optimizer steps to run."""
-    per_device_batch_size: int = Field(default=1, ge=1, le=4096)
+    per_device_batch_size: int = Field(default=DEFAULTS.per_device_batch_size, ge=1, le=4096)
     """perDeviceBatchSize is the number of (packed) sequences per device per step."""
-    max_target_length: int = Field(default=2048, ge=16, le=1_048_576)
+    max_target_length: int = Field(default=DEFAULTS.max_target_length, ge=16, le=1_048_576)
     """maxTargetLength is the sequence length in tokens; examples are packed up to it."""
-    learning_rate: float = Field(default=2e-5, gt=0, le=1)
-    """learningRate is the peak AdamW learning rate."""
-    warmup_steps_fraction: float = Field(default=0.1, ge=0, lt=1)
+    learning_rate: float = Field(default=DEFAULTS.learning_rate, gt=0, le=1)
+    """learningRate is the peak AdamW learning rate (2e-4 by default, the usual LoRA rate)."""
+    warmup_steps_fraction: float = Field(default=DEFAULTS.warmup_steps_fraction, ge=0, lt=1)
     """warmupStepsFraction is the share of steps with linear warmup."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """schedule of the learning rate after warmup."""
-    gradient_accumulation_steps: int = Field(default=1, ge=1, le=1024)
+    gradient_accumulation_steps: int = Field(default=DEFAULTS.gradient_accumulation_steps, ge=1, le=1024)
     """gradientAccumulationSteps accumulates gradients over this many micro-batches per step."""
-    checkpoint_period: int = Field(default=500, ge=1, le=10_000_000)
+    checkpoint_period: int = Field(default=DEFAULTS.checkpoint_period, ge=1, le=10_000_000)
     """checkpointPeriod saves a checkpoint every this many steps (and at the end); a resumed run restarts from the latest."""
     eval_interval: int | None = Field(default=None, ge=1, le=10_000_000)
     """evalInterval evaluates dataset.evalSplit every this many steps (needs evalSplit). Defaults to checkpointPeriod."""
+    early_stopping: EarlyStopping | None = None
+    """earlyStopping ends training when the eval loss stops improving (needs dataset.evalSplit); the LoRAJob then succeeds with reason EarlyStopped and exports the best checkpoint."""
 
 
 class LoRARestore(_Model):
@@ -192,9 +212,9 @@ class LoRARestore(_Model):
 class LoRASpec(_Model):
     """The low-rank adapters to train."""
 
-    rank: int = Field(default=16, ge=1, le=1024)
+    rank: int = Field(default=DEFAULTS.lora_rank, ge=1, le=1024)
     """rank (r) of the adapters."""
-    alpha: float = Field(default=32.0, gt=0, le=65536)
+    alpha: float = Field(default=DEFAULTS.lora_alpha, gt=0, le=65536)
     """alpha scales the adapter output by alpha/rank."""
     target_modules: str | None = Field(default=None, max_length=PATH_MAX)
     """targetModules is a regular expression over module paths that overrides the model family's default (attention q/k/v/o and MLP gate/up/down)."""
@@ -227,7 +247,7 @@ class TpuSpec(_Model):
 
     machine_type: TpuMachineType
     """machineType of the TPU node pool, e.g. ct6e-standard-4t (v6e) or ct5p-hightpu-4t (v5p)."""
-    topology: str = Field(max_length=16, pattern=r"^[0-9]+x[0-9]+(x[0-9]+)?$")
+    topology: Topology
     """topology of one slice, e.g. 16x16 for v6e-256 or 4x4x4 for v5p-128."""
     slices: int = Field(default=1, ge=1, le=64)
     """slices is the number of TPU slices (data parallel across slices over DCN)."""
@@ -270,7 +290,7 @@ class ComputeSpec(_Model):
 class OutputSpec(_Model):
     """Where checkpoints and exports go."""
 
-    base_output_directory: str = Field(max_length=PATH_MAX, pattern=r"^(gs://|/)")
+    base_output_directory: StoragePath
     """baseOutputDirectory is a gs:// URI or an absolute path; the run writes under <baseOutputDirectory>/<runName>/."""
 
 
@@ -288,18 +308,24 @@ class ExportSpec(_Model):
 
     enabled: bool = True
     """enabled runs the export step after training."""
-    path: str | None = Field(default=None, max_length=PATH_MAX, pattern=r"^(gs://|/)")
+    path: StoragePath | None = None
     """path to write the PEFT adapter to. Defaults to <baseOutputDirectory>/<runName>/huggingface."""
     hub_repo: str | None = Field(default=None, max_length=256, pattern=r"^[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+$")
     """hubRepo (org/name) pushes the adapter to the Hugging Face Hub with credentials.huggingFaceToken."""
     merged: bool = False
     """merged also writes the base model with the adapter merged in, as Hugging Face safetensors."""
+    step: str | None = Field(default=None, max_length=16, pattern=f"^({'|'.join(CHECKPOINT_SELECTORS)}|[0-9]+)$")
+    """step is the checkpoint to export: latest (the default), best (lowest eval loss; needs dataset.evalSplit; the default with training.earlyStopping) or a step number. The exported step is recorded in status.outputs.exportedStep."""
+
+    def checkpoint(self, training: TrainingSpec) -> str:
+        """The checkpoint export takes, defaults applied."""
+        return self.step or ("best" if training.early_stopping else "latest")
 
 
 class SchedulingSpec(_Model):
     """Queueing, priority and lifetime."""
 
-    queue_name: str | None = Field(default=None, max_length=DNS_LABEL_MAX, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    queue_name: QueueName | None = None
     """queueName is the Kueue LocalQueue of the namespace that admits each step's JobSet."""
     priority_class: str | None = Field(default=None, max_length=253)
     """priorityClass is the Kueue WorkloadPriorityClass of the steps."""
@@ -337,6 +363,17 @@ class LoRAJobSpec(_Model):
                 "message": "training.evalInterval needs dataset.evalSplit: there is nothing to evaluate",
                 "fieldPath": ".training.evalInterval",
             },
+            {
+                "rule": "!has(self.training.earlyStopping) || has(self.dataset.evalSplit)",
+                "message": "training.earlyStopping needs dataset.evalSplit: it stops when the eval loss stops improving",
+                "fieldPath": ".training.earlyStopping",
+            },
+            {
+                "rule": "!has(self.export) || !has(self.export.step) || self.export.step != 'best' "
+                "|| has(self.dataset.evalSplit)",
+                "message": "export.step best needs dataset.evalSplit: best is the checkpoint with the lowest eval loss",
+                "fieldPath": ".export.step",
+            },
         )
     )
 
@@ -366,11 +403,16 @@ class LoRAJobSpec(_Model):
     """images overriding the operator's defaults."""
 
 
+CONDITION_TYPES = ("Blocked", "Queued", "Admitted", "Evicted", "Running", "Suspended", "Succeeded", "Failed")
+"""The condition types the operator writes, in the order status lists them."""
+
+
 class Condition(_Model):
     """A standard Kubernetes condition."""
 
-    type: str = Field(max_length=316)
-    """type of the condition: Queued, Admitted, Running, Suspended, Succeeded, Failed."""
+    type: str = Field(max_length=316, description=(
+        f"type of the condition: {', '.join(CONDITION_TYPES)}. Blocked: a problem the operator can see outside "
+        "the spec (a missing Secret or LocalQueue, a name taken) stops progress."))
     status: Literal["True", "False", "Unknown"]
     """status of the condition."""
     reason: str = Field(default="", max_length=1024)
@@ -383,26 +425,14 @@ class Condition(_Model):
     """observedGeneration is the metadata.generation this condition was computed from."""
 
 
-class PhaseChildren(_Model):
-    """The child JobSet of each step, by name."""
-
-    convert: str | None = None
-    """convert JobSet name."""
-    train: str | None = None
-    """train JobSet name."""
-    export: str | None = None
-    """export JobSet name."""
+def _per_step(name: str, doc: str, field: type, default, field_doc: str) -> type[_Model]:
+    """A model with one field per step (rules.PHASES), so a new step cannot be left out of status."""
+    fields = {step: (field, Field(default, description=field_doc.format(step=step))) for step in rules.PHASES}
+    return create_model(name, __base__=_Model, __doc__=doc, **fields)
 
 
-class PhaseRestarts(_Model):
-    """How often each step was retried."""
-
-    convert: int = 0
-    """convert retries."""
-    train: int = 0
-    """train retries."""
-    export: int = 0
-    """export retries."""
+PhaseChildren = _per_step("PhaseChildren", "The child JobSet of each step, by name.", str | None, None, "{step} JobSet name.")
+PhaseRestarts = _per_step("PhaseRestarts", "How often each step was retried.", int, 0, "{step} retries.")
 
 
 class Outputs(_Model):
@@ -414,6 +444,23 @@ class Outputs(_Model):
     """adapterPath is the exported Hugging Face PEFT adapter."""
     base_checkpoint_path: str | None = None
     """baseCheckpointPath is the trainer-format base checkpoint (converted or given)."""
+    exported_step: int | None = None
+    """exportedStep is the training step whose checkpoint export.step chose (once training has finished)."""
+
+
+class CheckpointStatus(_Model):
+    """A complete checkpoint of the run."""
+
+    step: int
+    """step of the checkpoint."""
+    time: datetime | None = None
+    """time the checkpoint was saved."""
+    train_loss: float | None = None
+    """trainLoss at this step."""
+    eval_loss: float | None = None
+    """evalLoss on dataset.evalSplit at this step, when it was evaluated."""
+    path: str
+    """path of the checkpoint (a step directory under outputs.checkpointPath)."""
 
 
 class Progress(_Model):
@@ -429,6 +476,14 @@ class Progress(_Model):
     """tokensPerSecond counts real (non-padding) tokens."""
     eta_seconds: int | None = None
     """etaSeconds is the estimated time to finish training."""
+    eval_loss: float | None = None
+    """evalLoss is the latest loss on dataset.evalSplit."""
+    eval_step: int | None = None
+    """evalStep is the step evalLoss was measured at."""
+    state: str | None = None
+    """state of the trainer: running, succeeded, stopped_early (the eval loss stopped improving), preempted or failed."""
+    message: str | None = Field(default=None, max_length=4096)
+    """message is the trainer's explanation of its state (why it stopped or failed)."""
     summary: str | None = None
     """summary such as 120/500 (24%), for kubectl get."""
 
@@ -482,6 +537,8 @@ class LoRAJobStatus(_Model):
     """outputs of the run."""
     progress: Progress | None = None
     """progress of training."""
+    checkpoints: list[CheckpointStatus] = Field(default_factory=list, max_length=CHECKPOINTS_LISTED)
+    """checkpoints are the complete checkpoints the run keeps (the newest few and the best by eval loss), oldest first."""
     resolved: Resolved | None = None
     """resolved records the defaults the operator applied (queue, images, CPU node pool) and the policies in force."""
 
@@ -493,6 +550,7 @@ PRINTER_COLUMNS = [
     {"name": "Queue", "type": "string", "jsonPath": ".status.resolved.queueName"},  # the queue in force, policy default included
     {"name": "Backend", "type": "string", "jsonPath": ".spec.compute.backend", "priority": 1},
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss", "priority": 1},
+    {"name": "Eval Loss", "type": "number", "jsonPath": ".status.progress.evalLoss", "priority": 1},
     {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

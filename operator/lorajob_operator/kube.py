@@ -1,13 +1,17 @@
-"""The operator's I/O: read what exists into `reconcile.Observed`, carry out a `reconcile.Decision`.
+"""The operator's I/O: the caches observe reads, the writes that carry out a `reconcile.Decision`, and the loop.
 
-`Reconciler.reconcile(namespace, name)` is the whole loop body; kopf's watch handlers and the
-resync thread (handlers.py) only call it. Passes over one LoRAJob never overlap (a lock per object).
-Only the resync thread's periodic pass reads the lead trainer's log for progress, so each LoRAJob's
-log is read at most once per resync interval however many watch events arrive.
+`Controller` runs it all: watch-fed caches (caches.py), a work queue of LoRAJob keys fed by the caches'
+change events and by `Resync`, and worker threads that run `Reconciler.reconcile` (one pass over one
+LoRAJob; the queue never hands the same LoRAJob to two workers at once). A pass reads the caches only,
+so a pass over a LoRAJob whose world has not changed sends no request at all; its own writes are put
+into the caches at once (the watch event that follows is then no change). Only the resync pass reads
+the lead trainer's log for progress, so each log is read at most once per resync interval however many
+events arrive.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -19,9 +23,12 @@ import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from lorajob_operator import api, policy, render, rules
+from lorajob_operator import api, caches, policy, render, rules
+from lorajob_operator.caches import Caches, Key
+from lorajob_operator.metrics import Metrics
 from lorajob_operator.reconcile import (
     JOBSET_NAME_LABEL,
+    TERMINAL_PHASES,
     Decision,
     Observed,
     decide,
@@ -34,12 +41,8 @@ from lorajob_operator.settings import OperatorSettings, RenderSettings
 
 log = logging.getLogger("lorajob.operator")
 
-JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
-WORKLOAD = ("kueue.x-k8s.io", "v1beta2", "workloads")
-LOCAL_QUEUE = ("kueue.x-k8s.io", "v1beta2", "localqueues")
+JOBSET = (render.JOBSET_GROUP, render.JOBSET_VERSION, render.JOBSET_PLURAL)
 LORAJOB = (api.GROUP, api.VERSION, api.PLURAL)
-LORAJOB_POLICY = (api.GROUP, api.VERSION, policy.PLURAL)
-KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 FIELD_MANAGER = "lorajob-operator"
 LOG_REQUEST_TIMEOUT_SECONDS = 10
 
@@ -49,7 +52,7 @@ def _missing(error: ApiException) -> bool:
 
 
 class Cluster:
-    """Thin typed access to the objects the operator reads and writes."""
+    """Thin typed access to the objects the operator writes, and the reads no cache holds (pods, logs)."""
 
     def __init__(self, api_client: client.ApiClient):
         self.custom = client.CustomObjectsApi(api_client)
@@ -63,43 +66,8 @@ class Cluster:
                 return None
             raise
 
-    def list(self, resource: tuple[str, str, str], namespace: str | None, selector: str = "") -> list[dict]:
-        group, version, plural = resource
-        if namespace is None:
-            result = self.custom.list_cluster_custom_object(group, version, plural, label_selector=selector)
-        else:
-            result = self.custom.list_namespaced_custom_object(group, version, namespace, plural, label_selector=selector)
-        return result["items"]
-
-    def policies(self) -> tuple[policy.LoRAJobPolicy, ...]:
-        """Every LoRAJobPolicy; none while its CRD is not installed."""
-        try:
-            objects = self.list(LORAJOB_POLICY, None)
-        except ApiException as error:
-            if _missing(error):
-                return ()
-            raise
-        return tuple(policy.LoRAJobPolicy.from_object(obj) for obj in objects)
-
-    def namespace_labels(self, namespace: str) -> dict[str, str]:
-        return self.core.read_namespace(namespace).metadata.labels or {}
-
-    def workloads_of(self, namespace: str, jobsets: list[dict]) -> dict[str, dict]:
-        """The newest Kueue Workload of each JobSet, by JobSet uid (one list request)."""
-        if not jobsets:
-            return {}
-        uids = ",".join(jobset["metadata"]["uid"] for jobset in jobsets)
-        newest: dict[str, dict] = {}
-        for workload in self.list(WORKLOAD, namespace, f"{KUEUE_JOB_UID_LABEL} in ({uids})"):
-            uid = workload["metadata"]["labels"][KUEUE_JOB_UID_LABEL]
-            if uid not in newest or workload["metadata"]["creationTimestamp"] > newest[uid]["metadata"]["creationTimestamp"]:
-                newest[uid] = workload
-        return newest
-
-    def pods_of(self, jobset: dict) -> list[dict]:
-        pods = self.core.list_namespaced_pod(
-            jobset["metadata"]["namespace"], label_selector=f"{JOBSET_NAME_LABEL}={jobset['metadata']['name']}"
-        )
+    def pods_of(self, jobset: str, namespace: str) -> list[dict]:
+        pods = self.core.list_namespaced_pod(namespace, label_selector=f"{JOBSET_NAME_LABEL}={jobset}")
         return [self.core.api_client.sanitize_for_serialization(pod) for pod in pods.items]
 
     def trainer_log_tail(self, namespace: str, pod_selector: str, lines: int) -> str | None:
@@ -116,22 +84,13 @@ class Cluster:
         )
         return response.data.decode("utf-8", errors="replace")
 
-    def secret_keys(self, namespace: str, name: str) -> set[str] | None:
-        try:
-            secret = self.core.read_namespaced_secret(name, namespace)
-        except ApiException as error:
-            if _missing(error):
-                return None
-            raise
-        return set(secret.data or {}) | set(secret.string_data or {})
 
-
-def spec_problems(cluster: Cluster, namespace: str, spec: api.LoRAJobSpec) -> tuple[list[tuple[str, str]], str | None]:
+def spec_problems(view: Caches, namespace: str, spec: api.LoRAJobSpec) -> tuple[list[tuple[str, str]], str | None]:
     """Problems only a look at the cluster reveals, and the ClusterQueue behind the LocalQueue."""
     problems = []
     token = spec.credentials.hugging_face_token if spec.credentials else None
     if token is not None:
-        keys = cluster.secret_keys(namespace, token.name)
+        keys = view.secret_keys(namespace, token.name)
         if keys is None:
             problems.append((
                 "SecretNotFound",
@@ -146,7 +105,7 @@ def spec_problems(cluster: Cluster, namespace: str, spec: api.LoRAJobSpec) -> tu
     cluster_queue = None
     queue = spec.scheduling.queue_name
     if queue:
-        local_queue = cluster.get(LOCAL_QUEUE, namespace, queue)
+        local_queue = view.local_queue(namespace, queue)
         if local_queue is None:
             problems.append((
                 "LocalQueueNotFound",
@@ -158,26 +117,33 @@ def spec_problems(cluster: Cluster, namespace: str, spec: api.LoRAJobSpec) -> tu
     return problems, cluster_queue
 
 
-def observe(cluster: Cluster, body: dict, now: datetime, render_settings: RenderSettings) -> Observed:
+def _newest_workload(view: Caches, namespace: str, jobset: dict) -> dict | None:
+    workloads = view.workloads_of(namespace, jobset["metadata"]["uid"])
+    return max(workloads, key=lambda w: w["metadata"]["creationTimestamp"], default=None)
+
+
+def observe(
+    view: Caches, body: dict, now: datetime, render_settings: RenderSettings,
+    failed_pods: dict[str, list[dict]] | None = None,
+) -> Observed:
+    """What exists, from the caches only (pure: no request). `failed_pods`: the pods of failed children, by
+    JobSet name, read by the caller when it wants the failed container named."""
     metadata = body["metadata"]
     namespace, name, uid = metadata["namespace"], metadata["name"], metadata["uid"]
     spec, errors = render.parse_spec(body)
     children, problems, cluster_queue = {}, [], None
-    policies, namespace_labels = cluster.policies(), cluster.namespace_labels(namespace)
+    policies, namespace_labels = view.policies(), view.namespace_labels(namespace)
     if spec is not None:
         defaults = policy.resolve_defaults(policies, namespace_labels, spec)
-        problems, cluster_queue = spec_problems(cluster, namespace, effective_spec(spec, defaults))
+        problems, cluster_queue = spec_problems(view, namespace, effective_spec(spec, defaults))
         run = render.run_name(spec, name)
         names = {rules.child_name(run, phase): phase for phase in rules.phases(spec)}
         # A JobSet holding one of these names without our label is found when creating it fails (409).
-        jobsets = [js for js in cluster.list(JOBSET, namespace, f"{render.LABEL_RUN}={run}") if js["metadata"]["name"] in names]
-        workloads = cluster.workloads_of(namespace, jobsets)
-        for jobset in jobsets:
-            workload = workloads.get(jobset["metadata"]["uid"])
-            child = observe_child(jobset, uid, workload)
-            if child.failed and child.owned:  # only then are its pods worth reading: to name the failed container
-                child = observe_child(jobset, uid, workload, cluster.pods_of(jobset))
-            children[names[jobset["metadata"]["name"]]] = child
+        for jobset in view.jobsets_of_run(namespace, run):
+            jobset_name = jobset["metadata"]["name"]
+            if jobset_name in names:
+                workload = _newest_workload(view, namespace, jobset)
+                children[names[jobset_name]] = observe_child(jobset, uid, workload, (failed_pods or {}).get(jobset_name))
     return Observed(
         name=name,
         namespace=namespace,
@@ -234,34 +200,34 @@ class TrainLogs:
 
 
 class Reconciler:
-    def __init__(self, cluster: Cluster, settings: OperatorSettings):
+    """One pass over one LoRAJob: observe (caches) -> decide -> apply (writes, put into the caches at once)."""
+
+    def __init__(self, cluster: Cluster, view: Caches, settings: OperatorSettings):
         self.cluster = cluster
+        self.view = view
         self.settings = settings
         self.train_logs = TrainLogs(cluster, settings.reconcile.progress_log_lines)
-        self._locks: dict[tuple[str, str], threading.Lock] = {}
-        self._locks_guard = threading.Lock()
-
-    def _lock(self, key: tuple[str, str]) -> threading.Lock:
-        with self._locks_guard:
-            return self._locks.setdefault(key, threading.Lock())
 
     def reconcile(self, namespace: str, name: str, read_progress: bool = False) -> float | None:
-        """One pass over one LoRAJob; returns when it wants to be looked at again (seconds), if sooner than a resync.
+        """Returns when the LoRAJob wants to be looked at again (seconds), if sooner than a resync.
 
         `read_progress`: also read the lead trainer's log for status.progress (the resync pass asks)."""
-        started = time.monotonic()
         key = (namespace, name)
-        with self._lock(key):
-            body = self.cluster.get(LORAJOB, namespace, name)
-            if body is None or body["metadata"].get("deletionTimestamp"):
-                self.train_logs.forget(key)
-                return None
-            observed = observe(self.cluster, body, datetime.now(timezone.utc), self.settings.render)
-            if read_progress:
-                observed = dataclasses.replace(observed, train_log=self.train_logs.read(key, observed))
-            decision = decide(observed, self.settings.reconcile)
-            self._apply(body, observed, decision)
-        log.debug("reconciled %s/%s in %.0f ms: %s", namespace, name, 1000 * (time.monotonic() - started), decision.status.get("phase"))
+        body = self.view.lorajob(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            self.train_logs.forget(key)
+            return None
+        now = datetime.now(timezone.utc)
+        observed = observe(self.view, body, now, self.settings.render)
+        failed = [c for c in observed.children.values() if c.failed and c.owned]
+        if failed and observed.status.get("phase") not in TERMINAL_PHASES:
+            # Only then are its pods worth reading: to name the failed container.
+            pods = {child.name: self.cluster.pods_of(child.name, namespace) for child in failed}
+            observed = observe(self.view, body, now, self.settings.render, pods)
+        if read_progress:
+            observed = dataclasses.replace(observed, train_log=self.train_logs.read(key, observed))
+        decision = decide(observed, self.settings.reconcile)
+        self._apply(body, observed, decision)
         return decision.requeue_after
 
     def _apply(self, body: dict, observed: Observed, decision: Decision) -> None:
@@ -269,12 +235,13 @@ class Reconciler:
         before its failed try is deleted, then deletions and events."""
         namespace, name = observed.namespace, observed.name
         for create in decision.create:
-            if not self._create_child(body, observed, create.phase, create.attempt):
-                return  # blocked: _create_child wrote the status that says why
+            rejection = self._create_child(body, observed, create.phase, create.attempt)
+            if rejection is not None:  # an observed fact like any other: decide says what it means
+                blocked = dataclasses.replace(observed, problems=(*observed.problems, rejection))
+                self._apply(body, blocked, decide(blocked, self.settings.reconcile))
+                return
         if decision.status != observed.status:
-            self.cluster.custom.patch_namespaced_custom_object_status(
-                *LORAJOB[:2], namespace, LORAJOB[2], name, {"status": decision.status}
-            )
+            self._write_status(observed, decision.status)
         for event in decision.events:
             self._event(body, event.type, event.reason, event.message)
         if decision.delete_self:
@@ -285,6 +252,12 @@ class Reconciler:
             log.info("deleting JobSet %s/%s", namespace, child)
             self._delete(JOBSET, namespace, child, "Foreground")
 
+    def _write_status(self, observed: Observed, status: dict) -> None:
+        written = self.cluster.custom.patch_namespaced_custom_object_status(
+            *LORAJOB[:2], observed.namespace, LORAJOB[2], observed.name, {"status": status}
+        )
+        self.view.stores[caches.LORAJOBS].upsert(written)
+
     def _delete(self, resource, namespace: str, name: str, propagation: str) -> None:
         try:
             self.cluster.custom.delete_namespaced_custom_object(
@@ -294,49 +267,28 @@ class Reconciler:
             if not _missing(error):
                 raise
 
-    def _create_child(self, body: dict, observed: Observed, phase: str, attempt: int) -> bool:
-        """Create the JobSet; False when it cannot be (the LoRAJob's status then says why)."""
+    def _create_child(self, body: dict, observed: Observed, phase: str, attempt: int) -> tuple[str, str] | None:
+        """Create the JobSet; (reason, message) when the API server refuses it for a reason the spec can fix."""
         owner = render.Owner(observed.name, observed.namespace, body["metadata"]["uid"])
         jobset = render.render_phase(phase, observed.effective_spec, owner, self.settings.render, attempt)
         try:
-            self.cluster.custom.create_namespaced_custom_object(
+            created = self.cluster.custom.create_namespaced_custom_object(
                 *JOBSET[:2], observed.namespace, JOBSET[2], jobset, field_manager=FIELD_MANAGER
             )
+            self.view.stores[caches.JOBSETS].upsert(created)
             log.info("created JobSet %s/%s (%s, try %d)", observed.namespace, jobset["metadata"]["name"], phase, attempt)
-            return True
+            return None
         except ApiException as error:
             name = jobset["metadata"]["name"]
             if error.status == 409:
                 existing = self.cluster.get(JOBSET, observed.namespace, name)
                 if existing is None or render.LABEL_RUN in (existing["metadata"].get("labels") or {}):
-                    return True  # ours or another LoRAJob's: the next pass reads it from the listing
-                self._report_blocked(
-                    body, observed, "NameTaken",
-                    f"a JobSet named {name} already exists and is not controlled by this LoRAJob; "
-                    "delete it or set another spec.runName",
-                )
-            elif error.status in (400, 403, 422):
-                self._report_blocked(body, observed, "JobSetRejected", f"the API server rejected JobSet {name}: {_api_message(error)}")
-            else:
-                raise
-            return False
-
-    def _report_blocked(self, body: dict, observed: Observed, reason: str, message: str) -> None:
-        """A child could not be created: say why in status (the spec may need a change) and an event."""
-        status = dict(observed.status)
-        previous = [c for c in status.get("conditions") or [] if c.get("type") == "Blocked"]
-        if previous and (previous[0].get("status"), previous[0].get("reason"), previous[0].get("message")) == ("True", reason, message):
-            return  # already said
-        conditions = [c for c in status.get("conditions") or [] if c.get("type") != "Blocked"]
-        conditions.append({
-            "type": "Blocked", "status": "True", "reason": reason, "message": message,
-            "lastTransitionTime": format_time(observed.now), "observedGeneration": observed.generation,
-        })
-        status.update(phase=api.Phase.Pending.value, message=message, conditions=conditions)
-        self.cluster.custom.patch_namespaced_custom_object_status(
-            *LORAJOB[:2], observed.namespace, LORAJOB[2], observed.name, {"status": status}
-        )
-        self._event(body, "Warning", reason, message)
+                    return None  # ours or another LoRAJob's: the next pass reads it from the listing
+                return ("NameTaken", f"a JobSet named {name} already exists and is not controlled by this LoRAJob; "
+                        "delete it or set another spec.runName")
+            if error.status in (400, 403, 422):
+                return "JobSetRejected", f"the API server rejected JobSet {name}: {_api_message(error)}"
+            raise
 
     def _event(self, body: dict, event_type: str, reason: str, message: str) -> None:
         metadata = body["metadata"]
@@ -371,19 +323,69 @@ def _api_message(error: ApiException) -> str:
         return str(error.reason)
 
 
+class WorkQueue:
+    """LoRAJob keys waiting for a pass, each at most once; a key being worked on is handed out again only
+    after `done` (so passes over one LoRAJob never overlap). A key asked for with `read_progress` keeps it."""
+
+    def __init__(self) -> None:
+        self._order: collections.deque[Key] = collections.deque()
+        self._waiting: dict[Key, bool] = {}
+        """Key -> read_progress, for every key queued or re-added while being worked on."""
+        self._working: set[Key] = set()
+        self._changed = threading.Condition()
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def add(self, key: Key, read_progress: bool = False) -> None:
+        with self._changed:
+            if key in self._waiting:
+                self._waiting[key] |= read_progress
+                return
+            self._waiting[key] = read_progress
+            if key not in self._working:
+                self._order.append(key)
+                self._changed.notify()
+
+    def get(self) -> tuple[Key, bool] | None:
+        """The next key and its read_progress (blocks; None once closed)."""
+        with self._changed:
+            while not self._order and not self._closed:
+                self._changed.wait()
+            if self._closed:
+                return None
+            key = self._order.popleft()
+            self._working.add(key)
+            return key, self._waiting.pop(key)
+
+    def done(self, key: Key) -> None:
+        with self._changed:
+            self._working.discard(key)
+            if key in self._waiting:
+                self._order.append(key)
+                self._changed.notify()
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+
 class Resync:
-    """Reconciles every LoRAJob every `resync_seconds`, and single ones sooner when they asked to be.
+    """Queues every cached LoRAJob every `resync_seconds` (with read_progress), and single ones sooner
+    when a pass asked to be looked at again (retry backoff, TTL, a blocked LoRAJob's recheck).
 
-    It keeps the operator correct when a watch silently stops delivering events, picks up Kueue
-    Workload changes (not watched), and drives retry backoff and TTL deadlines.
-    """
+    It reads the caches only: it re-runs decide on what the watches delivered, which catches an event
+    whose pass was lost or failed, and drives time-based decisions (deadlines, TTL, backoff)."""
 
-    def __init__(self, reconciler: Reconciler, namespaces: list[str] | None):
-        self.reconciler = reconciler
-        self.namespaces = namespaces
+    def __init__(self, view: Caches, queue: WorkQueue, interval: float):
+        self.view = view
+        self.queue = queue
+        self.interval = interval
         self.last_pass = 0.0
-        self._due: dict[tuple[str, str], float] = {}
-        self._due_lock = threading.Lock()  # kopf's handler threads schedule while the loop reads
+        self._due: dict[Key, float] = {}
+        self._due_lock = threading.Lock()  # worker threads schedule while the loop reads
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lorajob-resync", daemon=True)
 
@@ -393,14 +395,15 @@ class Resync:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
 
-    def schedule(self, key: tuple[str, str], after: float | None) -> None:
+    def schedule(self, key: Key, after: float | None) -> None:
         if after is not None:
             with self._due_lock:
                 self._due[key] = min(self._due.get(key, float("inf")), time.monotonic() + after)
 
-    def _take_due(self, now: float) -> list[tuple[str, str]]:
+    def _take_due(self, now: float) -> list[Key]:
         with self._due_lock:
             keys = [key for key, due in self._due.items() if due <= now]
             for key in keys:
@@ -412,38 +415,135 @@ class Resync:
             return min(self._due.values(), default=float("inf"))
 
     def alive(self) -> bool:
-        interval = self.reconciler.settings.reconcile.resync_seconds
-        return self._thread.is_alive() and time.monotonic() - self.last_pass < 5 * interval + 60
+        return self._thread.is_alive() and time.monotonic() - self.last_pass < 5 * self.interval + 60
 
     def _run(self) -> None:
-        interval = self.reconciler.settings.reconcile.resync_seconds
-        next_full = time.monotonic()
+        next_full = time.monotonic() + self.interval
         while not self._stop.is_set():
             now = time.monotonic()
-            keys = self._take_due(now)
-            full_pass = now >= next_full
-            if full_pass:
-                keys = sorted(set(keys) | set(self._all_keys()))
-                next_full = now + interval
+            for key in self._take_due(now):
+                self.queue.add(key)
+            if now >= next_full:
+                for body in self.view.lorajobs():
+                    self.queue.add(caches.key_of(body), read_progress=True)
+                next_full = now + self.interval
                 self.last_pass = now
-            for key in keys:
-                self._reconcile(key, read_progress=full_pass)
-            wake = min(next_full, self._next_due())
-            self._stop.wait(max(0.05, wake - time.monotonic()))
+            self._stop.wait(max(0.05, min(next_full, self._next_due()) - time.monotonic()))
 
-    def _all_keys(self) -> list[tuple[str, str]]:
-        try:
-            objects = [
-                obj for namespace in (self.namespaces or [None]) for obj in self.reconciler.cluster.list(LORAJOB, namespace)
-            ]
-        except Exception:  # noqa: BLE001 - a failed list is retried at the next interval
-            log.exception("listing LoRAJobs failed")
-            return []
-        return [(obj["metadata"]["namespace"], obj["metadata"]["name"]) for obj in objects]
 
-    def _reconcile(self, key: tuple[str, str], read_progress: bool) -> None:
-        try:
-            self.schedule(key, self.reconciler.reconcile(*key, read_progress=read_progress))
-        except Exception:  # noqa: BLE001 - one bad object must not stop the loop; it is retried
-            log.exception("reconciling LoRAJob %s/%s failed", *key)
-            self.schedule(key, self.reconciler.settings.reconcile.blocked_recheck_seconds)
+class Controller:
+    """Caches, work queue, workers and resync: the whole operator loop (kopf only hosts it, handlers.py)."""
+
+    def __init__(self, api_client: client.ApiClient, settings: OperatorSettings, namespaces: list[str] | None,
+                 metrics: Metrics):
+        self.api_client = api_client
+        self.settings = settings
+        self.metrics = metrics
+        self.caches = Caches(namespaces)
+        self.reconciler = Reconciler(Cluster(api_client), self.caches, settings)
+        self.queue = WorkQueue()
+        self.resync = Resync(self.caches, self.queue, settings.reconcile.resync_seconds)
+        self._synced = threading.Event()
+        """Set once every cache has listed: change events queue passes from then on."""
+        self._running = threading.Event()
+        """Set once the workers and the resync loop run."""
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"lorajob-worker-{index}", daemon=True)
+            for index in range(settings.reconcile.workers)
+        ]
+        self._starter = threading.Thread(target=self._start_when_synced, name="lorajob-start", daemon=True)
+        metrics.describe_state(self._state)
+
+    def start(self) -> None:
+        self.caches.start(self.api_client, self._on_change, self.settings.watch)
+        self._starter.start()
+
+    def _start_when_synced(self) -> None:
+        """Workers start once every cache has listed: a pass over half-filled caches would re-create children."""
+        if not self.caches.wait_synced(self._stop):
+            return
+        self._synced.set()
+        for body in self.caches.lorajobs():
+            self.queue.add(caches.key_of(body), read_progress=True)
+        for thread in self._threads:
+            thread.start()
+        self.resync.start()
+        self._running.set()
+        log.info("caches synced: %s", ", ".join(f"{r.name}={len(s)}" for r, s in self.caches.stores.items()))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.resync.stop()
+        self.queue.close()
+        self.caches.stop()
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(timeout=10)
+
+    def alive(self) -> bool:
+        """Every watch, worker and the resync loop run (until they start: every watch runs)."""
+        if not self.caches.alive():
+            return False
+        if not self._running.is_set():
+            return True
+        return self.resync.alive() and all(thread.is_alive() for thread in self._threads)
+
+    def _on_change(self, resource: caches.Resource, obj: dict) -> None:
+        """A cached object changed: queue the LoRAJobs whose pass reads it."""
+        if not self._synced.is_set():
+            return  # the first pass over every LoRAJob follows the sync
+        for key in self._affected(resource, obj):
+            self.queue.add(key)
+
+    def _affected(self, resource: caches.Resource, obj: dict) -> list[Key]:
+        namespace, name = caches.key_of(obj)
+        if resource is caches.LORAJOBS:
+            return [(namespace, name)]
+        if resource is caches.JOBSETS:
+            return _controllers(obj, api.KIND)
+        if resource is caches.WORKLOADS:
+            owners = [self.caches.jobset(namespace, jobset) for _, jobset in _controllers(obj, "JobSet")]
+            return [key for owner in owners if owner is not None for key in _controllers(owner, api.KIND)]
+        if resource is caches.NAMESPACES:
+            namespace = name
+        scope = None if resource is caches.POLICIES else namespace
+        return [caches.key_of(body) for body in self.caches.lorajobs(scope)]
+
+    def _work(self) -> None:
+        while (item := self.queue.get()) is not None:
+            key, read_progress = item
+            started = time.monotonic()
+            try:
+                after, result = self.reconciler.reconcile(*key, read_progress=read_progress), "ok"
+            except Exception:  # noqa: BLE001 - one bad object must not stop the loop; it is retried
+                log.exception("reconciling LoRAJob %s/%s failed", *key)
+                after, result = self.settings.reconcile.blocked_recheck_seconds, "error"
+            finally:
+                self.queue.done(key)
+            self.metrics.reconciles.labels(result).inc()
+            self.metrics.reconcile_seconds.observe(time.monotonic() - started)
+            self.resync.schedule(key, after)
+
+    def _state(self) -> dict[str, dict[str, float]]:
+        phases = collections.Counter(
+            (body.get("status") or {}).get("phase") or "Unknown" for body in self.caches.lorajobs()
+        )
+        restarts = collections.Counter()
+        for informer in self.caches.informers:
+            restarts[informer.resource.name] += informer.restarts
+        return {
+            "cache_objects": {resource.name: len(store) for resource, store in self.caches.stores.items()},
+            "lorajobs": dict(phases),
+            "work_queue_depth": {"": len(self.queue)},
+            "watch_restarts": dict(restarts),
+        }
+
+
+def _controllers(obj: dict, kind: str) -> list[Key]:
+    """The (namespace, name) of the controller of `obj`, if it is of `kind`."""
+    return [
+        (obj["metadata"]["namespace"], owner["name"])
+        for owner in obj["metadata"].get("ownerReferences") or []
+        if owner.get("kind") == kind and owner.get("controller")
+    ]

@@ -34,11 +34,15 @@ class OperatorProcess:
         self.settings = settings or {}
         self.verbose = verbose
         self.liveness_url = f"http://127.0.0.1:{_free_port()}/healthz"
+        metrics_port = int(self.settings.get("LORAJOB_METRICS_PORT", "0"))
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None
+        """The Prometheus endpoint, when `settings` give LORAJOB_METRICS_PORT (off by default: a fixed port
+        would clash between test sessions sharing a machine)."""
         self._process: subprocess.Popen | None = None
 
     def start(self) -> "OperatorProcess":
         environment = {key: value for key, value in os.environ.items() if not key.startswith("LORAJOB_")}
-        environment |= {"KUBECONFIG": str(self.kubeconfig), **self.settings}
+        environment |= {"KUBECONFIG": str(self.kubeconfig), "LORAJOB_METRICS_PORT": "0", **self.settings}
         command = [sys.executable, "-m", "lorajob_operator", "--liveness", self.liveness_url]
         for namespace in self.namespaces:
             command += ["--namespace", namespace]

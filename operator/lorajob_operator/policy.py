@@ -25,7 +25,7 @@ from typing import Annotated, Callable, Iterable, Literal, Mapping
 
 from pydantic import ConfigDict, Field
 
-from lorajob_operator import accelerators, api
+from lorajob_operator import accelerators, api, rules
 
 KIND = "LoRAJobPolicy"
 PLURAL = "lorajobpolicies"
@@ -34,12 +34,7 @@ VIOLATION_REASON = "PolicyViolation"
 """Condition reason of a LoRAJob that the operator fails because a policy forbids it."""
 
 _LABEL_KEY_MAX = 317  # <253-character prefix>/<63-character name>
-_LABEL_VALUE_MAX = 63
 _LIST_MAX = 64
-
-QueueName = Annotated[str, Field(max_length=api.DNS_LABEL_MAX, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
-Topology = Annotated[str, Field(max_length=16, pattern=r"^[0-9]+x[0-9]+(x[0-9]+)?$")]
-OutputPrefix = Annotated[str, Field(max_length=api.PATH_MAX, pattern=r"^(gs://|/)")]
 
 
 class _Model(api._Model):
@@ -53,14 +48,14 @@ class LabelSelectorRequirement(_Model):
     """key of the namespace label."""
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
     """operator relating the label to values."""
-    values: list[Annotated[str, Field(max_length=_LABEL_VALUE_MAX)]] = Field(default_factory=list, max_length=_LIST_MAX)
+    values: list[Annotated[str, Field(max_length=rules.LABEL_VALUE_MAX)]] = Field(default_factory=list, max_length=_LIST_MAX)
     """values for In and NotIn (empty for Exists and DoesNotExist)."""
 
 
 class NamespaceSelector(_Model):
     """Selects namespaces by their labels; the empty selector selects every namespace."""
 
-    match_labels: dict[str, Annotated[str, Field(max_length=_LABEL_VALUE_MAX)]] = Field(
+    match_labels: dict[str, Annotated[str, Field(max_length=rules.LABEL_VALUE_MAX)]] = Field(
         default_factory=dict, max_length=_LIST_MAX
     )
     """matchLabels: every label given must be on the namespace with the same value."""
@@ -71,9 +66,9 @@ class NamespaceSelector(_Model):
 class QueuePolicy(_Model):
     """Kueue LocalQueues the LoRAJobs may use."""
 
-    default: QueueName | None = None
+    default: api.QueueName | None = None
     """default LocalQueue for LoRAJobs that set no spec.scheduling.queueName."""
-    allowed: list[QueueName] = Field(default_factory=list, max_length=_LIST_MAX)
+    allowed: list[api.QueueName] = Field(default_factory=list, max_length=_LIST_MAX)
     """allowed LocalQueues; empty allows any. When set, a LoRAJob must name one (or rely on the default)."""
 
 
@@ -82,7 +77,7 @@ class TpuAllowance(_Model):
 
     machine_type: api.TpuMachineType
     """machineType of the TPU node pool, as in LoRAJob spec.compute.tpu.machineType."""
-    topologies: list[Topology] = Field(default_factory=list, max_length=_LIST_MAX)
+    topologies: list[api.Topology] = Field(default_factory=list, max_length=_LIST_MAX)
     """topologies allowed for this machine type; empty allows any."""
 
 
@@ -100,7 +95,7 @@ class TpuPolicy(_Model):
 class OutputPolicy(_Model):
     """Where runs may write."""
 
-    allowed_prefixes: list[OutputPrefix] = Field(default_factory=list, max_length=32)
+    allowed_prefixes: list[api.StoragePath] = Field(default_factory=list, max_length=32)
     """allowedPrefixes (gs:// URIs or absolute paths) that spec.output.baseOutputDirectory and spec.export.path must be
     under (equal to a prefix or below it at a '/' boundary); empty allows any."""
 

@@ -39,26 +39,25 @@ Mechanisms, in one place:
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from datetime import datetime, timedelta, timezone
 from typing import Mapping
 
 from lorajob_operator import api, policy, rules
-from lorajob_operator.render import JOB_INDEX_LABEL, LABEL_ATTEMPT, LABEL_PHASE, TRAINER_CONTAINER, run_paths
+from lorajob_operator.render import (
+    JOB_INDEX_LABEL, JOBSET_NAME_LABEL, LABEL_ATTEMPT, LABEL_PHASE, REPLICATED_JOB_LABEL, TRAINER_CONTAINER, run_name,
+    run_paths,
+)
 from lorajob_operator.settings import ReconcileSettings, RenderSettings
 from lorajob_trainer import exit_codes
-from lorajob_trainer.metrics import PROGRESS_LINE_PREFIX
+from lorajob_trainer.contract import (
+    FINISHED_STATES, STOPPED_EARLY, CheckpointRecord, ProgressRecord, RunLayout, choose_checkpoint, last_progress,
+)
 
-RUNNING_PHASE = {"convert": api.Phase.Converting, "train": api.Phase.Training, "export": api.Phase.Exporting}
+RUNNING_PHASE = {step: api.Phase(phase) for step, phase in rules.PHASE_WHILE_RUNNING.items()}
 TERMINAL_PHASES = (api.Phase.Succeeded.value, api.Phase.Failed.value)
-CONDITION_TYPES = ("Blocked", "Queued", "Admitted", "Evicted", "Running", "Suspended", "Succeeded", "Failed")
-"""Blocked: an operator-visible spec problem (missing Secret or LocalQueue, name taken) stops progress."""
 TERMINATED_BY_SIGTERM = 143
 # Labels JobSet and the Job controller put on every pod (with render.JOB_INDEX_LABEL): which JobSet,
 # replicated job and pod of its Job it is.
-JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
-REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 DISRUPTED_POD_REASONS = ("Evicted", "NodeLost", "Preempting", "Shutdown", "Terminated", "UnexpectedAdmissionError")
 """status.reason of a pod the node or kubelet stopped (the pod's DisruptionTarget condition says the same, when set)."""
@@ -299,14 +298,6 @@ def observe_child(
 
 # --- Training progress, from the trainer's log ---------------------------------------------------------
 
-def _finite_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def progress_summary(step: int, total_steps: int | None) -> str:
     """What `kubectl get lj` shows, e.g. `120/500 (24%)`."""
     if not total_steps:
@@ -316,41 +307,36 @@ def progress_summary(step: int, total_steps: int | None) -> str:
 
 def parse_progress_line(line: str) -> api.Progress | None:
     """The progress of one trainer progress line; None for any other line, or one cut short or garbled."""
-    _, prefix, payload = line.partition(PROGRESS_LINE_PREFIX)
-    if not prefix:
-        return None
-    try:
-        values = json.loads(payload)
-    except ValueError:
-        return None
-    if not isinstance(values, dict):
-        return None
-    step, total = values.get("step"), values.get("total_steps")
-    loss, tokens_per_second, eta = values.get("loss"), values.get("tokens_per_second"), values.get("eta_seconds")
-    if not _count(step) or not (total is None or (_count(total) and total > 0)):
-        return None
-    if any(value is not None and not _finite_number(value) for value in (loss, tokens_per_second, eta)):
-        return None
-    return api.Progress(
-        step=step,
-        total_steps=total,
-        loss=loss,
-        tokens_per_second=tokens_per_second,
-        eta_seconds=None if eta is None else max(0, round(eta)),
-        summary=progress_summary(step, total),
-    )
+    record = ProgressRecord.from_line(line)
+    return None if record is None else _status_progress(record)
 
 
 def progress_from_log(log: str) -> api.Progress | None:
     """The progress of the last readable progress line in a log tail (None when it holds none)."""
-    for line in reversed(log.splitlines()):
-        progress = parse_progress_line(line)
-        if progress is not None:
-            return progress
-    return None
+    record = last_progress(log)
+    return None if record is None else _status_progress(record)
+
+
+def _status_progress(record: ProgressRecord) -> api.Progress:
+    eta = record.eta_seconds
+    return api.Progress(
+        step=record.step,
+        total_steps=record.total_steps,
+        loss=record.loss,
+        tokens_per_second=record.tokens_per_second,
+        eta_seconds=None if eta is None else max(0, round(eta)),
+        eval_loss=record.eval_loss,
+        eval_step=record.eval_step,
+        state=record.state,
+        message=record.message[:4096] or None,
+        summary=progress_summary(record.step, record.total_steps),
+    )
 
 
 def _final_progress(progress: dict) -> bool:
+    """Whether the trainer reported the end of training (its last step, or an early stop)."""
+    if progress.get("state") in FINISHED_STATES:
+        return True
     return bool(progress.get("totalSteps")) and progress.get("step") == progress.get("totalSteps")
 
 
@@ -364,12 +350,36 @@ def train_log_wanted(status: dict, train: ChildState | None) -> bool:
     return not train.suspended
 
 
-def _progress(o: Observed) -> dict | None:
+def _progress(o: Observed, record: ProgressRecord | None) -> dict | None:
     """status.progress: lifted from this pass's log tail, else kept (a pod that is gone erases nothing)."""
-    lifted = progress_from_log(o.train_log) if o.train_log else None
-    if lifted is None:
+    if record is None:
         return o.status.get("progress")
-    return lifted.model_dump(by_alias=True, exclude_none=True)
+    return _status_progress(record).model_dump(by_alias=True, exclude_none=True)
+
+
+def _checkpoints(o: Observed, record: ProgressRecord | None) -> list[dict]:
+    """status.checkpoints: the list in this pass's last progress record, else kept."""
+    if record is None or record.checkpoints is None:
+        return o.status.get("checkpoints") or []
+    layout = RunLayout(o.spec.output.base_output_directory, run_name(o.spec, o.name))
+    return [
+        api.CheckpointStatus(
+            step=c.step, train_loss=c.train_loss, eval_loss=c.eval_loss, path=layout.checkpoint(c.step),
+            time=None if c.time is None else datetime.fromtimestamp(c.time, timezone.utc).replace(microsecond=0),
+        ).model_dump(mode="json", by_alias=True, exclude_none=True)
+        for c in record.checkpoints
+    ]
+
+
+def exported_step(spec: api.LoRAJobSpec, progress: dict | None, checkpoints: list[dict]) -> int | None:
+    """The step export.step chooses, once training has finished (the list of checkpoints is final then)."""
+    if not spec.export.enabled or not _final_progress(progress or {}):
+        return None
+    records = [CheckpointRecord(c["step"], c.get("trainLoss"), c.get("evalLoss")) for c in checkpoints]
+    try:
+        return choose_checkpoint(spec.export.checkpoint(spec.training), records).step
+    except LookupError:  # the export step fails with the trainer's message
+        return None
 
 
 # --- What to do ---------------------------------------------------------------------------------------
@@ -426,9 +436,10 @@ class _Draft:
 
     def status(self) -> dict:
         o = self.observed
+        record = last_progress(o.train_log) if o.train_log else None
         previous = {c["type"]: c for c in o.status.get("conditions") or []}
         conditions = []
-        for condition_type in CONDITION_TYPES:
+        for condition_type in api.CONDITION_TYPES:
             old = previous.get(condition_type)
             if condition_type not in self.conditions:
                 if old:
@@ -454,28 +465,30 @@ class _Draft:
         }
         if o.spec is not None:
             status["children"] = {
-                phase: rules.child_name(_run(o), phase) for phase in rules.phases(o.spec)
+                phase: rules.child_name(run_name(o.spec, o.name), phase) for phase in rules.phases(o.spec)
             }
             status["outputs"] = _outputs(o)
+            status["checkpoints"] = _checkpoints(o, record)
             finished = o.status.get("phase") in TERMINAL_PHASES and o.status.get("resolved")
             # A finished LoRAJob keeps the record of what it ran with, whatever the policies say now.
             status["resolved"] = o.status["resolved"] if finished else resolved_status(o.spec, o.defaults, o.render)
-        progress = _progress(o)
+        progress = _progress(o, record)
         if progress:
             status["progress"] = progress
+        if o.spec is not None:
+            step = exported_step(o.spec, progress, status["checkpoints"])
+            if step is not None:
+                status["outputs"]["exportedStep"] = step
         if self.start_time:
             status["startTime"] = self.start_time
         if self.completion_time:
             status["completionTime"] = self.completion_time
-        return status
-
-
-def _run(o: Observed) -> str:
-    return o.spec.run_name or o.name
+        # Written exactly as api.LoRAJobStatus declares it (the schema the CRD publishes).
+        return api.LoRAJobStatus.model_validate(status).model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
 def _outputs(o: Observed) -> dict:
-    paths = run_paths(o.spec, _run(o))
+    paths = run_paths(o.spec, run_name(o.spec, o.name))
     outputs = {"baseCheckpointPath": paths.base_checkpoint, "checkpointPath": paths.checkpoints}
     if paths.adapter_export:
         outputs["adapterPath"] = paths.adapter_export
@@ -529,7 +542,18 @@ def decide(o: Observed, settings: ReconcileSettings) -> Decision:
     if draft.phase != previous_phase:
         kind = "Warning" if draft.phase == api.Phase.Failed.value else "Normal"
         decision.events.append(Event(kind, draft.phase, draft.message))
+    blocked = _blocked_by(decision.status)
+    if blocked and blocked != _blocked_by(o.status):
+        decision.events.append(Event("Warning", *blocked))
     return decision
+
+
+def _blocked_by(status: dict) -> tuple[str, str] | None:
+    """(reason, message) of a True Blocked condition."""
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "Blocked" and condition.get("status") == "True":
+            return condition.get("reason", ""), condition.get("message", "")
+    return None
 
 
 def _finished(o: Observed, draft: _Draft, decision: Decision) -> None:
@@ -596,7 +620,7 @@ def _advance(o: Observed, draft: _Draft, settings: ReconcileSettings, decision: 
     draft.clear("Blocked")
     if o.status.get("phase") == api.Phase.Suspended.value:
         draft.condition("Suspended", False, "Resumed", "spec.suspend was cleared")
-    run = _run(o)
+    run = run_name(o.spec, o.name)
     for phase in rules.phases(o.spec):
         name = rules.child_name(run, phase)
         attempt = draft.restarts[phase]
@@ -628,7 +652,13 @@ def _advance(o: Observed, draft: _Draft, settings: ReconcileSettings, decision: 
         return
     draft.phase, draft.message = api.Phase.Succeeded.value, "all steps completed"
     draft.completion_time = draft.completion_time or format_time(o.now)
-    draft.condition("Succeeded", True, "StepsCompleted", f"completed: {', '.join(rules.phases(o.spec))}")
+    progress = _progress(o, last_progress(o.train_log) if o.train_log else None) or {}
+    if progress.get("state") == STOPPED_EARLY:
+        step, total = progress.get("step"), o.spec.training.steps
+        draft.message = f"stopped early at step {step} of {total} ({total - step} steps not run)"
+        draft.condition("Succeeded", True, "EarlyStopped", f"{draft.message}: {progress.get('message', '')}")
+    else:
+        draft.condition("Succeeded", True, "StepsCompleted", f"completed: {', '.join(rules.phases(o.spec))}")
     draft.clear("Queued", "Admitted", "Running", "Evicted")
 
 

@@ -24,10 +24,13 @@ import pydantic
 
 from lorajob_operator import accelerators, api, rules
 from lorajob_operator.settings import RenderSettings, Resources
-from lorajob_trainer import catalog
+from lorajob_trainer import catalog, distributed
 from lorajob_trainer.config import ConfigError, TrainConfig
+from lorajob_trainer.contract import RunLayout
 
-JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
+JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
+JOBSET_API_VERSION = f"{JOBSET_GROUP}/{JOBSET_VERSION}"
+KUEUE_API_VERSION = "kueue.x-k8s.io/v1beta2"
 
 LABEL_PREFIX = "lorajob.dev/"
 LABEL_RUN = LABEL_PREFIX + "run-name"
@@ -42,6 +45,8 @@ ALLOWED_LABEL_PREFIXES = (LABEL_PREFIX,)
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 COORDINATOR_LABEL = "jobset.sigs.k8s.io/coordinator"
 JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 REPLICAS_LABEL = "jobset.sigs.k8s.io/replicatedjob-replicas"
 NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
 TPU_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
@@ -55,7 +60,6 @@ TRAINER_CONTAINER = "trainer"
 PATHWAYS_PROXY_PORT = 29000
 PATHWAYS_RM_PORT = 29001
 PATHWAYS_WORKER_PORT = 29005
-JAX_COORDINATOR_PORT = 8476
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +98,7 @@ class RunPaths:
 
 
 def run_name(spec: api.LoRAJobSpec, metadata_name: str) -> str:
-    return spec.run_name or metadata_name
+    return metadata_name if spec.run_name is None else spec.run_name  # as the CEL rules: "" is set (and invalid)
 
 
 def parse_spec(body: dict) -> tuple[api.LoRAJobSpec | None, tuple[str, ...]]:
@@ -114,25 +118,21 @@ def parse_spec(body: dict) -> tuple[api.LoRAJobSpec | None, tuple[str, ...]]:
     return (None, tuple(errors)) if errors else (spec, ())
 
 
-def _join(base: str, *parts: str) -> str:
-    return "/".join([base.rstrip("/"), *parts])
-
-
 def run_paths(spec: api.LoRAJobSpec, run: str) -> RunPaths:
-    run_directory = _join(spec.output.base_output_directory, run)
-    converted_base = _join(run_directory, "base") if spec.model.hugging_face else None
+    layout = RunLayout(spec.output.base_output_directory, run)
+    converted_base = layout.converted_base if spec.model.hugging_face else None
     restore = spec.lora.restore_from
-    converted_adapter = _join(run_directory, "restore-adapter") if restore and restore.hugging_face else None
+    converted_adapter = layout.converted_adapter if restore and restore.hugging_face else None
     export = None
     if spec.export.enabled:
-        export = spec.export.path or _join(run_directory, "huggingface")
+        export = spec.export.path or layout.adapter_export
     return RunPaths(
         base_checkpoint=converted_base or spec.model.maxtext_checkpoint or "",
         converted_base=converted_base,
         restore_adapter=converted_adapter or (restore.checkpoint if restore else None),
         converted_adapter=converted_adapter,
-        run_directory=run_directory,
-        checkpoints=_join(run_directory, "checkpoints"),
+        run_directory=layout.run_directory,
+        checkpoints=layout.checkpoints,
         adapter_export=export,
     )
 
@@ -168,6 +168,8 @@ def train_config(spec: api.LoRAJobSpec, run: str) -> TrainConfig:
         "lr_schedule": training.schedule,
         "warmup_steps_fraction": training.warmup_steps_fraction,
         "checkpoint_period": training.checkpoint_period,
+        "early_stopping_patience": training.early_stopping.patience if training.early_stopping else 0,
+        "early_stopping_min_delta": training.early_stopping.min_delta if training.early_stopping else 0.0,
         "progress_lines": True,
         "checkpoint_storage_use_zarr3": spec.model.checkpoint_storage.use_zarr3,
         "checkpoint_storage_use_ocdbt": spec.model.checkpoint_storage.use_ocdbt,
@@ -185,11 +187,25 @@ def train_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
     return ["python", "-m", "lorajob_trainer.train", *train_config(spec, run).to_args()]
 
 
+def accelerator_count(spec: api.LoRAJobSpec) -> int:
+    """TPU chips or GPUs of the train step."""
+    if spec.compute.gpu is not None:
+        return spec.compute.gpu.gpus_per_node * spec.compute.gpu.nodes
+    return accelerators.chips_in(spec.compute.tpu.topology) * spec.compute.tpu.slices
+
+
+def data_check_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
+    """The data check of the train step's own config, run on a CPU first (`lorajob_trainer.datacheck`)."""
+    return ["python", "-m", "lorajob_trainer.datacheck", "--devices", str(accelerator_count(spec)),
+            *train_config(spec, run).to_args()]
+
+
 def convert_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
-    """`lorajob_trainer.convert base` and/or `adapter` (the adapter reads the base's config.json)."""
+    """The data check, then `lorajob_trainer.convert base` and/or `adapter` (the adapter reads the base's
+    config.json)."""
     paths = run_paths(spec, run)
     convert = ["python", "-m", "lorajob_trainer.convert"]
-    commands = []
+    commands = [data_check_command(spec, run)]
     if paths.converted_base:
         commands.append([*convert, "base", "--model-name", spec.model.name, "--hf", spec.model.hugging_face, "--out", paths.converted_base])
     if paths.converted_adapter:
@@ -197,8 +213,6 @@ def convert_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
             *convert, "adapter", "--model-name", spec.model.name, "--base", paths.base_checkpoint,
             "--adapter", spec.lora.restore_from.hugging_face, "--out", paths.converted_adapter,
         ])
-    if len(commands) == 1:
-        return commands[0]
     return ["/bin/sh", "-c", " && ".join(shlex.join(command) for command in commands)]
 
 
@@ -208,6 +222,7 @@ def export_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
         "python", "-m", "lorajob_trainer.export",
         "--checkpoint", paths.checkpoints,
         "--out", paths.adapter_export,
+        "--step", spec.export.checkpoint(spec.training),
         "--base-model-name-or-path", spec.model.hugging_face or _tokenizer(spec),
     ]
     if spec.export.merged:
@@ -330,6 +345,16 @@ def _vms_per_slice(spec: api.LoRAJobSpec) -> int:
     return accelerators.vms_per_slice(spec.compute.tpu.machine_type, spec.compute.tpu.topology)
 
 
+TRAINER_SECURITY_CONTEXT = {
+    "runAsNonRoot": True,
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+"""The trainer image runs as its numeric non-root user (Dockerfile `USER`) and needs no privilege: TPUs and
+GPUs come through their device plugins. (The Pathways server and proxy images are Google's and keep theirs.)"""
+
+
 def _trainer_container(spec: api.LoRAJobSpec, settings: RenderSettings, command: list[str], env: list[dict], resources: dict) -> dict:
     return {
         "name": TRAINER_CONTAINER,
@@ -337,6 +362,7 @@ def _trainer_container(spec: api.LoRAJobSpec, settings: RenderSettings, command:
         "command": command,
         "env": [*env, *_credential_env(spec)],
         "resources": resources,
+        "securityContext": TRAINER_SECURITY_CONTEXT,
         # The trainer's last log line names what failed; the operator puts it in the Failed condition.
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
@@ -357,7 +383,7 @@ def _pathways_train(spec, owner, run, settings, attempt) -> dict:
     labels = _labels(run, "train", attempt)
     tpu, machine, images, resources = spec.compute.tpu, _tpu_machine(spec), settings.images, settings.resources
     head_env = _env_from_label("PATHWAYS_HEAD", COORDINATOR_LABEL)
-    scratch = f"--gcs_scratch_location={_join(run_paths(spec, run).run_directory, 'pathways-scratch')}"
+    scratch = f"--gcs_scratch_location={RunLayout(spec.output.base_output_directory, run).pathways_scratch}"
     rm_address = f"--resource_manager_address=$(PATHWAYS_HEAD):{PATHWAYS_RM_PORT}"
     pathways_server = spec.images.pathways_server or images.pathways_server
 
@@ -373,8 +399,8 @@ def _pathways_train(spec, owner, run, settings, attempt) -> dict:
             f"--instance_type={machine.pathways_type}:{tpu.topology}",
         ],
         "env": [
-            _env_from_label("REPLICATED_JOB_NAME", "jobset.sigs.k8s.io/replicatedjob-name"),
-            _env_from_label("JOBSET_NAME", "jobset.sigs.k8s.io/jobset-name"),
+            _env_from_label("REPLICATED_JOB_NAME", REPLICATED_JOB_LABEL),
+            _env_from_label("JOBSET_NAME", JOBSET_NAME_LABEL),
             _env_from_label("HOST_ADDRESS", COORDINATOR_LABEL),
             _env("TPU_SKIP_MDS_QUERY", "true"),
         ],
@@ -396,7 +422,7 @@ def _pathways_train(spec, owner, run, settings, attempt) -> dict:
         train_command(spec, run),
         [
             head_env,
-            _env("JAX_PLATFORMS", "proxy"),
+            _env(distributed.ENV_PLATFORMS, distributed.PATHWAYS_PLATFORM),
             _env("JAX_BACKEND_TARGET", f"grpc://$(PATHWAYS_HEAD):{PATHWAYS_PROXY_PORT}"),
             _env("ENABLE_PATHWAYS_PERSISTENCE", "1"),
             _env("XCLOUD_ENVIRONMENT", "GCP"),
@@ -421,8 +447,8 @@ def _pathways_train(spec, owner, run, settings, attempt) -> dict:
             _env_from_label("MEGASCALE_COORDINATOR_ADDRESS", COORDINATOR_LABEL),
             _env_from_label("MEGASCALE_NUM_SLICES", REPLICAS_LABEL),
             _env_from_label("MEGASCALE_SLICE_ID", JOB_INDEX_LABEL),
-            _env_from_label("JOBSET_NAME", "jobset.sigs.k8s.io/jobset-name"),
-            _env_from_label("REPLICATED_JOB_NAME", "jobset.sigs.k8s.io/replicatedjob-name"),
+            _env_from_label("JOBSET_NAME", JOBSET_NAME_LABEL),
+            _env_from_label("REPLICATED_JOB_NAME", REPLICATED_JOB_LABEL),
             _env("MEGASCALE_GRPC_ENABLE_XOR_TRACER", "false"),
             _env("XCLOUD_ENVIRONMENT", "GCP"),
         ],
@@ -456,7 +482,7 @@ def _pathways_train(spec, owner, run, settings, attempt) -> dict:
 
 
 JOB_INDEX_ENV = "JOB_INDEX"
-PROCESS_ID_FROM_INDICES = 'export JAX_PROCESS_ID=$(( JOB_INDEX * {pods} + JOB_COMPLETION_INDEX )); exec "$0" "$@"'
+PROCESS_ID_FROM_INDICES = f'export {distributed.ENV_PROCESS_ID}=$(( {JOB_INDEX_ENV} * {{pods}} + JOB_COMPLETION_INDEX )); exec "$0" "$@"'
 """Process id = <Job index in the JobSet> x <pods per Job> + <pod index in its Job> (JOB_COMPLETION_INDEX
 is set by Kubernetes in Indexed Jobs); the shell computes it and then becomes the trainer."""
 
@@ -466,10 +492,10 @@ def _multi_controller_trainer(spec, settings, run: str, jobs: int, pods: int, en
     name = rules.child_name(run, "train")
     # Pod 0 of Job 0, addressed through the JobSet's headless service; a literal (not JobSet's
     # coordinator label) so the name needs no room for a doubled label value.
-    coordinator = f"{name}-{WORKER}-0-0.{name}"
+    coordinator = rules.first_pod_host(name, WORKER)
     distributed_env = [
-        _env("JAX_COORDINATOR_ADDRESS", f"{coordinator}:{JAX_COORDINATOR_PORT}"),
-        _env("JAX_NUM_PROCESSES", str(jobs * pods)),
+        _env(distributed.ENV_COORDINATOR_ADDRESS, f"{coordinator}:{distributed.DEFAULT_COORDINATOR_PORT}"),
+        _env(distributed.ENV_NUM_PROCESSES, str(jobs * pods)),
         _env_from_label(JOB_INDEX_ENV, JOB_INDEX_LABEL),
     ]
     command = ["/bin/sh", "-c", PROCESS_ID_FROM_INDICES.format(pods=pods), *train_command(spec, run)]
@@ -481,7 +507,7 @@ def _mcjax_train(spec, owner, run, settings, attempt) -> dict:
     labels = _labels(run, "train", attempt)
     slices, vms = spec.compute.tpu.slices, _vms_per_slice(spec)
     megascale = [
-        _env("MEGASCALE_COORDINATOR_ADDRESS", f"{name}-{WORKER}-0-0.{name}"),
+        _env("MEGASCALE_COORDINATOR_ADDRESS", rules.first_pod_host(name, WORKER)),
         _env_from_label("MEGASCALE_NUM_SLICES", REPLICAS_LABEL),
         _env_from_label("MEGASCALE_SLICE_ID", JOB_INDEX_LABEL),
     ]

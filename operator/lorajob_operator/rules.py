@@ -11,13 +11,13 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-COLUMN_LAYOUTS: tuple[tuple[str, ...], ...] = (("messages",), ("prompt", "completion"), ("question", "answer"))
-
 DNS_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 # --- Child names -------------------------------------------------------------------------------
 
-PHASES = ("convert", "train", "export")
+PHASE_WHILE_RUNNING = {"convert": "Converting", "train": "Training", "export": "Exporting"}
+"""The steps of a LoRAJob in the order they run, each with the status.phase a LoRAJob shows while it runs."""
+PHASES = tuple(PHASE_WHILE_RUNNING)
 CHILD_SUFFIX = {"convert": "-convert", "train": "", "export": "-to-hf"}
 """Suffix of each step's JobSet name; the train JobSet carries the run name itself (as in the tutorial)."""
 
@@ -28,15 +28,24 @@ WORKLOAD_NAME_MAX = 28
 an 11-character Kueue hash and a 9-character node-pool hash: 63 - 8 - 7 - 11 - 9 = 28."""
 
 LABEL_VALUE_MAX = 63
+"""Kubernetes label values are at most 63 characters."""
+DNS_LABEL_MAX = 63
+"""Kubernetes object names that must be DNS labels (RFC 1123) are at most 63 characters."""
 
 
 def child_name(run_name: str, phase: str) -> str:
     return run_name + CHILD_SUFFIX[phase]
 
 
+def first_pod_host(jobset_name: str, replicated_job: str) -> str:
+    """The DNS name of pod 0 of Job 0 of a replicated job, through the JobSet's headless service:
+    `<jobset>-<replicatedJob>-<jobIndex>-<podIndex>.<subdomain>` (also JobSet's coordinator label value)."""
+    return f"{jobset_name}-{replicated_job}-0-0.{jobset_name}"
+
+
 def pathways_coordinator(run_name: str) -> str:
-    """The JobSet coordinator label value `<jobset>-<replicatedJob>-<jobIndex>-<podIndex>.<subdomain>`."""
-    return f"{run_name}-{PATHWAYS_HEAD}-0-0.{run_name}"
+    """The Pathways head's host: the train JobSet carries the run name itself."""
+    return first_pod_host(run_name, PATHWAYS_HEAD)
 
 
 PATHWAYS_NAME_MAX = (LABEL_VALUE_MAX - len(pathways_coordinator(""))) // 2
@@ -176,7 +185,7 @@ def root_rules() -> list[dict]:
 def run_name_errors(run_name: str, spec) -> list[str]:
     """The same run-name rules in Python, for the CLI and the operator."""
     errors = []
-    if not re.match(DNS_LABEL_PATTERN, run_name):
+    if not re.fullmatch(DNS_LABEL_PATTERN, run_name):  # not re.match: its `$` also matches before a final newline
         errors.append(_NOT_A_DNS_LABEL)
     rule = run_name_limit(spec)
     if len(run_name) > rule.limit:

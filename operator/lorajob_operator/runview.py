@@ -7,8 +7,6 @@ the text is pure (`format_status`), so it is tested on plain objects as well as 
 
 from __future__ import annotations
 
-import json
-import math
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -16,8 +14,8 @@ from pathlib import Path
 from typing import Iterator
 
 from lorajob_operator import api, render, rules
-from lorajob_operator.reconcile import RUNNING_PHASE, lead_pod_selector, parse_progress_line
-from lorajob_trainer.metrics import PROGRESS_LINE_PREFIX
+from lorajob_operator.reconcile import RUNNING_PHASE, lead_pod_selector
+from lorajob_trainer.contract import ProgressRecord
 
 SPARK = "▁▂▃▄▅▆▇█"
 BAR_WIDTH = 30
@@ -46,17 +44,18 @@ class RunView:
 
 
 def loss_history(log: str) -> list[LossPoint]:
-    """One point per step from the trainer's progress lines (the last line of a step wins), in step order."""
-    points: dict[int, LossPoint] = {}
+    """One point per step from the trainer's progress lines (the last line of a step wins), in step order;
+    each eval loss at the step it was measured at."""
+    losses: dict[int, float | None] = {}
+    evals: dict[int, float] = {}
     for line in log.splitlines():
-        progress = parse_progress_line(line)
-        if progress is None or progress.step is None:
+        record = ProgressRecord.from_line(line)
+        if record is None:
             continue
-        eval_loss = json.loads(line.partition(PROGRESS_LINE_PREFIX)[2]).get("eval_loss")
-        if not (isinstance(eval_loss, (int, float)) and math.isfinite(eval_loss)):
-            eval_loss = points[progress.step].eval_loss if progress.step in points else None
-        points[progress.step] = LossPoint(progress.step, progress.loss, eval_loss)
-    return [points[step] for step in sorted(points)]
+        losses[record.step] = record.loss
+        if record.eval_loss is not None:
+            evals[record.step if record.eval_step is None else record.eval_step] = record.eval_loss
+    return [LossPoint(step, losses.get(step), evals.get(step)) for step in sorted(losses.keys() | evals.keys())]
 
 
 def sparkline(values: list[float], width: int = 60) -> str:
@@ -164,7 +163,8 @@ def format_status(view: RunView, now: datetime | None = None) -> str:
     outputs = status.get("outputs") or {}
     for label, key in (("base", "baseCheckpointPath"), ("checkpoints", "checkpointPath"), ("adapter", "adapterPath")):
         if outputs.get(key):
-            lines.append(f"{label + ':':12}{outputs[key]}")
+            exported = f" (step {outputs['exportedStep']})" if key == "adapterPath" and "exportedStep" in outputs else ""
+            lines.append(f"{label + ':':12}{outputs[key]}{exported}")
 
     conditions = [c for c in status.get("conditions") or [] if c.get("status") == "True"]
     if conditions:
@@ -212,7 +212,8 @@ class Client:
         if not name:
             raise RunViewError(f"LoRAJob {obj['metadata']['name']!r} has no train step yet")
         try:
-            jobset = self.custom.get_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets", name)
+            jobset = self.custom.get_namespaced_custom_object(
+                render.JOBSET_GROUP, render.JOBSET_VERSION, namespace, render.JOBSET_PLURAL, name)
         except ApiException as error:
             if error.status == 404:
                 raise RunViewError(f"the train JobSet {name!r} does not exist (not started yet, or finished and deleted)") from None

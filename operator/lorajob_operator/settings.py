@@ -70,13 +70,22 @@ class ReconcileSettings:
 
 @dataclasses.dataclass(frozen=True)
 class WatchSettings:
-    # A watch that silently stops delivering events is kopf's best-known failure (kopf#955, #1094):
-    # the API server closes each watch after server_timeout, and the client gives up after
-    # client_timeout, so a dead connection is replaced within about a minute.
+    """The watches that fill the operator's caches (caches.py)."""
+
     server_timeout_seconds: int = 60
+    """The API server ends each watch after this long; it is then resumed where it stopped (one request)."""
     client_timeout_seconds: int = 70
+    """A watch silent for this long is taken for dead and restarted (it must exceed server_timeout_seconds,
+    after which a healthy watch always ends): the bound within which a silently stalled watch is replaced."""
     connect_timeout_seconds: int = 10
     request_timeout_seconds: int = 30
+    """Read timeout of a list."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsSettings:
+    port: int = 8081
+    """Port of the Prometheus endpoint (/metrics); 0 turns it off."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +93,15 @@ class OperatorSettings:
     render: RenderSettings = RenderSettings()
     reconcile: ReconcileSettings = ReconcileSettings()
     watch: WatchSettings = WatchSettings()
+    metrics: MetricsSettings = MetricsSettings()
+
+    def __post_init__(self) -> None:
+        if self.watch.client_timeout_seconds <= self.watch.server_timeout_seconds:
+            raise ValueError(
+                f"LORAJOB_WATCH_CLIENT_TIMEOUT_SECONDS ({self.watch.client_timeout_seconds}) must exceed "
+                f"LORAJOB_WATCH_SERVER_TIMEOUT_SECONDS ({self.watch.server_timeout_seconds}): a healthy watch "
+                "is silent until the server ends it"
+            )
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "OperatorSettings":

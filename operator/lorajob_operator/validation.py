@@ -51,13 +51,15 @@ def _value_repr(value: Any) -> str:
 
 
 def apply_defaults(obj: Any, schema: dict) -> Any:
-    """Structural defaulting as the API server does it: fill absent properties that have a default."""
+    """Structural defaulting as the API server does it: drop null properties that are not nullable, then
+    fill absent properties that have a default."""
     if not isinstance(obj, dict) or schema.get("type") != "object":
         if isinstance(obj, list) and "items" in schema:
             return [apply_defaults(item, schema["items"]) for item in obj]
         return obj
-    result = dict(obj)
-    for name, sub in schema.get("properties", {}).items():
+    properties = schema.get("properties", {})
+    result = {name: value for name, value in obj.items() if value is not None or properties.get(name, {}).get("nullable")}
+    for name, sub in properties.items():
         if name not in result and "default" in sub:
             result[name] = copy.deepcopy(sub["default"])
         if name in result:
@@ -71,11 +73,17 @@ _BLOCKED = "some validation rules were not checked because the object was invali
 
 
 def _type_ok(value: Any, kind: str) -> bool:
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "integer":  # the server decodes an integer past int64 as a float
+        return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
     if kind == "number":
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     return isinstance(value, _JSON_TYPES[kind])
+
+
+def _go_anchors(pattern: str) -> str:
+    """The server's regexps are Go's, where `$` matches only at the very end; Python's `$` also matches
+    before a final newline (so "a\n" would pass `^a$`). Our patterns use `$` only as that anchor."""
+    return re.sub(r"(?<!\\)\$", r"\\Z", pattern)
 
 
 def _check_schema(value: Any, schema: dict, path: str, errors: list[FieldError]) -> None:
@@ -101,7 +109,9 @@ def _check_schema(value: Any, schema: dict, path: str, errors: list[FieldError])
     if kind == "string":
         if "maxLength" in schema and len(value) > schema["maxLength"]:
             errors.append(FieldError(path, "Too long", f"may not be more than {schema['maxLength']} bytes"))
-        if "pattern" in schema and not re.search(schema["pattern"], value):
+        if "minLength" in schema and len(value) < schema["minLength"]:
+            errors.append(FieldError(path, "Invalid value", f"{json.dumps(value)}: {path} in body should be at least {schema['minLength']} chars long"))
+        if "pattern" in schema and not re.search(_go_anchors(schema["pattern"]), value):
             errors.append(FieldError(path, "Invalid value", f"{json.dumps(value)}: {path} in body should match '{schema['pattern']}'"))
     if kind == "array":
         if "maxItems" in schema and len(value) > schema["maxItems"]:
@@ -132,12 +142,16 @@ def _check_rules(value: Any, schema: dict, path: str, errors: list[FieldError]) 
         if "oldSelf" in rule["rule"]:
             continue
         activation = {"self": celpy.json_to_cel(value)}
-        if _compiled(rule["rule"]).evaluate(activation):
+        field = path + rule.get("fieldPath", "") if path else rule.get("fieldPath", "").lstrip(".")
+        try:
+            if _compiled(rule["rule"]).evaluate(activation):
+                continue
+        except celpy.CELEvalError as error:  # e.g. a field the rule reads is missing: the server reports it so
+            errors.append(FieldError(field, "Invalid value", f'"object": {error.args[0]} evaluating rule: {rule["rule"]}'))
             continue
         message = rule.get("message", f"failed rule: {rule['rule']}")
         if "messageExpression" in rule:
             message = str(_compiled(rule["messageExpression"]).evaluate(activation))
-        field = path + rule.get("fieldPath", "") if path else rule.get("fieldPath", "").lstrip(".")
         errors.append(FieldError(field, "Invalid value", f'"object": {message}'))
 
 

@@ -36,8 +36,9 @@ def start_operator(sim_cluster, namespace, tmp_path):
     """Starts an operator watching the test's namespace; every one started is stopped at the end."""
     started: list[OperatorProcess] = []
 
-    def start() -> OperatorProcess:
-        process = OperatorProcess(sim_cluster.kubeconfig, [namespace], tmp_path / "operator.log", FAST_OPERATOR)
+    def start(settings: dict[str, str] | None = None) -> OperatorProcess:
+        """`settings`: LORAJOB_* overrides of FAST_OPERATOR."""
+        process = OperatorProcess(sim_cluster.kubeconfig, [namespace], tmp_path / "operator.log", FAST_OPERATOR | (settings or {}))
         started.append(process.start())
         return process
 

@@ -39,12 +39,15 @@ def sample(name: str, *, train_only: bool = False, images: dict | None = None, *
 
 
 def progress_line(step: int, state: str = "running", **extra) -> str:
-    """A trainer progress line (as the trainer prints it) for step `step` of a `sample` run."""
-    from lorajob_trainer.metrics import PROGRESS_LINE_PREFIX
+    """A trainer progress line (as the trainer prints it) for step `step` of a `sample` run, with a
+    checkpoint and an evaluation every 5 steps."""
+    from lorajob_trainer.contract import CheckpointRecord, ProgressRecord
 
-    values = {"step": step, "total_steps": STEPS, "loss": round(3.0 / step, 4), "tokens_per_second": 1200.0,
-              "eta_seconds": 4.0 * (STEPS - step), "state": state, **extra}
-    return PROGRESS_LINE_PREFIX + json.dumps(values, separators=(",", ":"))
+    saved = [CheckpointRecord(s, round(3.0 / s, 4), round(4.0 / s, 4), 1767268800.0 + s) for s in range(5, step + 1, 5)]
+    values = {"loss": round(3.0 / step, 4), "tokens_per_second": 1200.0, "eta_seconds": 4.0 * (STEPS - step),
+              "checkpoints": saved, "eval_step": saved[-1].step if saved else None,
+              "eval_loss": saved[-1].eval_loss if saved else None, **extra}
+    return ProgressRecord(step=step, total_steps=STEPS, state=state, **values).line()
 
 
 class Lorajobs:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from datetime import datetime
 
 import pytest
 from lorajobs import condition, every_image, sample
+from record import Record
 
 from lorajob_devcluster import HANG_IMAGE, SLOW_IMAGE, failing_image
-from lorajob_operator import render
+from lorajob_operator import api, render
+from lorajob_operator.settings import RenderSettings
 
 pytestmark = pytest.mark.cluster
 PHASES = {"Pending", "Queued", "Converting", "Training", "Exporting", "Succeeded", "Failed", "Suspended"}
@@ -18,7 +21,8 @@ CLUSTER_QUEUE = "lorajob-cluster-queue"
 
 
 def _ours(jobsets: list[dict], run: str) -> dict[str, dict]:
-    return {js["metadata"]["labels"][render.LABEL_PHASE]: js for js in jobsets if js["metadata"]["labels"].get(render.LABEL_RUN) == run}
+    labelled = [(js, js["metadata"].get("labels") or {}) for js in jobsets]
+    return {labels[render.LABEL_PHASE]: js for js, labels in labelled if labels.get(render.LABEL_RUN) == run}
 
 
 def _completed(jobset: dict) -> bool:
@@ -103,6 +107,8 @@ def test_operator_killed_mid_chain_resumes_with_exactly_one_jobset_per_step(lora
     lorajobs.apply(sample("restart"))
     lorajobs.wait_until(lambda: "convert" in _ours(lorajobs.jobsets(), "restart"), "the convert JobSet", timeout=60, interval=0.2)
     first.kill()
+    at_kill = _ours(lorajobs.jobsets(), "restart")
+    assert sorted(at_kill) == ["convert"] and not _completed(at_kill["convert"])  # killed mid-step
     # While no operator runs, convert finishes; the new operator must go on from there.
     lorajobs.wait_until(lambda: _completed(_ours(lorajobs.jobsets(), "restart")["convert"]), "convert completed", timeout=60)
     start_operator()
@@ -110,6 +116,7 @@ def test_operator_killed_mid_chain_resumes_with_exactly_one_jobset_per_step(lora
 
     children = _ours(lorajobs.jobsets(), "restart")
     assert sorted(children) == ["convert", "export", "train"]
+    assert children["convert"]["metadata"]["uid"] == at_kill["convert"]["metadata"]["uid"]  # taken over, not re-created
     assert all(js["metadata"]["labels"][render.LABEL_ATTEMPT] == "0" for js in children.values())
     workloads = lorajobs.kubectl("get", "workloads.kueue.x-k8s.io", "-o", "name").stdout.split()
     assert len(workloads) == 3, workloads  # one Kueue Workload per step: no duplicate ever existed
@@ -149,6 +156,25 @@ def test_deleting_a_lorajob_deletes_its_children(lorajobs, operator):
     )
 
 
+def test_a_jobset_name_taken_by_someone_else_blocks_with_a_warning_until_it_is_freed(lorajobs, operator):
+    """The API server refuses the create (409, not ours): an observed fact that decide turns into Blocked."""
+    body = sample("taken", train_only=True)
+    spec = api.LoRAJobSpec.model_validate(body["spec"])
+    foreign = render.render_phase("train", spec, render.Owner("someone", lorajobs.namespace, "0"), RenderSettings(), 0)
+    foreign["metadata"] = {"name": "taken"}  # no owner, no lorajob labels
+    lorajobs.kubectl("create", "-f", "-", input=json.dumps(foreign))
+    lorajobs.apply(body)
+    blocked = lorajobs.wait("taken", lambda obj: condition(obj, "Blocked").get("status") == "True", "Blocked", timeout=30)
+    assert condition(blocked, "Blocked")["reason"] == "NameTaken"
+    assert blocked["status"]["phase"] == "Pending" and "already exists and is not controlled" in blocked["status"]["message"]
+    lorajobs.wait_until(lambda: any(e["reason"] == "NameTaken" and e["type"] == "Warning" for e in lorajobs.events("taken")),
+                        "a NameTaken warning event", timeout=30)
+
+    lorajobs.kubectl("delete", "jobsets.jobset.x-k8s.io", "taken", "--wait=true")
+    lorajobs.wait("taken", lambda obj: condition(obj, "Blocked").get("status") == "False", "unblocked", timeout=60)
+    lorajobs.wait_until(lambda: _ours(lorajobs.jobsets(), "taken"), "its own JobSet created", timeout=60)
+
+
 def test_a_missing_secret_blocks_with_a_clear_condition_until_it_exists(lorajobs, operator):
     lorajobs.kubectl("delete", "secret", "hf-token")
     lorajobs.apply(sample("nosecret"))
@@ -164,10 +190,21 @@ def test_a_missing_secret_blocks_with_a_clear_condition_until_it_exists(lorajobs
     assert unblocked["status"]["phase"] in PHASES - {"Pending", "Failed"}
 
 
-def test_ttl_after_finished_deletes_the_lorajob_and_its_children(lorajobs, operator):
-    lorajobs.apply(sample("short", train_only=True, ttlSecondsAfterFinished=2))
-    lorajobs.wait_until(lambda: lorajobs.get("short") is None, "the LoRAJob deleted after its TTL", timeout=120)
+def test_ttl_after_finished_deletes_the_lorajob_and_its_children_once_it_succeeded_and_the_ttl_passed(
+    sim_cluster, namespace, lorajobs, operator,
+):
+    ttl = 3
+    with Record(sim_cluster.api_client(), namespace) as record:
+        lorajobs.apply(sample("short", train_only=True, ttlSecondsAfterFinished=ttl))
+        lorajobs.wait_until(lambda: record.deleted["lorajobs"], "the LoRAJob deleted after its TTL", timeout=120)
     lorajobs.wait_until(lambda: not _ours(lorajobs.jobsets(), "short"), "its JobSet garbage-collected", timeout=60)
+
+    phases = [obj.get("status", {}).get("phase") for _, obj in record.versions("lorajobs")]
+    last = record.versions("lorajobs")[-1][1]
+    assert phases[-1] == "Succeeded", phases  # the version deleted had finished
+    (deleted_at,) = record.deleted["lorajobs"].values()
+    completed = datetime.fromisoformat(last["status"]["completionTime"].replace("Z", "+00:00")).timestamp()
+    assert deleted_at >= completed + ttl, (deleted_at - completed, phases)
 
 
 def test_the_liveness_endpoint_answers(operator):

@@ -1,5 +1,7 @@
-"""LoRAJobPolicy enforced by the operator at reconcile time on the simulated cluster (the chart's
-ValidatingAdmissionPolicy is not installed here, so the operator is the only guard)."""
+"""LoRAJobPolicy enforced by the operator at reconcile time on the simulated cluster. The chart's
+ValidatingAdmissionPolicy may be installed in the same API server (tests/ship installs it for the
+session), so a violating LoRAJob is created before its policy exists, as one created before a policy
+was tightened: admission lets it through whatever ran before, and the operator is the only guard."""
 
 from __future__ import annotations
 
@@ -35,9 +37,10 @@ def apply_policy(sim_cluster, namespace):
         sim_cluster.kubectl("delete", f"{policy.PLURAL}.{api.GROUP}", name, "--ignore-not-found", "--wait=false")
 
 
-def test_a_lorajob_on_a_disallowed_tpu_fails_with_policy_violation_and_creates_nothing(lorajobs, operator, apply_policy):
-    name = apply_policy("v5e-only", {"tpu": {"allowed": [{"machineType": "ct5lp-hightpu-4t"}]}})
+def test_a_lorajob_on_a_disallowed_tpu_fails_with_policy_violation_and_creates_nothing(lorajobs, start_operator, apply_policy):
     lorajobs.apply(sample("too-big"))
+    name = apply_policy("v5e-only", {"tpu": {"allowed": [{"machineType": "ct5lp-hightpu-4t"}]}})
+    start_operator()  # only now: it must see the policy before it starts the first step
 
     failed = lorajobs.wait_phase("too-big", "Failed", timeout=60)
 

@@ -25,9 +25,9 @@ def cli(sim_cluster, *args: str, kubectl_plugin: bool = False) -> subprocess.Com
 
 @pytest.fixture
 def training(lorajobs, operator, trainer_log):
-    """A LoRAJob in its train step whose trainer has logged steps 1..7 (step 5 with an eval loss)."""
+    """A LoRAJob in its train step whose trainer has logged steps 1..7 (a checkpoint and an eval loss at step 5)."""
     lines = ["loading the base checkpoint"]
-    lines += [progress_line(step, **({"eval_loss": 2.5} if step == 5 else {})) for step in range(1, 8)]
+    lines += [progress_line(step) for step in range(1, 8)]
     trainer_log.write_text(cri_log(lines))
     lorajobs.apply(sample("watched", train_only=True, images=every_image(HANG_IMAGE)))
     lorajobs.wait("watched", lambda obj: (obj.get("status", {}).get("progress") or {}).get("step") == 7, "progress 7", timeout=60)
@@ -44,7 +44,9 @@ def test_status_shows_the_run_through_the_api_server_and_as_a_kubectl_plugin(sim
         assert any(line.startswith("progress  [") and f"7/{STEPS} (70%)" in line for line in lines), result.stdout
         loss = next(line for line in lines if line.startswith("loss "))
         assert loss.endswith(f"step 1..7: 3.0000 -> {3.0 / 7:.4f} (min {3.0 / 7:.4f})")
-        assert "eval loss ▁  last 2.5000 at step 5" in lines
+        assert "eval loss ▁  last 0.8000 at step 5" in lines
+        assert any(line.startswith("checkpoint step 5: ") and line.endswith("/watched/checkpoints/5 (loss 0.6000, eval 0.8000)")
+                   for line in lines), result.stdout
         assert any(line.split()[3:4] == ["Training"] for line in lines[lines.index("events"):]), result.stdout
 
 

@@ -8,7 +8,7 @@ from lorajobs import STEPS, every_image, progress_line, sample
 
 from lorajob_devcluster import HANG_IMAGE
 from lorajob_devcluster.kwok_stages import cri_log
-from lorajob_trainer.metrics import PROGRESS_LINE_PREFIX
+from lorajob_trainer.contract import PROGRESS_LINE_PREFIX
 
 pytestmark = pytest.mark.cluster
 
@@ -34,12 +34,17 @@ def test_kubectl_get_shows_the_progress_the_trainer_logs(lorajobs, operator, tra
     assert running["status"]["phase"] == "Training"
     assert running["status"]["progress"] == {
         "step": 7, "totalSteps": 10, "loss": round(3.0 / 7, 4), "tokensPerSecond": 1200.0, "etaSeconds": 12,
-        "summary": "7/10 (70%)",
+        "evalLoss": 0.8, "evalStep": 5, "state": "running", "summary": "7/10 (70%)",
     }
+    assert running["status"]["checkpoints"] == [{
+        "step": 5, "time": "2026-01-01T12:00:05Z", "trainLoss": 0.6, "evalLoss": 0.8,
+        "path": f"{running['spec']['output']['baseOutputDirectory']}/tracked/checkpoints/5",
+    }]
     columns, row = table_row(lorajobs, "tracked")
     assert columns[:3] == ["NAME", "PHASE", "PROGRESS"] and row.split()[:4] == ["tracked", "Training", "7/10", "(70%)"]
     columns, row = table_row(lorajobs, "tracked", "-o", "wide")
     assert "LOSS" in columns and str(round(3.0 / 7, 4)) in row.split()
+    assert "EVAL" in columns and "0.8" in row.split()
 
     with trainer_log.open("a") as log:  # the trainer goes on; the next resync reads the newer line
         log.write(cri_log([progress_line(9)]))

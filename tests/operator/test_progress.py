@@ -3,10 +3,12 @@ ever touching the phase."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 from builders import UID, compute, condition, jobset, lorajob, spec_dict, workload
@@ -22,9 +24,10 @@ from lorajob_operator.reconcile import (
     train_log_wanted,
 )
 from lorajob_operator import api
-from lorajob_operator.render import parse_spec, train_command
+from lorajob_operator.render import export_command, parse_spec, train_command
 from lorajob_operator.settings import ReconcileSettings
-from lorajob_trainer.metrics import PROGRESS_LINE_PREFIX, MetricsWriter
+from lorajob_trainer.contract import PROGRESS_LINE_PREFIX, CheckpointRecord, ProgressRecord, RunLayout
+from lorajob_trainer.metrics import MetricsWriter
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 SETTINGS = ReconcileSettings()
@@ -45,7 +48,7 @@ def test_a_progress_line_gives_every_field_and_the_summary():
     progress = parse_progress_line(GOOD)
     assert progress.model_dump(by_alias=True, exclude_none=True) == {
         "step": 120, "totalSteps": 500, "loss": 1.25, "tokensPerSecond": 3100.5, "etaSeconds": 372,
-        "summary": "120/500 (24%)",
+        "state": "running", "summary": "120/500 (24%)",
     }
 
 
@@ -88,7 +91,7 @@ def test_summary(step, total, summary):
 
 
 def test_the_line_the_trainer_prints_is_the_one_the_operator_reads(tmp_path, capsys):
-    writer = MetricsWriter(tmp_path, total_steps=40, enabled=True, tensorboard=False, progress_lines=True)
+    writer = MetricsWriter(RunLayout(str(tmp_path), "run"), total_steps=40, enabled=True, tensorboard=False, progress_lines=True)
     writer.progress(12, loss=2.5, tokens_per_second=812.0, eta_seconds=30.2, state="running")
     writer.progress(40, loss=float("nan"), tokens_per_second=790.0, eta_seconds=float("nan"), state="succeeded")
     printed = capsys.readouterr().out.splitlines()
@@ -99,16 +102,17 @@ def test_the_line_the_trainer_prints_is_the_one_the_operator_reads(tmp_path, cap
 
 
 def test_only_the_lead_process_prints(tmp_path, capsys):
-    MetricsWriter(tmp_path, total_steps=40, enabled=False, tensorboard=False, progress_lines=True).progress(
+    MetricsWriter(RunLayout(str(tmp_path), "run"), total_steps=40, enabled=False, tensorboard=False, progress_lines=True).progress(
         1, loss=1.0, tokens_per_second=1.0, eta_seconds=1.0, state="running")
     assert capsys.readouterr().out == ""
 
 
 def test_a_person_running_the_trainer_sees_no_json_but_the_progress_file_is_written(tmp_path, capsys):
-    MetricsWriter(tmp_path, total_steps=40, enabled=True, tensorboard=False).progress(
+    layout = RunLayout(str(tmp_path), "run")
+    MetricsWriter(layout, total_steps=40, enabled=True, tensorboard=False, progress_lines=False).progress(
         1, loss=1.0, tokens_per_second=1.0, eta_seconds=1.0, state="running")
     assert capsys.readouterr().out == ""
-    assert (tmp_path / "progress.json").exists()
+    assert Path(layout.progress).exists()
 
 
 def test_the_rendered_train_pods_turn_the_progress_lines_on():
@@ -219,12 +223,69 @@ def test_on_success_progress_shows_the_final_step_the_trainer_reported():
     decision = decide(_observed(body, _train(body, conditions=[COMPLETED]), tail), SETTINGS)
     assert decision.status["phase"] == "Succeeded"
     assert decision.status["progress"] == {
-        "step": 10, "totalSteps": 10, "loss": 0.25, "tokensPerSecond": 900.0, "etaSeconds": 0, "summary": "10/10 (100%)",
+        "step": 10, "totalSteps": 10, "loss": 0.25, "tokensPerSecond": 900.0, "etaSeconds": 0, "state": "succeeded",
+        "summary": "10/10 (100%)",
     }
     # Later passes read nothing (the JobSet and its pods may be gone): the record stays.
     later = lorajob(spec=TRAIN_ONLY, status=decision.status)
     assert decide(_observed(later, None, None), SETTINGS).status["progress"] == decision.status["progress"]
 
+
+# --- status.checkpoints and the exported step -------------------------------------------------------------
+
+WITH_EXPORT = spec_dict(model={"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://bucket/qwen3/0/items"},
+                        dataset={"name": "openai/gsm8k", "columns": ["question", "answer"], "evalSplit": "test"})
+
+
+def _checkpoint_line(step: int, total: int = 30, **values) -> str:
+    kept = [CheckpointRecord(10, 1.5, 1.9, 1767268800.0), CheckpointRecord(20, 1.0, 1.2, 1767268860.0),
+            CheckpointRecord(30, 0.8, 1.4, 1767268920.0)]
+    return ProgressRecord(step=step, total_steps=total, loss=0.8, eval_loss=1.4, eval_step=30, checkpoints=kept,
+                          **values).line()
+
+
+def test_the_kept_checkpoints_and_the_latest_eval_loss_are_in_status():
+    body = lorajob(spec=WITH_EXPORT, status={"phase": "Training"})
+    decision = decide(_observed(body, _train(body), _checkpoint_line(29)), SETTINGS)
+    assert decision.status["checkpoints"] == [
+        {"step": 10, "time": "2026-01-01T12:00:00Z", "trainLoss": 1.5, "evalLoss": 1.9,
+         "path": "gs://bucket/runs/qwen3-gsm8k/checkpoints/10"},
+        {"step": 20, "time": "2026-01-01T12:01:00Z", "trainLoss": 1.0, "evalLoss": 1.2,
+         "path": "gs://bucket/runs/qwen3-gsm8k/checkpoints/20"},
+        {"step": 30, "time": "2026-01-01T12:02:00Z", "trainLoss": 0.8, "evalLoss": 1.4,
+         "path": "gs://bucket/runs/qwen3-gsm8k/checkpoints/30"},
+    ]
+    assert (decision.status["progress"]["evalLoss"], decision.status["progress"]["evalStep"]) == (1.4, 30)
+    assert "exportedStep" not in decision.status["outputs"]  # training has not finished: the list may change
+    later = lorajob(spec=WITH_EXPORT, status=decision.status)
+    assert decide(_observed(later, _train(later), "no news"), SETTINGS).status["checkpoints"] == decision.status["checkpoints"]
+
+
+@pytest.mark.parametrize("step, exported", [("latest", 30), ("best", 20), ("10", 10), ("15", None)])
+def test_once_training_finished_outputs_name_the_step_export_takes(step, exported):
+    body = lorajob(spec={**WITH_EXPORT, "export": {"step": step}}, status={"phase": "Training"})
+    final = _checkpoint_line(30, state="succeeded")
+    decision = decide(_observed(body, _train(body, conditions=[COMPLETED]), final), SETTINGS)
+    assert decision.status["outputs"].get("exportedStep") == exported
+    assert "--step" in (command := export_command(parse_spec(body)[0], "qwen3-gsm8k")) and step in command
+
+
+def test_a_run_that_stopped_early_succeeds_with_reason_early_stopped_and_exports_the_best_step():
+    spec = {**WITH_EXPORT, "training": {"steps": 100, "earlyStopping": {"patience": 2}}}
+    body = lorajob(spec=spec, status={"phase": "Exporting"})
+    stopped = _checkpoint_line(30, total=100, state="stopped_early", message="eval loss did not improve on 1.2000")
+    children = {"train": _train(body, conditions=[COMPLETED]),
+                "export": observe_child(jobset(body, "export", conditions=[COMPLETED]), UID, None)}
+    observed = dataclasses.replace(_observed(body, None, stopped), children=children)
+    decision = decide(observed, SETTINGS)
+    assert decision.status["phase"] == "Succeeded"
+    assert decision.status["message"] == "stopped early at step 30 of 100 (70 steps not run)"
+    (succeeded,) = [c for c in decision.status["conditions"] if c["type"] == "Succeeded"]
+    assert succeeded["reason"] == "EarlyStopped"
+    assert succeeded["message"].endswith(": eval loss did not improve on 1.2000")
+    assert decision.status["outputs"]["exportedStep"] == 20  # best by eval loss, export.step's default here
+    command = export_command(parse_spec(body)[0], "qwen3-gsm8k")
+    assert command[command.index("--step") + 1] == "best"
 
 
 def test_operator_imports_no_trainer_runtime():

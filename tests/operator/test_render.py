@@ -214,7 +214,7 @@ def test_convert_and_export_are_single_cpu_pods(phase):
     pod = rjob["template"]["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"cloud.google.com/gke-nodepool": "big-cpu"}
     assert "tolerations" not in pod and "google.com/tpu" not in repr(pod)
-    assert pod["containers"][0]["command"][2] == f"lorajob_trainer.{phase}"
+    assert _commands(pod["containers"][0])[-1][2] == f"lorajob_trainer.{phase}"
 
 
 def test_train_arguments_parse_back_into_the_trainer_config():
@@ -271,7 +271,10 @@ def _commands(container: dict) -> list[list[str]]:
 def test_convert_and_export_arguments_are_accepted_by_the_trainer_entry_points(monkeypatch):
     convert = pytest.importorskip("lorajob_trainer.convert", reason="needs the trainer extra (JAX)")
     export = pytest.importorskip("lorajob_trainer.export", reason="needs the trainer extra (JAX)")
+    datacheck = pytest.importorskip("lorajob_trainer.datacheck", reason="needs the trainer extra (JAX)")
     calls = []
+    monkeypatch.setattr(datacheck, "check", lambda config, devices: calls.append(("check", (config.hf_path, devices), {}))
+                        or datacheck.DataReport(1, 10, 5, 0, 0, 1, 1))
     monkeypatch.setattr(convert, "convert_base", lambda *a, **k: calls.append(("base", a, k)))
     monkeypatch.setattr(convert, "convert_adapter", lambda *a, **k: calls.append(("adapter", a, k)))
     monkeypatch.setattr(export, "export_adapter", lambda *a, **k: calls.append(("export", a, k)))
@@ -281,13 +284,14 @@ def test_convert_and_export_arguments_are_accepted_by_the_trainer_entry_points(m
         output={"baseOutputDirectory": "/runs"},
     )
     jobsets = _rendered(lorajob(spec=spec))
-    for phase, module in (("convert", convert), ("export", export)):
+    for phase, modules in (("convert", (datacheck, convert, convert)), ("export", (export,))):
         (container,) = _pod_templates(jobsets[phase])[phase]["spec"]["containers"]
-        for command in _commands(container):
+        for command, module in zip(_commands(container), modules, strict=True):
             assert command[:3] == ["python", "-m", module.__name__]
-            module.main(command[3:])
-    assert [call[0] for call in calls] == ["base", "adapter", "export", "merged"]
-    base, adapter, exported = (tuple(map(str, call[1])) for call in calls[:3])
+            assert module.main(command[3:]) in (None, 0)
+    assert [call[0] for call in calls] == ["check", "base", "adapter", "export", "merged"]
+    assert calls[0][1] == ("openai/gsm8k", 16)  # the dataset the train step reads; 16 chips of a 4x4 v6e slice
+    base, adapter, exported = (tuple(map(str, call[1])) for call in calls[1:4])
     assert base == ("qwen3-0.6b", "Qwen/Qwen3-0.6B", "/runs/qwen3-gsm8k/base")
     assert adapter == ("qwen3-0.6b", "/runs/qwen3-gsm8k/base", "/data/old-adapter", "/runs/qwen3-gsm8k/restore-adapter")
     assert exported == ("/runs/qwen3-gsm8k/checkpoints", "/runs/qwen3-gsm8k/huggingface")

@@ -50,7 +50,7 @@ def test_default_install_objects(defaults):
     kinds = sorted(o["kind"] for o in defaults)
     assert kinds == sorted([
         "CustomResourceDefinition", "CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRole",
-        "ClusterRoleBinding", "ClusterRoleBinding", "Deployment", "ValidatingAdmissionPolicy",
+        "ClusterRoleBinding", "ClusterRoleBinding", "Deployment", "Service", "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",
     ])
 
@@ -73,7 +73,7 @@ def test_deployment_is_one_recreated_hardened_replica(defaults):
 
 def test_probes_hit_the_operators_liveness_endpoint(defaults):
     (container,) = one(defaults, "Deployment")["spec"]["template"]["spec"]["containers"]
-    (port,) = container["ports"]
+    (port,) = [p for p in container["ports"] if p["name"] == "health"]
     assert f"--liveness=http://0.0.0.0:{port['containerPort']}/healthz" in container["args"]
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": port["name"]}
@@ -116,10 +116,28 @@ def test_watching_namespaces_binds_permissions_per_namespace(helm):
 
 def test_optional_parts_can_be_switched_off(helm):
     objects = helm.template(
-        "admissionPolicy.enabled=false", "rbac.create=false", "serviceAccount.create=false", "serviceAccount.name=existing"
+        "admissionPolicy.enabled=false", "rbac.create=false", "serviceAccount.create=false", "serviceAccount.name=existing",
+        "metrics.service.enabled=false",
     )
     assert sorted(o["kind"] for o in objects) == ["Deployment"]
     assert one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "existing"
+
+
+def test_the_metrics_endpoint_is_exposed_and_scraped_when_asked(helm, defaults):
+    (container,) = one(defaults, "Deployment")["spec"]["template"]["spec"]["containers"]
+    (port,) = [p for p in container["ports"] if p["name"] == "metrics"]
+    assert OperatorSettings.from_env(_env(defaults)).metrics.port == port["containerPort"]
+    service = one(defaults, "Service")
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": port["containerPort"], "targetPort": "metrics"}]
+    pod_labels = one(defaults, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert not by_kind(defaults, "ServiceMonitor")
+
+    objects = helm.template("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prom")
+    monitor = one(objects, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= one(objects, "Service")["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
 
 
 KUEUE_VALUES = [

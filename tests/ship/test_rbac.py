@@ -27,34 +27,34 @@ pytestmark = pytest.mark.apiserver
 NAMESPACE = "ship-rbac"
 OTHER_NAMESPACE = "ship-rbac-unwatched"
 
-# (verb, resource[.group][/subresource]): every API call in operator/lorajob_operator/kube.py and
-# handlers.py, and the list+watch behind each kopf watch.
+# (verb, resource[.group][/subresource]): every API call in operator/lorajob_operator/kube.py, and the
+# list+watch behind each watch-fed cache (caches.py).
 OPERATOR_CALLS = [
-    ("get", "lorajobs.lorajob.dev"),  # Cluster.get before each reconcile pass
-    ("list", "lorajobs.lorajob.dev"),  # kopf watch; Resync lists all
-    ("watch", "lorajobs.lorajob.dev"),  # kopf watch
+    ("list", "lorajobs.lorajob.dev"),  # cache
+    ("watch", "lorajobs.lorajob.dev"),
     ("delete", "lorajobs.lorajob.dev"),  # ttlSecondsAfterFinished
     ("patch", "lorajobs.lorajob.dev/status"),  # status written as a whole
-    ("get", "jobsets.jobset.x-k8s.io"),  # the child of each phase
-    ("list", "jobsets.jobset.x-k8s.io"),  # kopf watch on children
+    ("get", "jobsets.jobset.x-k8s.io"),  # who holds a step's name when creating it conflicts (409)
+    ("list", "jobsets.jobset.x-k8s.io"),  # cache
     ("watch", "jobsets.jobset.x-k8s.io"),
     ("create", "jobsets.jobset.x-k8s.io"),  # one per phase (and per retry)
     ("delete", "jobsets.jobset.x-k8s.io"),  # suspend, retry
-    ("list", "workloads.kueue.x-k8s.io"),  # Kueue's Workload of a JobSet, by job-uid label
-    ("get", "localqueues.kueue.x-k8s.io"),  # does spec.scheduling.queueName exist
+    ("list", "workloads.kueue.x-k8s.io"),  # cache: Kueue's Workload of each JobSet
+    ("watch", "workloads.kueue.x-k8s.io"),
+    ("list", "localqueues.kueue.x-k8s.io"),  # cache: does spec.scheduling.queueName exist
+    ("watch", "localqueues.kueue.x-k8s.io"),
     ("list", "pods"),  # the failed container of a failed step; the train step's lead pod
     ("get", "pods/log"),  # the lead trainer's progress lines
-    ("get", "secrets"),  # does the HF token Secret (and key) exist
+    ("list", "secrets"),  # cache of key names only (values dropped as they arrive): does the HF token key exist
+    ("watch", "secrets"),
     ("create", "events"),  # one per phase transition
 ]
 CLUSTER_CALLS = [
-    ("get", "lorajobpolicies.lorajob.dev"),  # reconcile-time policy checks (policy.py)
-    ("list", "lorajobpolicies.lorajob.dev"),
+    ("list", "lorajobpolicies.lorajob.dev"),  # cache: reconcile-time policy checks (policy.py)
     ("watch", "lorajobpolicies.lorajob.dev"),
-    ("get", "namespaces"),  # a namespace's labels, which policies select on
-    ("list", "namespaces"),  # kopf's namespace observer, when serving a set of namespaces
+    ("list", "namespaces"),  # cache: a namespace's labels, which policies select on
     ("watch", "namespaces"),
-    ("list", "customresourcedefinitions.apiextensions.k8s.io"),  # kopf notices CRDs installed later
+    ("list", "customresourcedefinitions.apiextensions.k8s.io"),  # kopf (the process host) watches CRDs
     ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
 ]
 NOT_ALLOWED = [
@@ -65,8 +65,7 @@ NOT_ALLOWED = [
     ("patch", "jobsets.jobset.x-k8s.io"),  # never fights Kueue over a created JobSet
     ("update", "jobsets.jobset.x-k8s.io"),
     ("patch", "workloads.kueue.x-k8s.io"),
-    ("list", "secrets"),  # no reading of other Secrets in bulk
-    ("watch", "secrets"),
+    ("get", "secrets"),  # the operator needs key names only: no value is ever read by name
     ("create", "pods"),
     ("delete", "pods"),
     ("get", "configmaps"),
@@ -183,6 +182,7 @@ def operator_as_service_account(kube, scoped_release, tmp_path):
     args, settings = _deployment_args(scoped_release)
     # Only the listen address changes: several test sessions may share this machine's port 8080.
     args = [f"--liveness=http://127.0.0.1:{port}/healthz" if a.startswith("--liveness=") else a for a in args]
+    settings["LORAJOB_METRICS_PORT"] = str(free_loopback_port())  # and the metrics port, for the same reason
     log = tmp_path / "operator.log"
     env = {**os.environ, **settings, "KUBECONFIG": str(kubeconfig)}
     env.pop("KUBERNETES_SERVICE_HOST", None)

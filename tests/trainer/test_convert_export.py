@@ -43,20 +43,29 @@ def logits(model, length: int = 16) -> np.ndarray:
 
 
 def make_peft_adapter(family: str, base: Path, out: Path) -> Path:
-    """A random PEFT adapter (rank 4, every A and B distinct) on the tiny `family` model at `base`."""
+    """A random PEFT adapter (rank 4, every A and B distinct) on the tiny `family` model at `base`, on the
+    family's default targets (routed experts through PEFT's `target_parameters`)."""
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False, lora_dropout=0.0)
+    modules, parameters = lora.peft_target_lists(family, lora.default_targets(family))
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=modules,
+        target_parameters=parameters or None,
+        init_lora_weights=False,
+        lora_dropout=0.0,
+    )
     get_peft_model(hf, config).save_pretrained(out)
     return out
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("family", ["qwen3", "llama3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3", "gemma3", "qwen3-moe"])
 def test_peft_adapter_round_trips_bit_exactly(family, tmp_path):
     base = tiny.make_tiny_checkpoint(family, tmp_path / "base", tokenizer=False)
     adapter = make_peft_adapter(family, base, tmp_path / "adapter")
@@ -71,7 +80,9 @@ def test_peft_adapter_round_trips_bit_exactly(family, tmp_path):
     for name in original:
         assert original[name].dtype == again[name].dtype and np.array_equal(original[name], again[name]), name
     config = json.loads((exported / "adapter_config.json").read_text())
-    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (4, 8.0, sorted(TARGETS))
+    modules, parameters = lora.peft_target_lists(family, lora.default_targets(family))
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (4, 8.0, sorted(modules))
+    assert config.get("target_parameters", []) == parameters
     assert config["base_model_name_or_path"] == "my/base"
 
 

@@ -96,6 +96,13 @@ def test_unsupported_configs_are_rejected(family, change, message):
         models.family_for_hf_config(config).config_from_hf(config, jnp.float32)
 
 
+def test_every_catalogue_family_has_model_code_and_every_family_a_model():
+    from lorajob_trainer import catalog
+
+    assert {info.family for info in catalog.MODELS.values()} == set(models.FAMILIES)
+    assert all(name == family.name for name, family in models.FAMILIES.items())
+
+
 def test_model_name_must_match_the_checkpoint_family(qwen3, mesh):
     _, spec = qwen3
     with pytest.raises(models.ModelConfigError, match="holds a qwen3 model but 'tiny-llama3' is a llama3 model"):
@@ -127,7 +134,7 @@ def test_attention_mask_is_causal_within_segments():
     np.testing.assert_array_equal(mask, expected)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3", "gemma3", "qwen3-moe"])
 def test_packed_sequences_equal_separate_ones(family, tmp_path, mesh):
     directory = tiny.make_tiny_checkpoint(family, tmp_path, seed=2, tokenizer=False)
     model, _ = models.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)

@@ -13,9 +13,10 @@ from flax import nnx
 from jax.sharding import Mesh
 from lorajob_trainer import convert, export, lora, models, tiny
 from lorajob_trainer.checkpoint import CheckpointMetadata
+from trainer_testkit import GEMMA4_SHAPES, gemma4_checkpoint
 
 pytestmark = pytest.mark.torch
-FAMILIES = ["qwen3", "llama3", "gemma3"]
+FAMILIES = ["qwen3", "llama3", "gemma3", "qwen3-moe"]
 ATOL = 1e-4
 SEQ = 40  # longer than the tiny Gemma 3 sliding window (4) and Llama 3.1's original context (64 / 4)
 
@@ -25,10 +26,13 @@ def mesh():
     return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES + list(GEMMA4_SHAPES))
 def checkpoint(request, tmp_path_factory):
-    family = request.param
-    return family, tiny.make_tiny_checkpoint(family, tmp_path_factory.mktemp(family), seed=3)
+    """(family, directory); Gemma 4 checkpoints are written by transformers (one per size's features)."""
+    name = request.param
+    if name in GEMMA4_SHAPES:
+        return "gemma4", gemma4_checkpoint(tmp_path_factory.mktemp(name), name, seed=3)
+    return name, tiny.make_tiny_checkpoint(name, tmp_path_factory.mktemp(name), seed=3)
 
 
 def tokens(batch: int = 2, length: int = SEQ, seed: int = 1) -> np.ndarray:

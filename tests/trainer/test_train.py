@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from trainer_testkit import arithmetic_rows, base_args, tiny_checkpoint, write_jsonl
 
+from lorajob_trainer import checkpoint as ckpt
 from lorajob_trainer import lora as lora_lib
 from lorajob_trainer import train as train_lib
 from lorajob_trainer.config import TrainConfig
@@ -99,6 +100,21 @@ def test_checkpoints_hold_adapter_and_metadata_export_can_read(run):
     assert set(params) == set(trained)
     for name, value in params.items():
         np.testing.assert_array_equal(value, np.asarray(trained[name]))
+
+
+def test_every_progress_record_lists_the_kept_checkpoints_with_their_losses(run):
+    config = run["config"]
+    progress = json.loads((config.run_directory / "progress.json").read_text())
+    losses = {r["step"]: r["loss"] for r in run["records"] if "loss" in r}
+    evals = {r["step"]: r["eval_loss"] for r in run["records"] if "eval_loss" in r}
+    assert [c["step"] for c in progress["checkpoints"]] == [10, 20, 30]
+    for listed in progress["checkpoints"]:
+        assert listed["train_loss"] == pytest.approx(losses[listed["step"]])
+        assert listed["eval_loss"] == pytest.approx(evals[listed["step"]])
+    assert (progress["eval_step"], progress["eval_loss"]) == (30, pytest.approx(evals[30]))
+    on_disk = ckpt.complete_checkpoints(config.checkpoint_directory)
+    assert [(c.step, c.train_loss, c.eval_loss) for c in on_disk] == [
+        (c["step"], c["train_loss"], c["eval_loss"]) for c in progress["checkpoints"]]
 
 
 def test_mfu_counts_lora_cost_not_full_finetuning(run):

@@ -9,7 +9,16 @@ from pathlib import Path
 
 from lorajob_trainer.demo import arithmetic_rows, write_jsonl
 
-__all__ = ["arithmetic_rows", "base_args", "free_port", "tiny_checkpoint", "trainer_env", "write_jsonl"]
+__all__ = [
+    "GEMMA4_SHAPES",
+    "arithmetic_rows",
+    "base_args",
+    "free_port",
+    "gemma4_checkpoint",
+    "tiny_checkpoint",
+    "trainer_env",
+    "write_jsonl",
+]
 
 
 def tiny_checkpoint(directory: Path, family: str = "qwen3", **overrides) -> Path:
@@ -63,3 +72,87 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+_GEMMA4_TEXT = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    sliding_window=4,
+    final_logit_softcapping=30.0,
+    max_position_embeddings=512,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+    },
+)
+GEMMA4_SHAPES = {
+    # 31B: 5 sliding : 1 global, global layers with k = v, their own KV-head count and head size, partial RoPE.
+    "gemma4-31b": dict(
+        _GEMMA4_TEXT,
+        num_hidden_layers=6,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        hidden_size_per_layer_input=0,
+    ),
+    # 26B-A4B: the 31B's attention; a dense MLP beside 4 routed experts, 2 per token.
+    "gemma4-26b": dict(
+        _GEMMA4_TEXT,
+        num_hidden_layers=6,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        hidden_size_per_layer_input=0,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+    ),
+    # E2B/E4B: per-layer inputs, the last 5 layers (sliding and global) reuse earlier layers' keys and
+    # values, double-wide MLP there; 4 sliding : 1 global as in E2B.
+    "gemma4-e2b": dict(
+        _GEMMA4_TEXT,
+        num_hidden_layers=10,
+        layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=256,
+        num_kv_shared_layers=5,
+        use_double_wide_mlp=True,
+    ),
+}
+
+
+def gemma4_checkpoint(directory: Path, shape: str, *, multimodal: bool = False, seed: int = 0) -> Path:
+    """A tiny random Gemma 4 checkpoint written by transformers from its own config classes (GEMMA4_SHAPES);
+    `multimodal`: the Gemma4ForConditionalGeneration layout with a tiny vision tower. Every weight is
+    drawn at random (norm scales near 1) so that each takes part in the logits; query and key norm
+    scales near 1/2, as Gemma 4 attends without 1/sqrt(head_dim) and full-scale ones make the
+    softmax so sharp that float32 rounding alone moves logits by ~1e-4."""
+    import torch
+    import transformers
+
+    if (directory / "config.json").is_file():
+        return directory
+    text = transformers.Gemma4TextConfig(**GEMMA4_SHAPES[shape])
+    if multimodal:
+        vision = transformers.Gemma4VisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+            head_dim=16,
+        )
+        model = transformers.Gemma4ForConditionalGeneration(
+            transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+        )
+    else:
+        model = transformers.Gemma4ForCausalLM(text)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor.is_floating_point() and "inv_freq" not in name and "embed_scale" not in name:
+                noise = torch.randn(tensor.shape, generator=generator)
+                center = 0.5 if name.endswith(("q_norm.weight", "k_norm.weight")) else 1.0
+                tensor.copy_(center + 0.1 * noise if tensor.ndim == 1 else 0.2 * noise)
+    model.save_pretrained(directory)
+    return directory

@@ -12,12 +12,10 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ModelInfo:
     family: str
-    """Model code family: qwen3, llama3, gemma3."""
+    """Model code family (a key of `models.FAMILIES`: qwen3, llama3, gemma3, qwen3-moe, gemma4)."""
     hf_repo: str | None
     """Default Hugging Face repo id of the base weights and tokenizer; None for generated tiny models."""
 
-
-FAMILIES = ("qwen3", "llama3", "gemma3")
 
 MODELS: dict[str, ModelInfo] = {
     "qwen3-0.6b": ModelInfo("qwen3", "Qwen/Qwen3-0.6B"),
@@ -26,6 +24,8 @@ MODELS: dict[str, ModelInfo] = {
     "qwen3-8b": ModelInfo("qwen3", "Qwen/Qwen3-8B"),
     "qwen3-14b": ModelInfo("qwen3", "Qwen/Qwen3-14B"),
     "qwen3-32b": ModelInfo("qwen3", "Qwen/Qwen3-32B"),
+    "qwen3-30b-a3b": ModelInfo("qwen3-moe", "Qwen/Qwen3-30B-A3B"),
+    "qwen3-235b-a22b": ModelInfo("qwen3-moe", "Qwen/Qwen3-235B-A22B"),
     "llama3.1-8b": ModelInfo("llama3", "meta-llama/Llama-3.1-8B"),
     "llama3.1-70b": ModelInfo("llama3", "meta-llama/Llama-3.1-70B"),
     "llama3.2-1b": ModelInfo("llama3", "meta-llama/Llama-3.2-1B"),
@@ -34,10 +34,16 @@ MODELS: dict[str, ModelInfo] = {
     "gemma3-4b": ModelInfo("gemma3", "google/gemma-3-4b-pt"),
     "gemma3-12b": ModelInfo("gemma3", "google/gemma-3-12b-pt"),
     "gemma3-27b": ModelInfo("gemma3", "google/gemma-3-27b-pt"),
+    "gemma4-e2b": ModelInfo("gemma4", "google/gemma-4-E2B"),
+    "gemma4-e4b": ModelInfo("gemma4", "google/gemma-4-E4B"),
+    "gemma4-26b": ModelInfo("gemma4", "google/gemma-4-26B-A4B"),
+    "gemma4-31b": ModelInfo("gemma4", "google/gemma-4-31B"),
     # Tiny random models the project generates itself (tests, demos); the family comes from config.json.
     "tiny-qwen3": ModelInfo("qwen3", None),
     "tiny-llama3": ModelInfo("llama3", None),
     "tiny-gemma3": ModelInfo("gemma3", None),
+    "tiny-qwen3-moe": ModelInfo("qwen3-moe", None),
+    "tiny-gemma4": ModelInfo("gemma4", None),
 }
 
 

@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from lorajob_trainer import weights
+from lorajob_trainer.contract import DEFAULTS, CheckpointRecord, checkpoints_to_keep
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,15 @@ class CheckpointMetadata:
     tokenizer_path: str = ""
     """Where the base's config.json and tokenizer came from (the run's tokenizer_path; a MaxText base
     has no config.json of its own); empty = load_parameters_path."""
+    train_loss: float | None = None
+    """Training loss at this step."""
+    eval_loss: float | None = None
+    """Loss on the evaluation split at this step, when it was evaluated."""
+    time: float | None = None
+    """Unix time of the save."""
+
+    def record(self) -> CheckpointRecord:
+        return CheckpointRecord(self.step, self.train_loss, self.eval_loss, self.time)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -86,10 +96,11 @@ class CheckpointMetadata:
 
 @dataclasses.dataclass(frozen=True)
 class StorageOptions:
-    use_zarr3: bool = True
-    use_ocdbt: bool = True
+    use_zarr3: bool = DEFAULTS.use_zarr3
+    use_ocdbt: bool = DEFAULTS.use_ocdbt
     asynchronous: bool = True
     max_to_keep: int = 3
+    """The newest checkpoints kept; the best by eval loss is kept as well."""
 
 
 def _pytree_handler(options: StorageOptions) -> ocp.PyTreeCheckpointHandler:
@@ -106,16 +117,21 @@ class Checkpointer:
             item_names=ITEMS,
             item_handlers={item: _pytree_handler(options) for item in ITEMS},
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=options.max_to_keep,
+                max_to_keep=None,  # pruned here, to keep the best one as well (`checkpoints_to_keep`)
                 enable_async_checkpointing=options.asynchronous,
                 create=True,
             ),
         )
-
+        self._max_to_keep = options.max_to_keep
         self._unfinished_step: int | None = None
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
+
+    def complete(self) -> list[CheckpointRecord]:
+        """The complete checkpoints, oldest first, with the losses their metadata records."""
+        steps = sorted(step for step in self._manager.all_steps() if step != self._unfinished_step)
+        return [self.metadata(step).record() for step in steps]
 
     def save(
         self, step: int, lora: dict[str, jax.Array], optimizer: Any, data_positions: jax.Array, metadata: CheckpointMetadata
@@ -183,9 +199,24 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint write failed at step {step}: {error}") from error
         if step is not None and self._manager.latest_step() != step:
             raise CheckpointError(f"checkpoint write failed at step {step}: it did not complete")
+        complete = self.complete()
+        for stale in {c.step for c in complete} - checkpoints_to_keep(complete, self._max_to_keep):
+            self._manager.delete(stale)
 
     def close(self) -> None:
         self._manager.close()
+
+
+def complete_checkpoints(root: str | Path) -> list[CheckpointRecord]:
+    """The complete checkpoints under a run's checkpoint root (local or gs://), oldest first, with their losses."""
+    options = ocp.CheckpointManagerOptions(read_only=True, max_to_keep=None, save_interval_steps=0, create=False)
+    handlers = {item: ocp.PyTreeCheckpointHandler() for item in ITEMS}
+    try:
+        with ocp.CheckpointManager(epath.Path(root), item_handlers=handlers, options=options) as manager:
+            return [CheckpointMetadata.from_json(manager.metadata(step).custom_metadata).record()
+                    for step in sorted(manager.all_steps())]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"cannot list the checkpoints in {root}: {error}") from error
 
 
 def _restore_args(target: Any) -> ocp.args.PyTreeRestore:

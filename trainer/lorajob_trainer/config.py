@@ -19,13 +19,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lorajob_trainer import catalog
+from lorajob_trainer.contract import COLUMN_LAYOUTS, DEFAULTS, RunLayout
 
-COLUMN_LAYOUTS: tuple[tuple[str, ...], ...] = (
-    ("messages",),
-    ("prompt", "completion"),
-    ("question", "answer"),
-)
-"""The dataset column layouts the trainer understands (the same three MaxText accepts)."""
 
 
 class ConfigError(ValueError):
@@ -39,9 +34,9 @@ class _Section(BaseModel):
 class LoraConfig(_Section):
     enable_lora: bool = True
     """Must be true: this trainer trains LoRA adapters only."""
-    lora_rank: int = Field(16, gt=0)
+    lora_rank: int = Field(DEFAULTS.lora_rank, gt=0)
     """Adapter rank r."""
-    lora_alpha: float = Field(32.0, gt=0)
+    lora_alpha: float = Field(DEFAULTS.lora_alpha, gt=0)
     """Adapter scale numerator: the update is (alpha / r) * B A."""
     lora_module_path: str = ""
     """Expert override: a regex over model module paths selecting the adapted layers."""
@@ -106,15 +101,15 @@ class TrainConfig(_Section):
     """Local training files or directories; replaces hub download."""
     hf_eval_files: list[str] | None = None
     """Local evaluation files or directories."""
-    train_split: str = "train"
+    train_split: str = DEFAULTS.train_split
     """Split used for training."""
     hf_eval_split: str = ""
     """Split used for evaluation (hub datasets); empty = no evaluation split."""
-    train_data_columns: list[str] = ["messages"]
+    train_data_columns: list[str] = list(COLUMN_LAYOUTS[0])
     """Column layout: ['messages'], ['prompt','completion'] or ['question','answer']."""
     chat_template_path: str = ""
     """Chat template file (.jinja/.j2/.txt, or .json with a chat_template key); empty = tokenizer's."""
-    max_target_length: int = Field(1024, gt=1)
+    max_target_length: int = Field(DEFAULTS.max_target_length, gt=1)
     """Sequence length of one packed row, in tokens."""
     packing: bool = True
     """Pack several examples into one row (attention never crosses examples)."""
@@ -127,15 +122,15 @@ class TrainConfig(_Section):
 
     steps: int = Field(gt=0)
     """Optimizer steps to run."""
-    per_device_batch_size: int = Field(1, gt=0)
+    per_device_batch_size: int = Field(DEFAULTS.per_device_batch_size, gt=0)
     """Rows per device per micro-batch."""
-    gradient_accumulation_steps: int = Field(1, gt=0)
+    gradient_accumulation_steps: int = Field(DEFAULTS.gradient_accumulation_steps, gt=0)
     """Micro-batches accumulated into one optimizer step."""
-    learning_rate: float = Field(2e-4, gt=0)
+    learning_rate: float = Field(DEFAULTS.learning_rate, gt=0)
     """Peak learning rate."""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warmup."""
-    warmup_steps_fraction: float = Field(0.1, ge=0, le=1)
+    warmup_steps_fraction: float = Field(DEFAULTS.warmup_steps_fraction, ge=0, le=1)
     """Fraction of steps with a linear warmup from 0."""
     learning_rate_final_fraction: float = Field(0.1, ge=0, le=1)
     """Final learning rate as a fraction of the peak (cosine and linear)."""
@@ -163,18 +158,23 @@ class TrainConfig(_Section):
     """Evaluate every N steps (and after the last); 0 = never."""
     eval_steps: int = Field(1, gt=0)
     """Batches per evaluation."""
+    early_stopping_patience: int = Field(0, ge=0)
+    """Stop after this many evaluations in a row without an improvement of the best eval loss by
+    early_stopping_min_delta (a checkpoint is saved at the stop); 0 = never stop early."""
+    early_stopping_min_delta: float = Field(0.0, ge=0)
+    """The decrease of the eval loss that counts as an improvement."""
 
     enable_checkpointing: bool = True
     """Save LoRA checkpoints (adapters, optimizer state, data position) to resume from."""
-    checkpoint_period: int = Field(100, gt=0)
+    checkpoint_period: int = Field(DEFAULTS.checkpoint_period, gt=0)
     """Save every N steps; the last step is always saved."""
     max_num_checkpoints_to_keep: int = Field(3, gt=0)
     """Older checkpoints beyond this many are deleted."""
     async_checkpointing: bool = True
     """Write checkpoints in the background while training continues."""
-    checkpoint_storage_use_zarr3: bool = True
+    checkpoint_storage_use_zarr3: bool = DEFAULTS.use_zarr3
     """Write checkpoints in Zarr v3 (Pathways needs it off)."""
-    checkpoint_storage_use_ocdbt: bool = True
+    checkpoint_storage_use_ocdbt: bool = DEFAULTS.use_ocdbt
     """Write checkpoints as one OCDBT key-value store (Pathways needs it off)."""
 
     mesh: MeshConfig = MeshConfig()
@@ -201,16 +201,22 @@ class TrainConfig(_Section):
             raise ValueError("no training data: set hf_path or hf_train_files")
         if self.eval_interval and not (self.hf_eval_files or self.hf_eval_split):
             raise ValueError("eval_interval is set but there is no evaluation data: set hf_eval_files or hf_eval_split")
+        if self.early_stopping_patience and not self.eval_interval:
+            raise ValueError("early_stopping_patience needs evaluations: set eval_interval (and evaluation data)")
         return self
 
     # Derived paths.
     @property
+    def layout(self) -> RunLayout:
+        return RunLayout(self.base_output_directory, self.run_name)
+
+    @property
     def run_directory(self) -> Path:
-        return Path(self.base_output_directory) / self.run_name
+        return Path(self.layout.run_directory)
 
     @property
     def checkpoint_directory(self) -> Path:
-        return self.run_directory / "checkpoints"
+        return Path(self.layout.checkpoints)
 
     @property
     def family(self) -> str:

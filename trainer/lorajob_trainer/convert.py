@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
 
-from lorajob_trainer import catalog, lora, models, storage, weights
+from lorajob_trainer import catalog, lora, models, stages, storage, weights
+from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer.checkpoint import CheckpointMetadata
+from lorajob_trainer.console import configure_logging
+
+log = logging.getLogger("lorajob_trainer.convert")  # not __name__: run as __main__
 
 # adapter_config.json options that change the adapter's meaning, with the only value we accept
 # (an absent or empty value means the default too).
@@ -46,16 +50,13 @@ class ConvertError(ValueError):
     """The input cannot be converted; the message says why."""
 
 
-def _default_mesh() -> Mesh:
-    return Mesh(np.array(jax.devices()).reshape(-1, 1), ("fsdp", "tp"))
-
-
 def convert_base(model_name: str, hf: str | Path, out: str | Path, *, dtype: Any = jnp.bfloat16) -> str | Path:
     """HF safetensors source -> our Orbax base checkpoint at `out` (returned; a URI stays a string)."""
     out = out if storage.is_remote(out) else Path(out).resolve()
     if storage.exists(storage.join(out, "params")):
         raise ConvertError(f"{out} already holds a base checkpoint")
     with (
+        stages.stage(log, f"converting {model_name} from {hf} to {out}"),
         storage.local_input(hf, patterns=storage.MODEL_FILES, hub=True) as hf_dir,
         storage.local_output(out) as local_out,
     ):
@@ -64,10 +65,13 @@ def convert_base(model_name: str, hf: str | Path, out: str | Path, *, dtype: Any
 
 
 def _write_base(model_name: str, hf_dir: Path, out: Path, dtype: Any) -> None:
-    model, spec = models.load_model(model_name, hf_dir, mesh=_default_mesh(), dtype=dtype, format="hf")
+    with stages.stage(log, f"loading the safetensors of {hf_dir}"):
+        model, spec = models.load_model(model_name, hf_dir, mesh=mesh_lib.host_mesh(), dtype=dtype, format="hf")
     out.mkdir(parents=True, exist_ok=True)
     params = {weights.path_key(path): v.get_value() for path, v in nnx.to_flat_state(nnx.state(model))}
-    weights.save_orbax_params(out / "params", params)
+    gib = sum(value.nbytes for value in params.values()) / 2**30
+    with stages.stage(log, f"writing {len(params)} arrays ({gib:.2f} GiB) to {out / 'params'}"):
+        weights.save_orbax_params(out / "params", params)
     for name in (*models.TOKENIZER_FILES, "generation_config.json", "config.json"):
         if (spec.checkpoint / name).is_file():
             shutil.copy2(spec.checkpoint / name, out / name)
@@ -88,16 +92,18 @@ def read_peft_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, np.n
     for key, supported in _UNSUPPORTED_PEFT_OPTIONS.items():
         if config.get(key) and config[key] != supported:
             raise ConvertError(f"adapter_config.json sets {key}={config[key]!r}; only {supported!r} is supported")
-    if not isinstance(config.get("target_modules"), list):
+    modules = config.get("target_modules")
+    if not isinstance(modules, (list, str)) or modules == "all-linear":
         raise ConvertError(
-            f"adapter_config.json target_modules={config.get('target_modules')!r}: only an explicit list is supported"
+            f"adapter_config.json target_modules={modules!r}: only an explicit list or a regex over module names "
+            "is supported"
         )
     return config, load_file(tensors_path)
 
 
 def lora_template(family: models.Family, tunix_config: Any, hf_config: dict, rank: int, regex: str) -> dict[str, Any]:
     """Shapes of the LoRA params Qwix creates for this model, without loading any weights."""
-    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    mesh = mesh_lib.host_mesh(jax.devices()[:1])
 
     def build() -> nnx.Module:
         model = family.build(tunix_config, hf_config, nnx.Rngs(0))
@@ -110,6 +116,7 @@ def convert_adapter(model_name: str, base: str | Path, adapter: str | Path, out:
     """HF PEFT adapter -> trainer LoRA checkpoint step `out/0`; returns the step directory."""
     base = base if storage.is_remote(base) else Path(base).resolve()
     with (
+        stages.stage(log, f"converting the adapter {adapter} to {out}"),
         storage.local_input(adapter, patterns=storage.ADAPTER_FILES, hub=True) as adapter_dir,
         storage.local_input(base, patterns=("config.json",)) as base_dir,
         storage.local_output(out) as local_out,
@@ -122,15 +129,18 @@ def _write_adapter(model_name: str, base: str | Path, base_dir: Path, adapter: P
     """`base` is recorded in the checkpoint metadata; only `base_dir`/config.json is read."""
     config, tensors = read_peft_adapter(adapter)
     hf_config = models.read_hf_config(base_dir)
-    family = models.family_for_hf_config(hf_config)
-    if family.name != catalog.family_of(model_name):
-        raise ConvertError(
-            f"{base} holds a {family.name} model but {model_name!r} is a {catalog.family_of(model_name)}"
-        )
+    family = models.family_of_checkpoint(model_name, hf_config, base)
     tunix_config = family.config_from_hf(hf_config, jnp.float32)
-    rank, names = int(config["r"]), list(config["target_modules"])
+    rank = int(config["r"])
+    modules = config["target_modules"]
+    if isinstance(modules, str):  # a regex, as PEFT's own default for Gemma 4 is
+        modules = lora.names_for_peft_regex(family.name, modules, tunix_config.num_layers, hf_config)
+        if not modules:
+            raise ConvertError(f"adapter_config.json target_modules={config['target_modules']!r} selects no projection")
+    names = list(modules) + list(config.get("target_parameters") or [])
+    tensors = lora.peft_names_from_base(tensors, hf_config)
     targets = lora.target_modules(family.name, names)
-    template = lora_template(family, tunix_config, hf_config, rank, lora.module_path_regex(family.name, names))
+    template = lora_template(family, tunix_config, hf_config, rank, lora.target_regex(family.name, names))
     params = lora.from_peft(tensors, targets, template)
     metadata = CheckpointMetadata(
         step=0,
@@ -159,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     adapter.add_argument("--adapter", required=True, help="PEFT adapter directory, gs:// URI or Hub repo id")
     adapter.add_argument("--out", required=True, help="checkpoint root directory or gs:// URI")
     args = parser.parse_args(argv)
+    configure_logging()
     try:
         if args.command == "base":
             print(convert_base(args.model_name, args.hf, args.out, dtype=jnp.dtype(args.dtype)))

@@ -28,9 +28,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from lorajob_trainer.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,16 @@ class DataSource:
     hf_data_dir: str = ""
     split: str = "train"
     files: tuple[str, ...] = ()
+
+
+def train_source(config: TrainConfig) -> DataSource:
+    c = config
+    return DataSource(c.hf_path, c.hf_name, c.hf_data_dir, c.train_split, tuple(c.hf_train_files or ()))
+
+
+def eval_source(config: TrainConfig) -> DataSource:
+    c = config
+    return DataSource(c.hf_path, c.hf_name, c.hf_data_dir, c.hf_eval_split, tuple(c.hf_eval_files or ()))
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from lorajob_trainer import metrics
+from lorajob_trainer.contract import RunLayout
 
 
 def arithmetic_rows(count: int, seed: int = 0) -> list[dict[str, str]]:
@@ -55,10 +56,11 @@ def main(argv: list[str] | None = None) -> None:
         tiny.make_tiny_checkpoint("qwen3", model_dir)
     train_file = write_jsonl(out / "data" / "train.jsonl", arithmetic_rows(400))
     eval_file = write_jsonl(out / "data" / "eval.jsonl", arithmetic_rows(40, seed=1))
+    layout = RunLayout(str(out / "runs"), "demo")
     run_module(
         "lorajob_trainer.train",
-        "run_name=demo",
-        f"base_output_directory={out / 'runs'}",
+        f"run_name={layout.run_name}",
+        f"base_output_directory={layout.base_output_directory}",
         "model_name=tiny-qwen3",
         f"load_parameters_path={model_dir}",
         f"hf_train_files=['{train_file}']",
@@ -74,10 +76,9 @@ def main(argv: list[str] | None = None) -> None:
         "lora.lora_alpha=16",
         f"checkpoint_period={max(args.steps // 3, 1)}",
     )
-    run_dir = out / "runs" / "demo"
-    run_module("lorajob_trainer.export", "--checkpoint", str(run_dir / "checkpoints"), "--out", str(out / "adapter"))
-    png = metrics.plot_loss_curve(run_dir / "metrics.jsonl", out / "loss.png")
-    losses = [r["loss"] for r in metrics.read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    run_module("lorajob_trainer.export", "--checkpoint", layout.checkpoints, "--out", str(out / "adapter"))
+    png = metrics.plot_loss_curve(Path(layout.metrics), out / "loss.png")
+    losses = [r["loss"] for r in metrics.read_metrics(Path(layout.metrics)) if "loss" in r]
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; adapter in {out / 'adapter'}; loss curve {png}")
 
 

@@ -26,6 +26,8 @@ ENV_COORDINATOR_PORT = "JAX_COORDINATOR_PORT"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
 DEFAULT_COORDINATOR_PORT = 8476
+PATHWAYS_PLATFORM = "proxy"
+"""The JAX platform of a Pathways client: its backend is the Pathways proxy."""
 
 Mode = Literal["pathways", "multi-controller", "single"]
 
@@ -43,7 +45,7 @@ class Launch:
 
 
 def is_pathways(env: Mapping[str, str] = os.environ) -> bool:
-    return "proxy" in env.get(ENV_PLATFORMS, "")
+    return PATHWAYS_PLATFORM in env.get(ENV_PLATFORMS, "")
 
 
 def launch_from_env(env: Mapping[str, str] = os.environ) -> Launch:

@@ -25,10 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from lorajob_trainer import catalog, lora, storage
-from lorajob_trainer.checkpoint import CheckpointMetadata
+from lorajob_trainer import catalog, lora, stages, storage
+from lorajob_trainer.checkpoint import CheckpointError, CheckpointMetadata, complete_checkpoints
+from lorajob_trainer.console import configure_logging
+from lorajob_trainer.contract import choose_checkpoint, join
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("lorajob_trainer.export")  # not __name__: run as __main__
 
 MAX_SHARD_BYTES = 4 * 2**30
 
@@ -47,13 +49,16 @@ def base_model_name_or_path(metadata: CheckpointMetadata) -> str:
 
 
 def adapter_config(metadata: CheckpointMetadata, target_modules: list[str], base_name: str) -> dict:
+    """PEFT's adapter_config.json; routed-expert targets go to `target_parameters` (models/experts.py)."""
+    modules, parameters = lora.peft_target_lists(metadata.family, target_modules)
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_name,
         "r": metadata.lora_rank,
         "lora_alpha": metadata.lora_alpha,
-        "target_modules": target_modules,
+        "target_modules": modules,
+        **({"target_parameters": parameters} if parameters else {}),
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -70,18 +75,58 @@ def export_adapter(checkpoint: str | Path, out: str | Path, *, base_name: str | 
 
     params, metadata = lora.load_adapter_checkpoint(checkpoint)
     tensors, found = lora.to_peft(params, metadata.family, num_layers(params), metadata.lora_rank)
+    base_config = _base_hf_config(metadata)
+    tensors = lora.peft_names_for_base(tensors, base_config)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
     config = adapter_config(metadata, found, base_name or base_model_name_or_path(metadata))
+    config["target_modules"] = lora.peft_target_modules(config["target_modules"], base_config)
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def _base_hf_config(metadata: CheckpointMetadata) -> dict:
+    """The base model's config.json (it says whether PEFT sees a multimodal layout): from the base
+    checkpoint, else the run's tokenizer/config location (a MaxText base; local, gs:// or a Hub repo id).
+    Without one, the text-only layout is assumed, with a warning."""
+    base = metadata.load_parameters_path
+    if base and storage.exists(storage.join(base, "config.json")):
+        with storage.local_input(base, patterns=("config.json",)) as directory:
+            return json.loads((directory / "config.json").read_text())
+    if metadata.tokenizer_path:
+        try:
+            with storage.local_input(metadata.tokenizer_path, hub=True, patterns=("config.json",)) as directory:
+                if (directory / "config.json").is_file():
+                    return json.loads((directory / "config.json").read_text())
+        except (OSError, ValueError) as error:  # StorageError, Hub errors
+            log.warning("cannot read config.json from %s: %s", metadata.tokenizer_path, error)
+    log.warning(
+        "no config.json for base %s: writing the adapter for a text-only model layout (not the "
+        "model.language_model. names a multimodal base needs)",
+        base,
+    )
+    return {}
+
+
+def select_checkpoint(checkpoint: str | Path, step: str) -> str:
+    """The step directory that `step` (best or a number) names under a checkpoint root; `latest` leaves
+    `checkpoint` as given (a step directory, or a root whose newest step is read)."""
+    if step == "latest":
+        return str(checkpoint)
+    try:
+        chosen = choose_checkpoint(step, complete_checkpoints(checkpoint))
+    except (LookupError, CheckpointError) as error:
+        raise ExportError(f"--step {step} of {checkpoint}: {error.args[0]}") from None
+    log.info("exporting checkpoint step %d (%s)", chosen.step, step)
+    return join(str(checkpoint), str(chosen.step))
 
 
 def export(
     checkpoint: str | Path,
     out: str | Path,
     *,
+    step: str = "latest",
     base_name: str | None = None,
     merged: bool = False,
     base: str | Path | None = None,
@@ -91,7 +136,12 @@ def export(
     """Export `checkpoint` to `out` (adapter, and `out`/merged if `merged`); push `out` to `hub_repo` if set."""
     if hub_repo:
         storage.hf_token()  # a missing token fails before any work
-    with storage.local_input(checkpoint) as local_checkpoint, storage.local_output(out) as local_out:
+    checkpoint = select_checkpoint(checkpoint, step)
+    with (
+        stages.stage(log, f"exporting {checkpoint} to {out}" + (" with merged weights" if merged else "")),
+        storage.local_input(checkpoint) as local_checkpoint,
+        storage.local_output(out) as local_out,
+    ):
         export_adapter(local_checkpoint, local_out, base_name=base_name)
         if merged:
             export_merged(local_checkpoint, local_out / "merged", base=base, base_config=base_config)
@@ -127,22 +177,22 @@ def _write_merged(
     import jax.numpy as jnp  # noqa: PLC0415
     from etils import epath  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
-    from jax.sharding import Mesh  # noqa: PLC0415
 
+    from lorajob_trainer import mesh as mesh_lib  # noqa: PLC0415
     from lorajob_trainer import models, weights  # noqa: PLC0415
 
-    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    mesh = mesh_lib.host_mesh(jax.devices()[:1])
     model, spec = models.load_model(metadata.base_model, base, mesh=mesh, dtype=jnp.float32, config_dir=config_dir)
-    if "text_config" in spec.hf_config:
-        raise ExportError(f"{spec.config_source} is a multimodal config; merged export writes text-only models only")
-    regex = metadata.lora_module_path or lora.module_path_regex(spec.family.name, metadata.target_modules)
+    regex = lora.target_regex(spec.family.name, metadata.target_modules, metadata.lora_module_path)
     model = lora.apply_lora(
         model, rank=metadata.lora_rank, alpha=metadata.lora_alpha, target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0)
     )
     lora.set_lora_params(model, params)
     merged = lora.merged_base_params(model, metadata.lora_alpha, metadata.lora_rank)
     dtype = _hf_dtype(spec.hf_config)
-    tensors = {k: v.astype(dtype) for k, v in weights.hf_tensors(merged, spec.tensor_maps()).items()}
+    prefix, towers = _other_towers(spec) if lora.is_multimodal(spec.hf_config) else ("model.", {})
+    tensors = {k: v.astype(dtype) for k, v in weights.hf_tensors(merged, spec.tensor_maps(), prefix).items()}
+    tensors.update(towers)
     total = sum(t.nbytes for t in tensors.values())
     weights.save_hf_safetensors(out, tensors, shards=max(1, math.ceil(total / MAX_SHARD_BYTES)))
     (out / "config.json").write_text(json.dumps(spec.hf_config, indent=2) + "\n")
@@ -151,6 +201,21 @@ def _write_merged(
         if source.is_file():
             source.copy(out / name, overwrite=True)
     return out
+
+
+def _other_towers(spec) -> tuple[str, dict[str, np.ndarray]]:
+    """A multimodal base's language-model prefix and its other tensors (vision/audio towers, projections),
+    copied unchanged so that the merged export is the full checkpoint."""
+    from lorajob_trainer import weights  # noqa: PLC0415
+
+    if spec.format != "hf":
+        raise ExportError(
+            f"{spec.checkpoint} is a {spec.format} checkpoint of a multimodal model and holds its language model "
+            "only; pass the Hugging Face checkpoint as --base to write the full merged model"
+        )
+    source = weights.SafetensorsDir(spec.checkpoint)
+    prefix = weights.decoder_prefix(source.names())
+    return prefix, {name: source.read(name) for name in sorted(source.names()) if not name.startswith(prefix)}
 
 
 def _hf_dtype(hf_config: dict) -> np.dtype:
@@ -164,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="step directory or checkpoint root (or gs:// URI)")
     parser.add_argument("--out", required=True, help="directory or gs:// URI")
+    parser.add_argument("--step", default="latest",
+                        help="which checkpoint of a checkpoint root: latest (default), best (lowest eval loss) or a step")
     parser.add_argument("--merged", action="store_true", help="also write merged full weights to OUT/merged")
     parser.add_argument("--base", help="base checkpoint for --merged (default: from the metadata)")
     parser.add_argument(
@@ -174,11 +241,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--base-model-name-or-path", help="adapter_config.json base_model_name_or_path")
     parser.add_argument("--hub-repo", help="also push OUT to this Hugging Face Hub model repo (org/name)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
+    configure_logging()
     try:
         export(
             args.checkpoint,
             args.out,
+            step=args.step,
             base_name=args.base_model_name_or_path,
             merged=args.merged,
             base=args.base,

@@ -48,6 +48,7 @@ from jax.sharding import Mesh
 
 from lorajob_trainer import weights
 from lorajob_trainer.checkpoint import CheckpointMetadata
+from lorajob_trainer.models import experts
 
 PEFT_PREFIX = "base_model.model.model.layers"
 
@@ -67,6 +68,8 @@ class TargetModule:
     """Path inside an HF decoder layer, e.g. self_attn.q_proj."""
     tunix_path: str
     """NNX module path inside a Tunix decoder layer, e.g. attn.q_proj."""
+    parameter: str | None = None
+    """For routed experts: the HF parameter of `hf_path` adapted (PEFT `target_parameters`, see models/experts.py)."""
 
 
 @functools.cache
@@ -88,23 +91,33 @@ def default_targets(family: str) -> list[str]:
 
 def target_modules_all(family: str) -> list[TargetModule]:
     """Every projection LoRA can adapt in `family`, in lora_targets.yaml order."""
-    return [TargetModule(name, spec["hf"], spec["tunix"]) for name, spec in _family_table(family)["modules"].items()]
+    return [
+        TargetModule(name, spec["hf"], spec["tunix"], spec.get("parameter"))
+        for name, spec in _family_table(family)["modules"].items()
+    ]
 
 
 def target_modules(family: str, names: list[str] | None = None) -> list[TargetModule]:
-    """TargetModules for HF projection `names` (default: the family default); LoraError if unknown."""
+    """TargetModules for HF projection `names` (default: the family default) in lora_targets.yaml order;
+    LoraError if unknown."""
     known = {t.name: t for t in target_modules_all(family)}
     names = default_targets(family) if names is None else names
     unknown = sorted(set(names) - set(known))
     if unknown:
         raise LoraError(f"unknown target modules {unknown} for {family}; known: {', '.join(known)}")
-    return [known[name] for name in names]
+    return [target for name, target in known.items() if name in names]
 
 
 def module_path_regex(family: str, names: list[str] | None = None) -> str:
     """The Qwix `module_path` regex (full match on `/`-joined paths) selecting `names`."""
     paths = sorted({t.tunix_path.replace(".", "/") for t in target_modules(family, names)})
     return r"layers/\d+/(" + "|".join(re.escape(p) for p in paths) + ")"
+
+
+def target_regex(family: str, names: list[str] | None, lora_module_path: str = "") -> str:
+    """The Qwix regex a run's adapters use: its explicit `lora_module_path`, else the one selecting `names`
+    (train, convert and export all resolve it here)."""
+    return lora_module_path or module_path_regex(family, names)
 
 
 def names_for_regex(family: str, regex: str, num_layers: int) -> list[str]:
@@ -131,11 +144,17 @@ def apply_lora(
     """
     if rank <= 0:
         raise LoraError(f"LoRA rank must be positive, got {rank}")
-    provider = qwix.LoraProvider(module_path=target_regex, rank=rank, alpha=alpha)
+    expert_paths = ["/".join(map(str, p)) for p, m in nnx.iter_graph(model) if isinstance(m, experts.ExpertsLinear)]
+    # Routed experts carry their own adapters; Qwix must not also adapt the matmuls inside them.
+    qwix_regex = "".join(f"(?!{re.escape(p)}$)" for p in expert_paths) + f"(?:{target_regex})"
+    provider = qwix.LoraProvider(module_path=qwix_regex, rank=rank, alpha=alpha)
     batch = mesh.devices.size
     inputs = (jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1), jnp.int32), None, jnp.ones((batch, 1, 1), bool))
     with mesh:
         lora_model = qwix.apply_lora_to_model(model, provider, *inputs, rngs=rngs)
+    for path, module in nnx.iter_graph(lora_model):
+        if isinstance(module, experts.ExpertsLinear) and re.fullmatch(target_regex, "/".join(map(str, path))):
+            module.add_lora(rank, alpha, rngs)
     state = nnx.state(lora_model, nnx.LoRAParam)
     flat = nnx.to_flat_state(state)
     if not flat:
@@ -185,8 +204,20 @@ def set_lora_params(model: nnx.Module, params: Mapping[str, Any]) -> None:
 # --- HF PEFT mapping ---------------------------------------------------------------------------
 
 
-def _peft_key(layer: int, target: TargetModule, which: str) -> str:
-    return f"{PEFT_PREFIX}.{layer}.{target.hf_path}.lora_{which}.weight"
+def _peft_key(layer: int, target: TargetModule, which: str, targets: list[TargetModule]) -> str:
+    """PEFT's tensor name. PEFT nests one ParamWrapper per adapted parameter of a module, in the module's
+    parameter order (whatever the order of `target_parameters`), the last outermost: an earlier one sits
+    under `base_layer.` once per later one. `targets` are the adapted ones in lora_targets.yaml order,
+    which lists a module's parameters in that order."""
+    later = [t for t in targets[targets.index(target) + 1 :] if t.parameter and t.hf_path == target.hf_path]
+    nesting = "base_layer." * len(later) if target.parameter else ""
+    return f"{PEFT_PREFIX}.{layer}.{target.hf_path}.{nesting}lora_{which}.weight"
+
+
+def peft_target_lists(family: str, names: list[str]) -> tuple[list[str], list[str]]:
+    """adapter_config.json (target_modules, target_parameters) for our target `names`."""
+    targets = target_modules(family, names)
+    return [t.name for t in targets if not t.parameter], [t.name for t in targets if t.parameter]
 
 
 def _our_key(layer: int, target: TargetModule, weight: str, which: str) -> str:
@@ -206,9 +237,11 @@ def to_peft(
 ) -> tuple[dict[str, np.ndarray], list[str]]:
     """Trainer LoRA params -> (PEFT adapter tensors, target module names found)."""
     tensors: dict[str, np.ndarray] = {}
-    found: list[str] = []
     used: set[str] = set()
-    for target in target_modules_all(family):
+    present = [
+        t for t in target_modules_all(family) if any(_weight_name(params, i, t) for i in range(num_layers))
+    ]
+    for target in present:
         for layer in range(num_layers):
             weight = _weight_name(params, layer, target)
             if weight is None:
@@ -216,12 +249,15 @@ def to_peft(
             a_key, b_key = _our_key(layer, target, weight, "a"), _our_key(layer, target, weight, "b")
             a, b = np.asarray(params[a_key]), np.asarray(params[b_key])
             used.update((a_key, b_key))
-            if a.shape[-1] != rank or b.shape[0] != rank:
-                raise LoraError(f"{a_key}/{b_key} have rank {a.shape[-1]}/{b.shape[0]}, metadata says {rank}")
-            tensors[_peft_key(layer, target, "A")] = np.ascontiguousarray(a.reshape(-1, rank).T)
-            tensors[_peft_key(layer, target, "B")] = np.ascontiguousarray(b.reshape(rank, -1).T)
-            if target.name not in found:
-                found.append(target.name)
+            if a.shape[-1] != rank or b.shape[-2 if target.parameter else 0] != rank:
+                raise LoraError(f"{a_key}/{b_key} have shapes {a.shape}/{b.shape}, metadata says rank {rank}")
+            if target.parameter:
+                lora_a, lora_b = experts.to_peft(a, b)
+            else:
+                lora_a, lora_b = a.reshape(-1, rank).T, b.reshape(rank, -1).T
+            tensors[_peft_key(layer, target, "A", present)] = np.ascontiguousarray(lora_a)
+            tensors[_peft_key(layer, target, "B", present)] = np.ascontiguousarray(lora_b)
+    found = [t.name for t in present]
     leftover = sorted(set(params) - used)
     if leftover:
         raise LoraError(f"LoRA parameters with no HF PEFT equivalent: {leftover[:4]}")
@@ -233,7 +269,7 @@ def from_peft(
 ) -> dict[str, np.ndarray]:
     """PEFT adapter tensors -> trainer LoRA params shaped like `template` (the model's LoRA params).
 
-    LoraError for missing or unexpected tensors, or wrong shapes.
+    `targets` as `target_modules` returns them. LoraError for missing or unexpected tensors, or wrong shapes.
     """
     params: dict[str, np.ndarray] = {}
     used: set[str] = set()
@@ -241,16 +277,22 @@ def from_peft(
     for layer in layers:
         for target in targets:
             weight = _weight_name(template, layer, target)
-            if weight is None:
-                raise LoraError(f"the model has no adapter at layers.{layer}.{target.tunix_path}")
+            if weight is None:  # the layer has no such projection (Gemma 4: k_eq_v and KV-shared layers)
+                continue
             a_key, b_key = _our_key(layer, target, weight, "a"), _our_key(layer, target, weight, "b")
             a_shape, b_shape = tuple(template[a_key].shape), tuple(template[b_key].shape)
-            a_name, b_name = _peft_key(layer, target, "A"), _peft_key(layer, target, "B")
+            a_name, b_name = _peft_key(layer, target, "A", targets), _peft_key(layer, target, "B", targets)
             for name in (a_name, b_name):
                 if name not in tensors:
                     raise LoraError(f"adapter lacks {name}")
             used.update((a_name, b_name))
-            a, b = np.asarray(tensors[a_name]).T, np.asarray(tensors[b_name]).T
+            a, b = np.asarray(tensors[a_name]), np.asarray(tensors[b_name])
+            if target.parameter and (a.ndim != 2 or a.shape[0] != math.prod(a_shape[::2])):
+                raise LoraError(
+                    f"adapter tensor {a_name} has shape {a.shape}, the model's {a_shape[0]} experts of rank "
+                    f"{a_shape[-1]} need {a_shape[0] * a_shape[-1]} rows"
+                )
+            a, b = experts.from_peft(a, b, a_shape[0]) if target.parameter else (a.T, b.T)
             if a.size != math.prod(a_shape) or b.size != math.prod(b_shape):
                 raise LoraError(
                     f"adapter tensors for layers.{layer}.{target.tunix_path} have shapes {a.shape}/{b.shape}, "
@@ -261,6 +303,53 @@ def from_peft(
     if unexpected:
         raise LoraError(f"adapter tensors with no place in the model: {unexpected[:4]}")
     return params
+
+
+# A multimodal checkpoint (Gemma 3 >= 4B, Gemma 4; config.json with a text_config) holds its decoder
+# under `model.language_model.`, and PEFT names adapters by that module path. to_peft / from_peft
+# use the text-only names; these convert at the boundary.
+PEFT_MULTIMODAL_PREFIX = "base_model.model.model.language_model.layers"
+
+
+def is_multimodal(hf_config: Mapping[str, Any]) -> bool:
+    return "text_config" in hf_config
+
+
+def _rename_prefix(tensors: Mapping[str, Any], old: str, new: str) -> dict[str, Any]:
+    return {(new + key[len(old) :] if key.startswith(old + ".") else key): value for key, value in tensors.items()}
+
+
+def peft_names_for_base(tensors: Mapping[str, Any], hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """to_peft's tensors named as PEFT names them on the base model of `hf_config`."""
+    return _rename_prefix(tensors, PEFT_PREFIX, PEFT_MULTIMODAL_PREFIX) if is_multimodal(hf_config) else dict(tensors)
+
+
+def peft_names_from_base(tensors: Mapping[str, Any], hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of `peft_names_for_base`; adapters outside the language model keep their names (and are
+    then refused by from_peft as having no place in the model)."""
+    return _rename_prefix(tensors, PEFT_MULTIMODAL_PREFIX, PEFT_PREFIX) if is_multimodal(hf_config) else dict(tensors)
+
+
+def peft_target_modules(names: list[str], hf_config: Mapping[str, Any]) -> list[str] | str:
+    """adapter_config.json target_modules for `names`: the list, or for a multimodal base a regex limited to
+    the language model, as PEFT's own Gemma 4 default is (the vision tower has modules of the same names,
+    which PEFT would otherwise adapt or fail on)."""
+    if not is_multimodal(hf_config) or not names:
+        return names
+    return r".*language_model\.layers\.\d+\..*\.(" + "|".join(re.escape(n) for n in names) + ")"
+
+
+def names_for_peft_regex(family: str, regex: str, num_layers: int, hf_config: Mapping[str, Any]) -> list[str]:
+    """Our target names whose modules PEFT's `target_modules` regex (matched in full against module names,
+    as PEFT does) selects in some decoder layer of the base of `hf_config`."""
+    decoder = "model.language_model" if is_multimodal(hf_config) else "model"
+    pattern = re.compile(regex)
+    return [
+        t.name
+        for t in target_modules_all(family)
+        if not t.parameter
+        and any(pattern.fullmatch(f"{decoder}.layers.{i}.{t.hf_path}") for i in range(num_layers))
+    ]
 
 
 def merged_base_params(model: nnx.Module, alpha: float, rank: int) -> dict[str, np.ndarray]:
@@ -277,7 +366,10 @@ def merged_base_params(model: nnx.Module, alpha: float, rank: int) -> dict[str, 
         module_path, weight = key[: -len("_lora_a")].rsplit(".", 1)
         a = np.asarray(lora[key], np.float32)
         b = np.asarray(lora[f"{module_path}.{weight}_lora_b"], np.float32)
-        delta = (a.reshape(-1, rank) @ b.reshape(rank, -1) * (alpha / rank)).reshape(*a.shape[:-1], *b.shape[1:])
+        if isinstance(modules[module_path], experts.ExpertsLinear):
+            delta = modules[module_path].lora_delta(a, b) * (alpha / rank)
+        else:
+            delta = (a.reshape(-1, rank) @ b.reshape(rank, -1) * (alpha / rank)).reshape(*a.shape[:-1], *b.shape[1:])
         einsum_str = getattr(modules[module_path], "einsum_str", None)
         if einsum_str is not None:
             delta = delta.transpose(_einsum_weight_order(einsum_str))
@@ -334,6 +426,9 @@ def load_adapter_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], Ch
     if not custom:
         raise LoraError(f"{step_dir} has no LoRA metadata (rank, alpha, base model)")
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-        tree = checkpointer.restore(step_dir / "lora")
+        # As host arrays: the shardings of a multi-host run's save cannot be rebuilt in one process.
+        saved = checkpointer.metadata(step_dir / "lora").item_metadata.tree
+        as_host = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
+        tree = checkpointer.restore(step_dir / "lora", restore_args=as_host)
     params = {key: np.asarray(value) for key, value in weights.flatten(tree).items()}
     return params, CheckpointMetadata.from_json(custom)

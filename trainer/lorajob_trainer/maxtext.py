@@ -320,6 +320,11 @@ def load_state(
     abstract_state: nnx.State, family: str, tunix_config: Any, location: str, *, mesh: Mesh, dtype: Any
 ) -> nnx.State:
     """Fill an abstract NNX state of `family` from the MaxText checkpoint at `location` (`.../0/items`)."""
+    if family not in LAYOUTS:
+        raise weights.WeightsError(
+            f"{location}: MaxText checkpoints of {family} models are not supported (supported: {', '.join(LAYOUTS)}); "
+            "start from the Hugging Face checkpoint instead (spec.model.huggingFace)"
+        )
     layout = LAYOUTS[family]
     metadata = read_metadata(location)
     keys = {key.removeprefix(TREE_PREFIX) for key in metadata if key.startswith(TREE_PREFIX)}

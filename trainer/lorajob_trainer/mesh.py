@@ -52,6 +52,11 @@ def build_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) 
     return Mesh(grid, AXES)
 
 
+def host_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The trainer's axes over this process's devices (all on fsdp), for work outside training: convert, export."""
+    return build_mesh(MeshConfig(), jax.local_devices() if devices is None else devices)
+
+
 def batch_sharding(mesh: Mesh, leading_dims: int = 1) -> NamedSharding:
     """Sharding of `[leading..., batch, ...]` arrays: batch split over the data-parallel axes."""
     return NamedSharding(mesh, PartitionSpec(*([None] * leading_dims), BATCH_AXES))

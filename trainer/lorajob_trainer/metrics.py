@@ -5,8 +5,10 @@ weights cost a forward (2N) and an activation-gradient backward (2N) but no weig
 causal attention costs 6 * seq_len * (sum over layers of heads * head_dim) forward + backward;
 each adapter costs 6 FLOPs per parameter (forward, activation and weight gradient). N counts
 matmul weights: every base parameter with 2+ dimensions, except the embedding table when the
-model has a separate output projection (an embedding lookup is not a matmul). Tokens are real
-(non-padding) tokens, so MFU measures useful work.
+model has a separate output projection (an embedding lookup is not a matmul). Mixture-of-experts
+weights and their adapters count with the share of experts a token uses (`active`: top-k / experts),
+so N is the active parameters per token. Tokens are real (non-padding) tokens, so MFU measures
+useful work.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lorajob_trainer.contract import CheckpointRecord, ProgressRecord, RunLayout
+
 PEAK_BF16_FLOPS = {
     # Dense bf16 peak per device, by a substring of jax.Device.device_kind.
     "H200": 989e12,
@@ -33,11 +37,6 @@ PEAK_BF16_FLOPS = {
     "TPU v5": 459e12,
     "TPU v4": 275e12,
 }
-PROGRESS_LINE_PREFIX = "LORAJOB_PROGRESS "
-"""Starts the stdout line that repeats each progress update as compact JSON: the operator reads it from
-the lead pod's log (it cannot read the run directory, usually on gs://)."""
-
-
 @dataclass(frozen=True)
 class LoraFlops:
     frozen_matmul_params: int
@@ -52,17 +51,24 @@ class LoraFlops:
         return 4 * self.frozen_matmul_params + 6 * self.seq_len * self.attention_width + 6 * self.adapter_params
 
 
-def frozen_matmul_params(base_shapes: dict[str, tuple[int, ...]]) -> int:
-    """N from `{dotted path: shape}` of the base (non-LoRA) parameters."""
+def frozen_matmul_params(base_shapes: dict[str, tuple[int, ...]], active: dict[str, float] | None = None) -> int:
+    """N from `{dotted path: shape}` of the base (non-LoRA) parameters; `active` maps path prefixes
+    (routed experts' modules) to the share of them a token uses."""
     has_output_projection = any("lm_head" in path for path in base_shapes)
-    total = 0
+    total = 0.0
     for path, shape in base_shapes.items():
         if len(shape) < 2:
             continue
         if has_output_projection and "embed" in path:
             continue
-        total += math.prod(shape)
-    return total
+        total += math.prod(shape) * active_share(path, active)
+    return round(total)
+
+
+def active_share(path: str, active: dict[str, float] | None) -> float:
+    """The share of the parameter at `path` (dotted or `/`-joined) one token uses (1 outside routed experts)."""
+    dotted = path.replace("/", ".")
+    return next((share for prefix, share in (active or {}).items() if dotted.startswith(prefix)), 1.0)
 
 
 def peak_flops_per_device(device_kind: str, override_tflops: float | None) -> float | None:
@@ -131,20 +137,20 @@ class StepTimer:
 class MetricsWriter:
     """Writes metrics on the lead process: `metrics.jsonl`, TensorBoard events and `progress.json`."""
 
-    def __init__(self, run_directory: Path, total_steps: int, *, enabled: bool, tensorboard: bool,
-                 progress_lines: bool = False):
+    def __init__(self, layout: RunLayout, total_steps: int, *, enabled: bool, tensorboard: bool,
+                 progress_lines: bool):
         self.total_steps = total_steps
         self.enabled = enabled
         self.progress_lines = progress_lines
-        self.metrics_path = run_directory / "metrics.jsonl"
-        self.progress_path = run_directory / "progress.json"
+        self.metrics_path = Path(layout.metrics)
+        self.progress_path = Path(layout.progress)
         self._tensorboard = None
         if enabled:
-            run_directory.mkdir(parents=True, exist_ok=True)
+            Path(layout.run_directory).mkdir(parents=True, exist_ok=True)
             if tensorboard:
                 from tensorboardX import SummaryWriter
 
-                self._tensorboard = SummaryWriter(str(run_directory / "tensorboard"))
+                self._tensorboard = SummaryWriter(layout.tensorboard)
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
@@ -158,28 +164,22 @@ class MetricsWriter:
                     self._tensorboard.add_scalar(name, value, step)
 
     def progress(
-        self, step: int, *, loss: float | None, tokens_per_second: float, eta_seconds: float, state: str, message: str = ""
+        self, step: int, *, loss: float | None, tokens_per_second: float, eta_seconds: float, state: str, message: str = "",
+        eval_loss: float | None = None, eval_step: int | None = None, checkpoints: tuple[CheckpointRecord, ...] = (),
     ) -> None:
         """Atomically replace the progress file and, with `progress_lines`, print it as one line on stdout."""
         if not self.enabled:
             return
-        progress = {
-            "step": step,
-            "total_steps": self.total_steps,
-            "loss": loss if loss is not None and math.isfinite(loss) else None,
-            "tokens_per_second": tokens_per_second,
-            "eta_seconds": eta_seconds if math.isfinite(eta_seconds) else None,
-            "state": state,
-            "message": message,
-            "updated": time.time(),
-        }
+        record = ProgressRecord(step=step, total_steps=self.total_steps, loss=loss, tokens_per_second=tokens_per_second,
+                                eta_seconds=eta_seconds, state=state, message=message, eval_loss=eval_loss,
+                                eval_step=eval_step, checkpoints=checkpoints, updated=time.time())
         partial = self.progress_path.with_suffix(".json.tmp")
-        partial.write_text(json.dumps(progress))
+        partial.write_text(record.to_json())
         os.replace(partial, self.progress_path)
         if not self.progress_lines:
             return
         # Flushed: a container's stdout is a pipe, and the operator polls the log while training runs.
-        print(PROGRESS_LINE_PREFIX + json.dumps(progress, separators=(",", ":")), file=sys.stdout, flush=True)
+        print(record.line(), file=sys.stdout, flush=True)
 
     def close(self) -> None:
         if self._tensorboard is not None:

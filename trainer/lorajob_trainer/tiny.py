@@ -73,6 +73,24 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "attention_bias": False,
         "mlp_bias": False,
     },
+    # Four experts, top-2, without renormalising the top-k weights (transformers' default; Tunix always
+    # renormalises, see models/qwen3_moe.py); rope_theta != 1e6 as for qwen3.
+    "qwen3-moe": {
+        **_COMMON,
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_act": "silu",
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001,
+        "rope_theta": 10_000.0,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+    },
     # Six layers so the Gemma 3 pattern reaches its global layer (theta 1e6, linear scaling 8).
     "gemma3": {
         **_COMMON,

@@ -18,7 +18,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -37,7 +37,10 @@ from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import metrics as metrics_lib
 from lorajob_trainer import remat as remat_lib
 from lorajob_trainer import models, weights
+from lorajob_trainer.models import experts
 from lorajob_trainer.config import ConfigError, TrainConfig, describe_keys, resolve_target_modules
+from lorajob_trainer.console import ConsoleProgress, configure_logging
+from lorajob_trainer.contract import STOPPED_EARLY, CheckpointRecord
 from lorajob_trainer.optim import build_optimizer, learning_rate_per_step
 
 log = logging.getLogger("lorajob_trainer.train")
@@ -67,6 +70,8 @@ class LoraModel:
     target_modules: list[str] | None
     attention_width: int
     """Sum over layers of query heads * head_dim (for the FLOPs model)."""
+    active: dict[str, float] = field(default_factory=dict)
+    """Routed experts' module paths (with a trailing ".") -> share a token uses (for the FLOPs model)."""
 
 
 def compute_dtype(config: TrainConfig) -> jnp.dtype:
@@ -84,16 +89,14 @@ def load_lora_model(config: TrainConfig, mesh: Mesh, dtype: jnp.dtype) -> LoraMo
     )
     family = spec.family.name
     targets = resolve_target_modules(config, lora_lib.default_targets(family))
+    regex = lora_lib.target_regex(family, targets, config.lora.lora_module_path)
     if targets is None:
-        regex = config.lora.lora_module_path
         targets = lora_lib.names_for_regex(family, regex, spec.tunix_config.num_layers) or None
-    else:
-        regex = lora_lib.module_path_regex(family, targets)
     model = lora_lib.apply_lora(
         model, rank=config.lora.lora_rank, alpha=config.lora.lora_alpha, target_regex=regex, mesh=mesh,
         rngs=nnx.Rngs(config.seed),
     )
-    return LoraModel(model, targets, attention_width(spec.tunix_config))
+    return LoraModel(model, targets, attention_width(spec.tunix_config), experts.active_shares(model))
 
 
 def attention_width(tunix_config: Any) -> int:
@@ -222,11 +225,18 @@ def trainable_adapters(layout: LoraLayout, lora: nnx.State) -> dict[str, jax.Arr
     return {name: jnp.copy(value).astype(jnp.float32) for name, value in layout.flat(lora).items()}
 
 
-def lora_flops(base: nnx.State, lora: dict[str, jax.Array], attention_width_sum: int, seq_len: int) -> metrics_lib.LoraFlops:
+def lora_flops(
+    base: nnx.State,
+    lora: dict[str, jax.Array],
+    attention_width_sum: int,
+    seq_len: int,
+    active: dict[str, float] | None = None,
+) -> metrics_lib.LoraFlops:
+    """The FLOPs model's counts; `active` as `LoraModel.active` (None: no routed experts)."""
     return metrics_lib.LoraFlops(
-        frozen_matmul_params=metrics_lib.frozen_matmul_params(_shapes(base)),
+        frozen_matmul_params=metrics_lib.frozen_matmul_params(_shapes(base), active),
         attention_width=attention_width_sum,
-        adapter_params=sum(x.size for x in lora.values()),
+        adapter_params=round(sum(x.size * metrics_lib.active_share(name, active) for name, x in lora.items())),
         seq_len=seq_len,
     )
 
@@ -301,6 +311,32 @@ class RunResult:
     final_loss: float | None
     resumed_from: int | None
     eval_loss: float | None = None
+    stopped_early: bool = False
+    """The eval loss stopped improving (early_stopping_patience) before the last step."""
+
+
+@dataclass
+class Plateau:
+    """Early stopping: the eval loss has not improved on the best by `min_delta` for `patience` evaluations."""
+
+    patience: int
+    min_delta: float
+    best: float | None = None
+    without_improvement: int = 0
+
+    def update(self, eval_loss: float | None) -> bool:
+        """Record an evaluation; True when training should stop."""
+        if eval_loss is None:
+            return False
+        if self.best is None or eval_loss < self.best - self.min_delta:
+            self.best, self.without_improvement = eval_loss, 0
+        else:
+            self.without_improvement += 1
+        return 0 < self.patience <= self.without_improvement
+
+    def describe(self) -> str:
+        return (f"eval loss did not improve on {self.best:.4f} by more than {self.min_delta:g} "
+                f"in {self.without_improvement} evaluations")
 
 
 class Trainer:
@@ -325,32 +361,32 @@ class Trainer:
         self.tokenizer = data_lib.load_tokenizer(
             str(models.local_config_directory(config.tokenizer_directory)), config.chat_template_path
         )
-        self.train_feed = self._feed(self._load(self._train_source()), config.gradient_accumulation_steps,
+        self.train_feed = self._feed(self._load(data_lib.train_source(config)), config.gradient_accumulation_steps,
                                      config.epoch_policy)
-        self.eval_data = self._load(self._eval_source()) if config.eval_interval else None
+        self.eval_data = self._load(data_lib.eval_source(config)) if config.eval_interval else None
         self.is_lead = jax.process_index() == 0
         self.writer = metrics_lib.MetricsWriter(
-            config.run_directory, config.steps, enabled=self.is_lead, tensorboard=config.enable_tensorboard,
+            config.layout, config.steps, enabled=self.is_lead, tensorboard=config.enable_tensorboard,
             progress_lines=config.progress_lines,
         )
-        self.flops = lora_flops(base, self.lora, lora_model.attention_width, config.max_target_length)
+        self.flops = lora_flops(
+            base, self.lora, lora_model.attention_width, config.max_target_length, lora_model.active
+        )
         self.peak_flops = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind, config.peak_tflops_per_device)
         self.checkpointer = self._checkpointer()
         self.stop = preemption.StopSignal()
         self.current_step = 0
         self.last_tokens_per_second = 0.0
+        self.last_loss: float | None = None
+        self.last_eval: tuple[int | None, float | None] = (None, None)
+        """(step, loss) of the latest evaluation."""
+        self.kept_checkpoints: tuple[CheckpointRecord, ...] = ()
+        """The complete checkpoints the run keeps, reported in every progress record."""
+        self.plateau = Plateau(config.early_stopping_patience, config.early_stopping_min_delta)
 
     # Setup helpers.
     def _rows_per_micro_batch(self) -> int:
         return self.config.per_device_batch_size * self.mesh.size
-
-    def _train_source(self) -> data_lib.DataSource:
-        c = self.config
-        return data_lib.DataSource(c.hf_path, c.hf_name, c.hf_data_dir, c.train_split, tuple(c.hf_train_files or ()))
-
-    def _eval_source(self) -> data_lib.DataSource:
-        c = self.config
-        return data_lib.DataSource(c.hf_path, c.hf_name, c.hf_data_dir, c.hf_eval_split, tuple(c.hf_eval_files or ()))
 
     def _load(self, source: data_lib.DataSource) -> tuple[Any, Callable[[int], data_lib.EncodedExample]]:
         columns = self.config.train_data_columns
@@ -410,6 +446,7 @@ class Trainer:
                 latest, self.lora, self.opt_state, self.train_feed.positions()
             )
             self.train_feed.restore(positions)
+            self.kept_checkpoints = tuple(self.checkpointer.complete())
             log.info("resumed from checkpoint step %d in %s", latest, self.checkpointer.directory)
             return latest
         if self.config.lora.lora_restore_path:
@@ -442,7 +479,9 @@ class Trainer:
             return result
         timer = metrics_lib.StepTimer()
         pending: tuple[int, dict[str, jax.Array]] | None = None
-        with self.mesh, self.stop:
+        # The operator's pods print progress lines for the operator instead.
+        self.console = ConsoleProgress(total, start, enabled=self.is_lead and not self.config.progress_lines)
+        with self.mesh, self.stop, self.console:
             for step in range(start + 1, total + 1):
                 try:
                     batch = self._next_batch(step)
@@ -459,10 +498,14 @@ class Trainer:
                     pending = None
                     if self._eval_due(step):
                         result.eval_loss = self._evaluate(step)
-                    if self._checkpoint_due(step):
-                        self._save(step)
+                        result.stopped_early = self.plateau.update(result.eval_loss) and step < total
+                    if self._checkpoint_due(step) or result.stopped_early:
+                        self._save(step, result.final_loss)
                     timer.reset()
                 result.final_step = self.current_step = step
+                if result.stopped_early:
+                    log.info("stopping early at step %d: %s", step, self.plateau.describe())
+                    break
                 if step < total and self.stop.due(step):
                     if pending is not None:
                         result.final_loss = self._report(*pending, timer)
@@ -471,8 +514,12 @@ class Trainer:
                 result.final_loss = self._report(*pending, timer)
         if self.checkpointer:
             self._finish_checkpoints()
-        self.writer.progress(total, loss=result.final_loss, tokens_per_second=self.last_tokens_per_second,
-                             eta_seconds=0.0, state="succeeded")
+        if result.stopped_early:
+            self.report_progress(result.final_step, loss=result.final_loss, tokens_per_second=self.last_tokens_per_second,
+                                 eta_seconds=0.0, state=STOPPED_EARLY, message=self.plateau.describe())
+        else:
+            self.report_progress(total, loss=result.final_loss, tokens_per_second=self.last_tokens_per_second,
+                                 eta_seconds=0.0, state="succeeded")
         return result
 
     def _next_batch(self, step: int) -> Batch:
@@ -490,17 +537,27 @@ class Trainer:
         interval = self.config.eval_interval
         return interval > 0 and (step % interval == 0 or step == self.config.steps)
 
-    def _save(self, step: int) -> None:
+    def _save(self, step: int, train_loss: float | None) -> None:
+        eval_step, eval_loss = self.last_eval
+        metadata = replace(self.metadata(step), train_loss=train_loss, time=time.time(),
+                                       eval_loss=eval_loss if eval_step == step else None)
         try:
-            self.checkpointer.save(step, self.lora, self.opt_state, self.train_feed.positions(), self.metadata(step))
+            self.checkpointer.save(step, self.lora, self.opt_state, self.train_feed.positions(), metadata)
         except ckpt.CheckpointError as error:
             raise TrainingFailed(str(error), exit_codes.CHECKPOINT_WRITE) from None
+        self.kept_checkpoints = tuple(self.checkpointer.complete())
 
     def _finish_checkpoints(self) -> None:
         try:
             self.checkpointer.wait()
         except ckpt.CheckpointError as error:
             raise TrainingFailed(str(error), exit_codes.CHECKPOINT_WRITE) from None
+        self.kept_checkpoints = tuple(self.checkpointer.complete())
+
+    def report_progress(self, step: int, **values) -> None:
+        eval_step, eval_loss = self.last_eval
+        self.writer.progress(step, eval_loss=eval_loss, eval_step=eval_step, checkpoints=self.kept_checkpoints,
+                             **values)
 
     def _stop_preempted(self, step: int) -> None:
         """SIGTERM: a complete checkpoint at `step`, the last step run, before exiting."""
@@ -508,7 +565,7 @@ class Trainer:
             raise TrainingFailed(f"stopped by SIGTERM after step {step}; checkpointing is off, nothing saved",
                                  exit_codes.PREEMPTED)
         if not self._checkpoint_due(step):
-            self._save(step)
+            self._save(step, self.last_loss)
         self._finish_checkpoints()
         raise TrainingFailed(f"stopped by SIGTERM after step {step}; checkpoint saved at step {step}",
                              exit_codes.PREEMPTED)
@@ -533,8 +590,10 @@ class Trainer:
             self.writer.write(step, record)
             log.info("step %d/%d loss %.4f  %.0f tok/s  %.3f s/step", step, self.config.steps, values["loss"],
                      tokens_per_second, step_time)
-        self.writer.progress(step, loss=values["loss"], tokens_per_second=tokens_per_second, eta_seconds=eta,
-                             state="running")
+        self.last_loss = values["loss"]
+        self.report_progress(step, loss=values["loss"], tokens_per_second=tokens_per_second, eta_seconds=eta,
+                       state="running")
+        self.console.update(step, loss=values["loss"], tokens_per_second=tokens_per_second)
         return values["loss"]
 
     def _evaluate(self, step: int) -> float | None:
@@ -549,6 +608,7 @@ class Trainer:
             return None
         eval_loss = loss_sum / weight_sum
         self.writer.write(step, {"eval_loss": eval_loss, "eval_tokens": weight_sum})
+        self.last_eval = (step, eval_loss)
         log.info("step %d eval loss %.4f", step, eval_loss)
         return eval_loss
 
@@ -594,21 +654,11 @@ def train(config: TrainConfig) -> RunResult:
         return trainer.run()
     except TrainingFailed as error:
         state = "preempted" if error.code == exit_codes.PREEMPTED else "failed"
-        trainer.writer.progress(trainer.current_step, loss=float("nan"), tokens_per_second=0.0,
-                                eta_seconds=float("nan"), state=state, message=str(error))
+        trainer.report_progress(trainer.current_step, loss=float("nan"), tokens_per_second=0.0,
+                          eta_seconds=float("nan"), state=state, message=str(error))
         raise
     finally:
         trainer.close()
-
-
-def configure_logging() -> None:
-    """INFO lines of this package on stderr (JAX/absl install their own root handler, so no basicConfig)."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    package_logger = logging.getLogger("lorajob_trainer")
-    package_logger.handlers = [handler]
-    package_logger.setLevel(logging.INFO)
-    package_logger.propagate = False
 
 
 USAGE = """usage: python -m lorajob_trainer.train [CONFIG.yaml] KEY=VALUE...

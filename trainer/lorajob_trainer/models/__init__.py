@@ -26,7 +26,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from lorajob_trainer import catalog, maxtext, storage, weights
-from lorajob_trainer.models.families import FAMILIES, Family, ModelConfigError, TensorMap
+from lorajob_trainer.models import families
+from lorajob_trainer.models.families import Family, ModelConfigError, TensorMap
+from lorajob_trainer.models.gemma4 import GEMMA4
+from lorajob_trainer.models.qwen3_moe import QWEN3_MOE
 
 __all__ = [
     "CheckpointFormat",
@@ -38,6 +41,7 @@ __all__ = [
     "attention_mask",
     "detect_format",
     "family_for_hf_config",
+    "family_of_checkpoint",
     "forward",
     "load_model",
     "local_config_directory",
@@ -45,6 +49,9 @@ __all__ = [
 ]
 
 CheckpointFormat = Literal["hf", "orbax", "maxtext"]
+
+FAMILIES: dict[str, Family] = {**families.FAMILIES, QWEN3_MOE.name: QWEN3_MOE, GEMMA4.name: GEMMA4}
+"""Every model family by name: the dense ones of families.py and those with their own module."""
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
 CONFIG_FILES = tuple(pattern for pattern in storage.MODEL_FILES if "safetensors" not in pattern)
@@ -102,6 +109,15 @@ def family_for_hf_config(hf_config: dict[str, Any]) -> Family:
     raise ModelConfigError(f"config.json model_type {model_type!r} is not supported (supported: {', '.join(known)})")
 
 
+def family_of_checkpoint(model_name: str, hf_config: dict, source: object) -> Family:
+    """The model family of a checkpoint's config.json, which must be the family `model_name` names."""
+    family = family_for_hf_config(hf_config)
+    expected = catalog.family_of(model_name)
+    if family.name != expected:
+        raise ModelConfigError(f"{source} holds a {family.name} model but {model_name!r} is a {expected} model")
+    return family
+
+
 def detect_format(directory: Path | epath.Path) -> CheckpointFormat:
     directory = epath.Path(directory)
     if (directory / weights.BASE_MARKER).is_file():
@@ -156,10 +172,7 @@ def load_model(
     else:
         config_source = location
     hf_config = read_hf_config(config_source)
-    family = family_for_hf_config(hf_config)
-    expected = catalog.family_of(model_name)
-    if family.name != expected:
-        raise ModelConfigError(f"{config_source} holds a {family.name} model but {model_name!r} is a {expected} model")
+    family = family_of_checkpoint(model_name, hf_config, config_source)
     tunix_config = family.config_from_hf(hf_config, dtype)
     graphdef, state = nnx.split(abstract_model(family, tunix_config, hf_config))
     if format == "hf":

@@ -1,4 +1,4 @@
-"""Gemma 3's key and value projections as two einsums, so each gets its own LoRA adapter.
+"""Gemma 3's (and Gemma 4's, see gemma4.py) key and value projections as two einsums, so each gets its own LoRA adapter.
 
 Tunix 0.1.7 computes key and value with one `kv_einsum` (weight [2, K, D, H]); Qwix would give
 that einsum one LoRA A shared by key and value, which is not what PEFT's independent

@@ -1,0 +1,434 @@
+"""Watch-fed caches of everything the reconcile reads, so that a pass over a LoRAJob reads memory only.
+
+Each `Informer` lists one resource once, then watches it from the list's resourceVersion and keeps a
+slimmed copy of every object (`Resource.slim`: only the fields observe reads; Secrets keep their key
+names, never a value). A watch the API server ends (timeout, restart) is resumed from the last
+resourceVersion seen; one that has expired (410 Gone) is replaced by a fresh list. A watch that goes
+silent without closing is detected by the socket's read timeout (`WatchSettings.client_timeout_seconds`,
+longer than the server-side timeout after which a healthy watch always ends) and restarted: a stalled
+watch is replaced within client_timeout_seconds of its last byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from typing import Callable, Iterator
+
+import urllib3
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from lorajob_operator import api, policy, render
+from lorajob_operator.settings import WatchSettings
+
+log = logging.getLogger("lorajob.operator.caches")
+
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+MISSING_RESOURCE_RETRY_SECONDS = 30.0
+"""How often the list of a resource whose CRD is not installed (404) is tried again."""
+ERROR_BACKOFF_SECONDS = (0.2, 1.0, 2.0, 5.0)
+"""Pauses before the 1st, 2nd, ... retry after a failed list or watch (the last one repeats)."""
+
+
+def _metadata(obj: dict, *fields: str, labels: Callable[[str], bool] = lambda _: True) -> dict:
+    """Identity, the `labels` kept and `fields` of an object's metadata."""
+    metadata = obj.get("metadata") or {}
+    kept = {key: metadata[key] for key in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp") + fields if key in metadata}
+    if metadata.get("labels"):
+        kept["labels"] = {key: value for key, value in metadata["labels"].items() if labels(key)}
+    return kept
+
+
+def _ours(label: str) -> bool:
+    return label.startswith(render.LABEL_PREFIX)
+
+
+def _without_managed_fields(obj: dict) -> dict:
+    return obj | {"metadata": {k: v for k, v in obj["metadata"].items() if k != "managedFields"}}
+
+
+def _slim_jobset(obj: dict) -> dict:
+    """What observe_child reads: identity and ownership, suspend, the replicated jobs' container names, conditions."""
+    spec = obj.get("spec") or {}
+    replicated = [
+        {"name": job["name"], "template": {"spec": {"template": {"spec": {"containers": [
+            {"name": container["name"]} for container in job["template"]["spec"]["template"]["spec"].get("containers") or []
+        ]}}}}}
+        for job in spec.get("replicatedJobs") or []
+    ]
+    return {
+        "metadata": _metadata(obj, "ownerReferences", "deletionTimestamp", labels=_ours),
+        "spec": {"suspend": spec.get("suspend"), "replicatedJobs": replicated},
+        "status": {"conditions": (obj.get("status") or {}).get("conditions") or []},
+    }
+
+
+def _slim_workload(obj: dict) -> dict:
+    status = obj.get("status") or {}
+    return {
+        "metadata": _metadata(obj, "ownerReferences", labels=lambda label: label == KUEUE_JOB_UID_LABEL),
+        "status": {
+            "conditions": status.get("conditions") or [],
+            "admission": {"clusterQueue": (status.get("admission") or {}).get("clusterQueue")},
+        },
+    }
+
+
+def _slim_local_queue(obj: dict) -> dict:
+    return {"metadata": _metadata(obj), "spec": {"clusterQueue": (obj.get("spec") or {}).get("clusterQueue")}}
+
+
+def _slim_namespace(obj: dict) -> dict:
+    return {"metadata": _metadata(obj)}
+
+
+def _slim_secret(obj: dict) -> dict:
+    """Key names only: the values are dropped here, as each object arrives."""
+    return {"metadata": _metadata(obj), "keys": sorted(set(obj.get("data") or {}) | set(obj.get("stringData") or {}))}
+
+
+@dataclasses.dataclass(frozen=True)
+class Resource:
+    name: str
+    group_version: str
+    """"v1" for the core group, else "<group>/<version>"."""
+    plural: str
+    namespaced: bool
+    slim: Callable[[dict], dict]
+
+    def path(self, namespace: str | None) -> str:
+        prefix = "/api/v1" if self.group_version == "v1" else f"/apis/{self.group_version}"
+        return f"{prefix}/namespaces/{namespace}/{self.plural}" if namespace else f"{prefix}/{self.plural}"
+
+
+LORAJOBS = Resource("lorajobs", f"{api.GROUP}/{api.VERSION}", api.PLURAL, True, _without_managed_fields)
+JOBSETS = Resource("jobsets", render.JOBSET_API_VERSION, render.JOBSET_PLURAL, True, _slim_jobset)
+WORKLOADS = Resource("workloads", render.KUEUE_API_VERSION, "workloads", True, _slim_workload)
+LOCAL_QUEUES = Resource("localqueues", render.KUEUE_API_VERSION, "localqueues", True, _slim_local_queue)
+SECRETS = Resource("secrets", "v1", "secrets", True, _slim_secret)
+POLICIES = Resource("lorajobpolicies", f"{api.GROUP}/{api.VERSION}", policy.PLURAL, False, _without_managed_fields)
+NAMESPACES = Resource("namespaces", "v1", "namespaces", False, _slim_namespace)
+RESOURCES = (LORAJOBS, JOBSETS, WORKLOADS, LOCAL_QUEUES, SECRETS, POLICIES, NAMESPACES)
+
+Key = tuple[str, str]
+"""(namespace, name); namespace "" for cluster-scoped objects."""
+OnChange = Callable[[Resource, dict], None]
+
+
+def key_of(obj: dict) -> Key:
+    return obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
+
+
+def _newer(candidate: dict, current: dict | None) -> bool:
+    """resourceVersions are opaque, but etcd's are integers: compare them when both are."""
+    if current is None:
+        return True
+    new, old = candidate["metadata"].get("resourceVersion", ""), current["metadata"].get("resourceVersion", "")
+    return not (new.isdigit() and old.isdigit()) or int(new) >= int(old)
+
+
+class _Gone(Exception):
+    """The watch's resourceVersion has expired: list again."""
+
+
+class Store:
+    """The objects of one resource (in the watched namespaces), by key; objects are replaced, never mutated."""
+
+    def __init__(self, resource: Resource, index: Callable[[dict], Key | None] | None = None):
+        self.resource = resource
+        self._objects: dict[Key, dict] = {}
+        self._index = index
+        self._by_index: dict[Key, set[Key]] = {}
+        self._lock = threading.Lock()
+        self.version = 0
+        """Bumped on every change (lets a reader memoize what it derives from all objects)."""
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def get(self, key: Key) -> dict | None:
+        return self._objects.get(key)
+
+    def items(self) -> list[dict]:
+        with self._lock:
+            return list(self._objects.values())
+
+    def indexed(self, index_key: Key) -> list[dict]:
+        with self._lock:
+            return [self._objects[key] for key in self._by_index.get(index_key, ())]
+
+    def upsert(self, obj: dict) -> dict | None:
+        """Store `obj` unless a newer version is already stored; the stored object when it changed."""
+        obj = self.resource.slim(obj)
+        key = key_of(obj)
+        with self._lock:
+            current = self._objects.get(key)
+            if not _newer(obj, current) or obj == current:
+                return None
+            self._unindex(key, current)
+            self._objects[key] = obj
+            if self._index and (index_key := self._index(obj)) is not None:
+                self._by_index.setdefault(index_key, set()).add(key)
+            self.version += 1
+            return obj
+
+    def remove(self, obj: dict) -> dict | None:
+        key = key_of(obj)
+        with self._lock:
+            current = self._objects.pop(key, None)
+            self._unindex(key, current)
+            self.version += 1
+            return current
+
+    def replace(self, objects: list[dict], namespace: str | None) -> list[dict]:
+        """A fresh list of `namespace` (None: all): stores it, drops what is gone; the objects that changed."""
+        changed = []
+        fresh = {key_of(obj) for obj in objects}
+        for key in [k for k in list(self._objects) if namespace in (None, k[0]) and k not in fresh]:
+            changed.append(self.remove(self._objects[key]))
+        changed += [stored for obj in objects if (stored := self.upsert(obj)) is not None]
+        return changed
+
+    def _unindex(self, key: Key, current: dict | None) -> None:
+        if current is not None and self._index and (index_key := self._index(current)) is not None:
+            keys = self._by_index.get(index_key, set())
+            keys.discard(key)
+            if not keys:
+                self._by_index.pop(index_key, None)
+
+
+class Informer:
+    """Lists, then watches, one resource in one namespace (or all) into a `Store`; `on_change` hears every change."""
+
+    def __init__(
+        self, api_client: client.ApiClient, store: Store, namespace: str | None, on_change: OnChange,
+        settings: WatchSettings,
+    ):
+        self.api_client = api_client
+        self.store = store
+        self.namespace = namespace
+        self.on_change = on_change
+        self.settings = settings
+        self.synced = threading.Event()
+        self.restarts = 0
+        """Watches that ended in an error or went silent (not the server's normal timeouts)."""
+        self.last_activity = time.monotonic()
+        self._stop = threading.Event()
+        self._response = None
+        self._thread = threading.Thread(target=self._run, name=f"informer-{store.resource.name}", daemon=True)
+
+    @property
+    def resource(self) -> Resource:
+        return self.store.resource
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        response = self._response
+        if response is not None:
+            response.release_conn()  # unblocks the read
+        self._thread.join(timeout=5)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        resource_version, failures = None, 0
+        while not self._stop.is_set():
+            try:
+                if resource_version is None:
+                    resource_version = self._list()
+                    self.synced.set()
+                resource_version = self._watch(resource_version)
+                failures = 0
+            except _Gone:
+                log.info("watch of %s expired; listing again", self.resource.name)
+                resource_version = None
+            except ApiException as error:
+                if error.status == 404 and resource_version is None:
+                    # Not installed (yet): nothing to cache; look again later.
+                    self.synced.set()
+                    self._stop.wait(MISSING_RESOURCE_RETRY_SECONDS)
+                    continue
+                if error.status == 410:
+                    resource_version = None
+                failures = self._failed(f"{error.status} {error.reason}", failures)
+            except (urllib3.exceptions.HTTPError, OSError, ValueError) as error:
+                failures = self._failed(str(error) or type(error).__name__, failures)
+            except Exception as error:  # noqa: BLE001 - a dead informer would freeze its cache: log, go on
+                log.exception("the watch of %s stopped on an unexpected error", self.resource.name)
+                failures = self._failed(repr(error), failures)
+
+    def _failed(self, why: str, failures: int) -> int:
+        if self._stop.is_set():
+            return failures
+        self.restarts += 1
+        log.warning("watch of %s (%s) failed, restarting it: %s", self.resource.name, self.namespace or "all namespaces", why)
+        self._stop.wait(ERROR_BACKOFF_SECONDS[min(failures, len(ERROR_BACKOFF_SECONDS) - 1)])
+        return failures + 1
+
+    def _request(self, query: list[tuple[str, str]], read_timeout: float):
+        """The raw (streamed) urllib3 response of a GET of the resource's collection."""
+        method, url, headers, _, _ = self.api_client.param_serialize(
+            "GET", self.resource.path(self.namespace), query_params=query,
+            header_params={"Accept": "application/json"}, auth_settings=["BearerToken"],
+        )
+        response = self.api_client.call_api(
+            method, url, headers, _request_timeout=(self.settings.connect_timeout_seconds, read_timeout)
+        )
+        if not 200 <= response.status <= 299:
+            response.read()
+            raise ApiException.from_response(http_resp=response, body=None, data=None)
+        return response.response
+
+    def _list(self) -> str:
+        response = self._request([], self.settings.request_timeout_seconds)
+        try:
+            listing = json.loads(response.data)
+        finally:
+            response.release_conn()
+        for obj in self.store.replace(listing["items"], self.namespace):
+            self.on_change(self.resource, obj)
+        self.last_activity = time.monotonic()
+        return listing["metadata"]["resourceVersion"]
+
+    def _watch(self, resource_version: str) -> str:
+        query = [
+            ("watch", "true"), ("resourceVersion", resource_version), ("allowWatchBookmarks", "true"),
+            ("timeoutSeconds", str(self.settings.server_timeout_seconds)),
+        ]
+        self._response = self._request(query, self.settings.client_timeout_seconds)
+        try:
+            for event in _events(self._response):
+                self.last_activity = time.monotonic()
+                kind, obj = event["type"], event["object"]
+                if kind == "ERROR":
+                    if obj.get("code") == 410:
+                        raise _Gone()
+                    raise ValueError(f"watch error: {obj.get('message')}")
+                resource_version = obj["metadata"]["resourceVersion"]
+                if kind == "BOOKMARK":
+                    continue
+                changed = self.store.remove(obj) if kind == "DELETED" else self.store.upsert(obj)
+                if changed is not None:
+                    self.on_change(self.resource, changed)
+        finally:
+            self._response.release_conn()
+            self._response = None
+        return resource_version
+
+
+def _events(response) -> Iterator[dict]:
+    pending = b""
+    for chunk in response.stream(amt=None, decode_content=False):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield json.loads(line)
+
+
+def _run_label(obj: dict) -> Key | None:
+    run = (obj["metadata"].get("labels") or {}).get(render.LABEL_RUN)
+    return (obj["metadata"]["namespace"], run) if run else None
+
+
+def _job_uid_label(obj: dict) -> Key | None:
+    uid = (obj["metadata"].get("labels") or {}).get(KUEUE_JOB_UID_LABEL)
+    return (obj["metadata"]["namespace"], uid) if uid else None
+
+
+def _namespace_of(obj: dict) -> Key:
+    return (obj["metadata"]["namespace"], "")
+
+
+class Caches:
+    """The stores the reconcile reads, and the informers that fill them (`start`)."""
+
+    def __init__(self, namespaces: list[str] | None):
+        self.namespaces = namespaces
+        self.stores = {
+            LORAJOBS: Store(LORAJOBS, _namespace_of),
+            JOBSETS: Store(JOBSETS, _run_label),
+            WORKLOADS: Store(WORKLOADS, _job_uid_label),
+            LOCAL_QUEUES: Store(LOCAL_QUEUES),
+            SECRETS: Store(SECRETS),
+            POLICIES: Store(POLICIES),
+            NAMESPACES: Store(NAMESPACES),
+        }
+        self.informers: list[Informer] = []
+        self._policies: tuple[int, tuple[policy.LoRAJobPolicy, ...]] = (-1, ())
+
+    def watches(self) -> list[tuple[Resource, str | None]]:
+        """(resource, namespace or None for all) of each watch: one connection each, held open."""
+        return [
+            (resource, namespace)
+            for resource in self.stores
+            for namespace in ((self.namespaces or [None]) if resource.namespaced else [None])
+        ]
+
+    def start(self, api_client: client.ApiClient, on_change: OnChange, settings: WatchSettings) -> None:
+        for resource, namespace in self.watches():
+            self.informers.append(Informer(api_client, self.stores[resource], namespace, on_change, settings))
+        for informer in self.informers:
+            informer.start()
+
+    def stop(self) -> None:
+        for informer in self.informers:
+            informer.stop()
+
+    def wait_synced(self, stop: threading.Event) -> bool:
+        """Blocks until every informer has listed once (False: `stop` was set first)."""
+        for informer in self.informers:
+            while not informer.synced.wait(0.5):
+                if stop.is_set():
+                    return False
+        return True
+
+    def alive(self) -> bool:
+        return all(informer.alive() for informer in self.informers)
+
+    # --- what observe reads ---------------------------------------------------------------------
+
+    def lorajob(self, namespace: str, name: str) -> dict | None:
+        return self.stores[LORAJOBS].get((namespace, name))
+
+    def lorajobs(self, namespace: str | None = None) -> list[dict]:
+        store = self.stores[LORAJOBS]
+        return store.items() if namespace is None else store.indexed((namespace, ""))
+
+    def jobsets_of_run(self, namespace: str, run: str) -> list[dict]:
+        return self.stores[JOBSETS].indexed((namespace, run))
+
+    def jobset(self, namespace: str, name: str) -> dict | None:
+        return self.stores[JOBSETS].get((namespace, name))
+
+    def workloads_of(self, namespace: str, jobset_uid: str) -> list[dict]:
+        return self.stores[WORKLOADS].indexed((namespace, jobset_uid))
+
+    def local_queue(self, namespace: str, name: str) -> dict | None:
+        return self.stores[LOCAL_QUEUES].get((namespace, name))
+
+    def secret_keys(self, namespace: str, name: str) -> set[str] | None:
+        secret = self.stores[SECRETS].get((namespace, name))
+        return None if secret is None else set(secret["keys"])
+
+    def namespace_labels(self, namespace: str) -> dict[str, str]:
+        found = self.stores[NAMESPACES].get(("", namespace))
+        return dict((found or {}).get("metadata", {}).get("labels") or {})
+
+    def policies(self) -> tuple[policy.LoRAJobPolicy, ...]:
+        """Every LoRAJobPolicy, parsed once per change of any of them."""
+        store = self.stores[POLICIES]
+        version, parsed = self._policies
+        if version != store.version:
+            version = store.version
+            parsed = tuple(policy.LoRAJobPolicy.from_object(obj) for obj in store.items())
+            self._policies = (version, parsed)
+        return parsed

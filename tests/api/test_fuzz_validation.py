@@ -1,0 +1,221 @@
+"""Generated LoRAJobs, valid and broken: each valid example with zero to three edits drawn by hypothesis
+from the generated CRD schema (edge and huge numbers, null, odd unicode, values on and just past a
+limit, wrong types, missing and unknown fields, bad names). Derandomized: every run draws the same cases.
+
+* offline: `lorajob validate` never crashes and passes every unedited example; what it accepts, the
+  operator parses and renders every step of (an accepted LoRAJob never fails as InvalidSpec).
+* against kube-apiserver: the offline verdict is the server's (dry-run create, strict field validation).
+
+`pytest -s` prints the counts, among them the rejected cases the operator's own parse would still run:
+the CRD's cross-field CEL rules are not checked again there (only an object that bypassed admission
+could reach it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from lorajob_operator import api, crd, render, rules
+from lorajob_operator.settings import RenderSettings
+from lorajob_operator.validation import apply_defaults, validate
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = [yaml.safe_load(path.read_text()) for path in sorted((REPO / "examples").glob("*.yaml"))]
+SCHEMA = crd.openapi_schema()
+OFFLINE_CASES = 2000
+SERVER_CASES = 200
+NAMESPACE = "api-fuzz"
+# celpy's parser raises the recursion limit while hypothesis runs a case; hypothesis warns it cannot reset it.
+pytestmark = pytest.mark.filterwarnings("ignore:The recursion limit will not be reset")
+
+
+def fuzz(cases: int) -> settings:
+    return settings(max_examples=cases, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+ODD_TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
+ODD_STRINGS = st.one_of(
+    ODD_TEXT,
+    st.sampled_from(["", " ", "\n", "a\n", "gs://b\n", "Ω", "é", "e\u0301", "\u202ehf", "\u0000", "🦙" * 3, "x" * 70, "4x4\n"]),
+)
+HUGE_INTS = st.sampled_from([0, -1, 2**31 - 1, 2**31, 2**53 + 1, 2**63 - 1, -(2**63)])
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False, allow_infinity=False) | ODD_TEXT,
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(ODD_TEXT, children, max_size=3),
+    max_leaves=6,
+)
+
+
+def _fields(schema: dict, path: tuple = ()) -> list[tuple[tuple, dict]]:
+    """(path, schema) of every field under spec (array items as index 0)."""
+    found = [(path, schema)] if path else []
+    for name, sub in schema.get("properties", {}).items():
+        found += _fields(sub, (*path, name))
+    if "items" in schema:
+        found += _fields(schema["items"], (*path, 0))
+    return found
+
+
+FIELDS = [(("spec", *path), schema) for path, schema in _fields(SCHEMA["properties"]["spec"])]
+OBJECTS = [(("spec",), SCHEMA["properties"]["spec"])] + [field for field in FIELDS if field[1].get("type") == "object"]
+
+
+def _near_limits(schema: dict) -> list:
+    """Values on and just past each declared limit of a field."""
+    values = []
+    for key in ("minimum", "maximum"):
+        if key in schema:
+            bound = schema[key]
+            values += [bound, bound - 1, bound + 1] if schema["type"] == "integer" else [bound, bound - 1e-9, bound + 1e-9, bound * 10]
+    if "maxLength" in schema:
+        values += ["a" * schema["maxLength"], "a" * (schema["maxLength"] + 1)]
+    if "maxItems" in schema:
+        values += [["messages"] * schema["maxItems"], ["messages"] * (schema["maxItems"] + 1), []]
+    return values
+
+
+def _value(schema: dict) -> st.SearchStrategy:
+    """A value for a field: of its type (edges included) or of any other."""
+    kind = schema.get("type")
+    if kind == "integer":
+        of_type = st.integers() | HUGE_INTS
+    elif kind == "number":
+        of_type = st.floats(allow_nan=False, allow_infinity=False) | st.integers(-(2**53), 2**53) | st.sampled_from([-0.0, 5e-324, 1e308])
+    elif kind == "string":
+        of_type = ODD_STRINGS | st.sampled_from(schema.get("enum", ["valid-name"]))
+    elif kind == "boolean":
+        of_type = st.booleans()
+    elif kind == "array":
+        of_type = st.lists(_value(schema["items"]), max_size=4)
+    else:
+        of_type = st.dictionaries(ODD_TEXT, JSON_VALUES, max_size=2)
+    limits = _near_limits(schema)
+    others = st.none() | JSON_VALUES  # null: the server prunes it (then defaults), as if the field were absent
+    return st.one_of(of_type, st.sampled_from(limits), others) if limits else of_type | others
+
+
+def _set(node, path: tuple, value) -> None:
+    """node[path[0]][path[1]]... = value, making (or replacing) the containers on the way."""
+    key, rest = path[0], path[1:]
+    if isinstance(key, int):
+        node.extend({} for _ in range(key + 1 - len(node)))
+    if not rest:
+        node[key] = value
+        return
+    want = list if isinstance(rest[0], int) else dict
+    child = node[key] if isinstance(node, list) or key in node else None
+    if not isinstance(child, want):
+        child = node[key] = want()
+    _set(child, rest, value)
+
+
+def _delete(node, path: tuple) -> None:
+    for key in path[:-1]:
+        present = isinstance(key, int) and key < len(node) if isinstance(node, list) else key in node
+        if not present or not isinstance(node[key], (dict, list)):
+            return
+        node = node[key]
+    if isinstance(node, dict):
+        node.pop(path[-1], None)
+
+
+@st.composite
+def edit(draw, doc: dict) -> str:
+    """Apply one random edit to `doc`; return what it did."""
+    action = draw(st.sampled_from(["set", "set", "set", "delete", "extra"]))
+    path, schema = draw(st.sampled_from(OBJECTS if action == "extra" else FIELDS))
+    if action == "delete":
+        _delete(doc, path)
+    elif action == "extra":
+        path = (*path, draw(ODD_TEXT.filter(lambda text: text not in schema["properties"])))
+        _set(doc, path, draw(JSON_VALUES))
+    else:
+        _set(doc, path, draw(_value(schema)))
+    return f"{action} {'.'.join(map(str, path))}"
+
+
+@st.composite
+def lorajobs(draw) -> tuple[dict, list[str]]:
+    """A valid example with 0-3 edits (0: the unchanged example, which must pass)."""
+    doc = copy.deepcopy(draw(st.sampled_from(EXAMPLES)))
+    doc["metadata"] = {"name": doc["metadata"]["name"]}
+    edits = [draw(edit(doc)) for _ in range(draw(st.integers(0, 3)))]
+    if draw(st.booleans()):
+        doc["metadata"]["name"] = draw(st.sampled_from(["fuzz", "fuzz-" + "a" * 30, "-fuzz", "Fuzz", "a" * 254]))
+        edits.append(f"metadata.name {doc['metadata']['name']}")
+    return doc, edits
+
+
+def _stored(doc: dict) -> dict:
+    """The object as the API server would store it (JSON round trip, defaults) and the operator read it."""
+    body = apply_defaults(json.loads(json.dumps(doc)), SCHEMA)
+    body["metadata"] |= {"namespace": NAMESPACE, "uid": "uid-fuzz"}
+    return body
+
+
+COUNTS = {"offline": 0, "offline accepted": 0, "offline rejected, operator would run it": 0, "offline edits": 0,
+          "server": 0, "server accepted": 0}
+"""Printed (pytest -s) at the end of each test: how many cases ran and how they ended."""
+
+
+def test_offline_validation_and_the_operator_agree():
+    offline_case()
+    assert COUNTS["offline"] >= OFFLINE_CASES
+    print(f"fuzz cases: {COUNTS}")
+
+
+@fuzz(OFFLINE_CASES)
+@given(lorajobs())
+def offline_case(case):
+    doc, edits = case
+    errors = validate(doc)
+    assert all(error.field is not None and error.kind for error in errors)
+    body = _stored(doc)
+    spec, why = render.parse_spec(body)
+    if not errors:  # the operator runs it: every step renders
+        assert spec is not None, (edits, doc["spec"], why)
+        rendered = render.render_all(spec, render.Owner(body["metadata"]["name"], NAMESPACE, "uid-fuzz"), RenderSettings())
+        assert [js["metadata"]["labels"][render.LABEL_PHASE] for js in rendered] == rules.phases(spec)
+    if not edits:
+        assert errors == [], [str(e) for e in errors]
+    COUNTS["offline"] += 1
+    COUNTS["offline accepted"] += not errors
+    COUNTS["offline rejected, operator would run it"] += bool(errors) and spec is not None
+    COUNTS["offline edits"] += len(edits)
+
+
+@pytest.fixture(scope="module")
+def custom(kube):
+    kube.kubectl("create", "namespace", NAMESPACE, check=False)
+    return client.CustomObjectsApi(kube.api_client())
+
+
+@pytest.mark.apiserver
+def test_the_api_server_gives_the_offline_verdict(custom):
+    @fuzz(SERVER_CASES)
+    @given(lorajobs())
+    def agree(case):
+        doc, edits = case
+        offline = validate(doc)
+        try:
+            custom.create_namespaced_custom_object(api.GROUP, api.VERSION, NAMESPACE, api.PLURAL, doc, dry_run="All", field_validation="Strict")
+            server = None
+        except ApiException as error:
+            assert error.status in (400, 422), error.body
+            server = json.loads(error.body)["message"]
+        assert (server is None) == (offline == []), (edits, server, [str(e) for e in offline])
+        COUNTS["server"] += 1
+        COUNTS["server accepted"] += server is None
+
+    agree()
+    assert COUNTS["server"] >= SERVER_CASES
+    print(f"fuzz cases: {COUNTS}")

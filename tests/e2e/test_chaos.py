@@ -1,0 +1,91 @@
+"""Control-plane chaos at CI scale: 6 LoRAJobs through convert -> train -> export while the operator is
+SIGKILLed 3 times and kube-apiserver, JobSet and Kueue are each SIGKILLed and restarted once, at seeded
+random moments (LORAJOB_CHAOS_SEED picks another run; a failure names its seed). The large run is
+bench/chaos.py. The checks themselves are tested first, on hand-made histories."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+from chaos import OPERATOR, RESTARTABLE, plan, problems, run
+
+from lorajob_operator import render, rules
+
+SEED = int(os.environ.get("LORAJOB_CHAOS_SEED", "12"))
+RUN = "a"
+RUN_UID = "uid-a"
+
+
+def _lorajob(phase: str, **status) -> dict:
+    conditions = [{"type": "Succeeded", "status": "True", "observedGeneration": 1}] if phase == "Succeeded" else []
+    return {"metadata": {"name": RUN, "uid": RUN_UID, "generation": 1},
+            "status": {"phase": phase, "observedGeneration": 1, "conditions": conditions,
+                       "children": {step: rules.child_name(RUN, step) for step in rules.PHASES},
+                       "restarts": dict.fromkeys(rules.PHASES, 0),
+                       "startTime": "2026-01-01T00:00:00Z", "completionTime": "2026-01-01T00:01:00Z", **status}}
+
+
+def _jobset(step: str, uid: str, completed: bool, attempt: int = 0, owner_uid: str = RUN_UID) -> dict:
+    labels = {render.LABEL_RUN: RUN, render.LABEL_PHASE: step, render.LABEL_ATTEMPT: str(attempt)}
+    return {"kind": "JobSet",
+            "metadata": {"name": rules.child_name(RUN, step), "uid": uid, "labels": labels,
+                         "ownerReferences": [{"kind": "LoRAJob", "name": RUN, "uid": owner_uid, "controller": True}]},
+            "status": {"conditions": [{"type": "Completed", "status": "True"}] if completed else []}}
+
+
+def _good() -> tuple[list, list]:
+    clock = itertools.count()
+    jobsets, lorajobs = [], [(next(clock), _lorajob("Queued"))]
+    for step, phase in zip(rules.PHASES, ("Converting", "Training", "Exporting")):
+        jobsets.append((next(clock), _jobset(step, f"uid-{step}", completed=False)))
+        lorajobs.append((next(clock), _lorajob(phase)))
+        jobsets.append((next(clock), _jobset(step, f"uid-{step}", completed=True)))
+    lorajobs.append((next(clock), _lorajob("Succeeded")))
+    return jobsets, lorajobs
+
+
+def test_a_clean_history_has_no_problems():
+    assert problems(*_good(), [RUN], [_jobset("train", "uid-train", True)]) == []
+
+
+@pytest.mark.parametrize("break_it, expected", [
+    (lambda js, lj: js.append((99, _jobset("train", "uid-train-2", True))),
+     "2 JobSets were created for LoRAJob a step train attempt 0"),
+    (lambda js, lj: js.append((99, _jobset("convert", "uid-convert-1", False, attempt=1))),
+     "LoRAJob a: step convert ran again after it completed"),
+    (lambda js, lj: js.insert(0, (-1, _jobset("export", "uid-early", False))),
+     "LoRAJob a: step export started before step train completed"),
+    (lambda js, lj: js.append((99, _jobset("export", "uid-export", True, owner_uid="someone-else"))),
+     "JobSet a-to-hf (uid-export) is not controlled by its LoRAJob"),
+    (lambda js, lj: lj.insert(-1, (98, _lorajob("Converting"))), "LoRAJob a went back to Converting"),
+    (lambda js, lj: lj.append((99, _lorajob("Succeeded", observedGeneration=0))), "LoRAJob a: observedGeneration 0"),
+    (lambda js, lj: lj.append((99, _lorajob("Succeeded", restarts={"convert": 1, "train": 0, "export": 0}))),
+     "LoRAJob a step convert: JobSets of attempts [0], status.restarts 1"),
+    (lambda js, lj: lj.append((99, _lorajob("Training"))), "LoRAJob a left Succeeded for Training"),
+])
+def test_each_broken_rule_is_reported(break_it, expected):
+    jobsets, lorajobs = _good()
+    break_it(jobsets, lorajobs)
+    found = problems(jobsets, lorajobs, [RUN], [])
+    assert any(line.startswith(expected) for line in found), found
+
+
+def test_an_orphaned_child_is_reported():
+    workload = {"kind": "Workload", "metadata": {"name": "w", "uid": "uid-w", "ownerReferences": [
+        {"kind": "JobSet", "name": "gone", "uid": "uid-gone", "controller": True}]}}
+    assert problems(*_good(), [RUN], [workload]) == ["orphaned Workload w: its JobSet gone is gone"]
+
+
+def test_the_plan_is_seeded():
+    assert plan(SEED, 3) == plan(SEED, 3)
+    assert sorted(fault.target for fault in plan(SEED, 3)) == sorted([OPERATOR] * 3 + list(RESTARTABLE))
+
+
+@pytest.mark.cluster
+def test_lorajobs_survive_operator_kills_and_control_plane_restarts(sim_cluster, namespace, operator):
+    outcome = run(sim_cluster, namespace, operator, SEED, jobs=6, operator_kills=3, timeout=300)
+
+    assert sorted(item.fault.target for item in outcome.injected) == sorted([OPERATOR] * 3 + list(RESTARTABLE))
+    assert set(outcome.record.latest("lorajobs")) == set(outcome.names)

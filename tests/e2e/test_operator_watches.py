@@ -1,0 +1,51 @@
+"""What drives the operator: watch events alone (resync effectively off), or the cache-based resync alone
+(every change event lost), each takes a LoRAJob through its whole chain to Succeeded on the simulated cluster."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from lorajobs import sample
+
+from lorajob_devcluster.process import free_loopback_port
+from lorajob_operator.kube import Controller
+from lorajob_operator.metrics import Metrics
+from lorajob_operator.settings import OperatorSettings
+
+pytestmark = pytest.mark.cluster
+RESYNC_OFF = {"LORAJOB_RECONCILE_RESYNC_SECONDS": "3600"}
+
+
+def test_watch_events_alone_take_a_lorajob_to_succeeded(lorajobs, start_operator):
+    operator = start_operator(RESYNC_OFF | {"LORAJOB_METRICS_PORT": str(free_loopback_port())})
+    lorajobs.apply(sample("events"))
+    done = lorajobs.wait_phase("events", "Succeeded", timeout=180)
+    assert done["status"]["restarts"] == {"convert": 0, "train": 0, "export": 0}
+
+    with urllib.request.urlopen(operator.metrics_url, timeout=10) as response:
+        metrics = response.read().decode()
+    assert 'lorajob_operator_lorajobs{phase="Succeeded"} 1.0' in metrics
+    assert 'lorajob_operator_cache_objects{resource="jobsets"} 3.0' in metrics
+    assert 'lorajob_operator_api_requests_total{verb="create"}' in metrics
+    assert 'lorajob_operator_reconciles_total{result="ok"}' in metrics
+
+
+class _DeafController(Controller):
+    """Loses every change event the watches deliver, as if the pass each one queued was lost."""
+
+    def _on_change(self, resource, obj) -> None:
+        pass
+
+
+def test_with_every_event_lost_the_cache_resync_still_converges(sim_cluster, lorajobs, namespace):
+    settings = OperatorSettings.from_env({"LORAJOB_RECONCILE_RESYNC_SECONDS": "1", "LORAJOB_METRICS_PORT": "0"})
+    controller = _DeafController(sim_cluster.api_client(), settings, [namespace], Metrics())
+    controller.start()
+    try:
+        lorajobs.apply(sample("resynced", train_only=True))
+        done = lorajobs.wait_phase("resynced", "Succeeded", timeout=120)
+    finally:
+        controller.stop()
+    assert done["status"]["restarts"]["train"] == 0
+    assert len([js for js in lorajobs.jobsets() if js["metadata"]["name"] == "resynced"]) == 1

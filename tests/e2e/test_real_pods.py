@@ -1,0 +1,139 @@
+"""LoRAJobs whose pods really run (the pod runner's nodes): the command lines the operator renders, as
+one chain on a tiny generated model. convert's output (base and restore adapter) is train's input,
+train's checkpoints are export's input, the 2 train pods form one jax.distributed job, and the
+trainer's progress lines reach `status.progress`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from lorajobs import condition
+
+from lorajob_devcluster import localjob
+from lorajob_devcluster.topology import LOCAL_CPU_NP, LOCAL_V6E_2X4
+from lorajob_trainer import exit_codes, metrics
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+STEPS = 8
+TIMEOUT = 420
+SLOW_STEPS = {"steps": 30, "perDeviceBatchSize": 8, "maxTargetLength": 256, "gradientAccumulationSteps": 2}
+"""Training long enough (tens of seconds) to be caught mid-way by a suspend."""
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> localjob.Assets:
+    return localjob.write_assets(tmp_path_factory.mktemp("real-pods"), train_rows=200, eval_rows=8)
+
+
+@pytest.fixture(scope="module")
+def hf_adapter(assets) -> Path:
+    """A random PEFT adapter on the tiny model, of the rank and targets the LoRAJob trains."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lorajob_trainer import lora
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(assets.model, dtype=torch.float32)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=lora.default_targets("qwen3"), init_lora_weights=False)
+    out = assets.outputs.parent / "hf-adapter"
+    get_peft_model(base, config).save_pretrained(out)
+    return out
+
+
+def step(obj: dict) -> int:
+    return ((obj.get("status") or {}).get("progress") or {}).get("step") or 0
+
+
+def trained_steps(assets: localjob.Assets, run: str) -> list[int]:
+    path = assets.metrics(run)
+    return [r["step"] for r in metrics.read_metrics(path) if "loss" in r] if path.exists() else []
+
+
+def pods_of(lorajobs, phase: str) -> list[dict]:
+    return [p for p in lorajobs.pods() if p["metadata"]["labels"].get("lorajob.dev/phase") == phase]
+
+
+def running(pods: list[dict], count: int) -> list[dict]:
+    return pods if len(pods) == count and all(p["status"].get("phase") == "Running" for p in pods) else []
+
+
+def jobset_uid(lorajobs, name: str) -> str:
+    return lorajobs.kubectl("get", "jobsets.jobset.x-k8s.io", name, "-o", "jsonpath={.metadata.uid}").stdout
+
+
+@pytest.mark.torch
+def test_the_chain_runs_for_real_survives_an_operator_crash_and_resumes_after_a_suspend(
+    lorajobs, start_operator, assets, hf_adapter
+):
+    run = "chain-real"
+    body = localjob.lorajob(run, assets, checkpoint_period=1000)  # only the SIGTERM checkpoint
+    body["spec"]["training"] |= SLOW_STEPS
+    body["spec"]["lora"]["restoreFrom"] = {"huggingFace": str(hf_adapter)}
+    total = SLOW_STEPS["steps"]
+    first = start_operator()
+    lorajobs.apply(body)
+    train_pods = lorajobs.wait_until(lambda: running(pods_of(lorajobs, "train"), 2), "2 train pods Running", timeout=TIMEOUT)
+    assert sorted(p["spec"]["nodeName"] for p in train_pods) == LOCAL_V6E_2X4.node_names(), "one process per host"
+    assert [p["spec"]["nodeName"] in LOCAL_CPU_NP.node_names() for p in pods_of(lorajobs, "convert")] == [True]
+
+    # The operator dies while the step runs: training goes on untouched, and a new operator adopts it.
+    uid = jobset_uid(lorajobs, run)
+    first.kill()
+    lorajobs.wait_until(lambda: trained_steps(assets, run), "training steps without the operator", timeout=TIMEOUT)
+    lead = next(p["metadata"]["name"] for p in train_pods if p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"] == "0")
+    restored = assets.run_directory(run) / "restore-adapter"
+    assert f"starting from adapter {restored}" in lorajobs.kubectl("logs", lead).stdout, "convert's adapter is train's start"
+    start_operator()
+    lorajobs.wait(run, lambda obj: step(obj) >= 1, "the new operator reporting progress", timeout=60)
+    assert jobset_uid(lorajobs, run) == uid
+    assert {p["metadata"]["uid"] for p in pods_of(lorajobs, "train")} == {p["metadata"]["uid"] for p in train_pods}
+
+    # Suspend mid-training: SIGTERM, the trainer checkpoints the step it is at; resume continues there.
+    lorajobs.patch_spec(run, {"suspend": True})
+    lorajobs.wait_phase(run, "Suspended", timeout=120)
+    lorajobs.wait_until(lambda: not pods_of(lorajobs, "train"), "the train pods gone", timeout=120)
+    before_resume = trained_steps(assets, run)
+    assert 1 <= max(before_resume) < total, f"suspended mid-training: {before_resume}"
+    lorajobs.patch_spec(run, {"suspend": False})
+    done = lorajobs.wait_phase(run, "Succeeded", timeout=TIMEOUT)
+
+    steps = trained_steps(assets, run)
+    assert steps[: len(before_resume)] == before_resume and steps == list(range(1, total + 1)), (
+        f"resumed from the step the suspend checkpointed, no step run twice or skipped: {steps}"
+    )
+    assert done["status"]["progress"]["step"] == total
+    assert done["status"]["outputs"]["adapterPath"] == str(assets.adapter(run))
+    assert_peft_loads(assets, run)
+
+
+def assert_peft_loads(assets: localjob.Assets, run: str) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(assets.model, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, assets.adapter(run))
+    config = json.loads((assets.adapter(run) / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["base_model_name_or_path"] == str(assets.model)
+    assert any("lora_A" in name for name, _ in adapted.named_parameters())
+
+
+def test_a_broken_dataset_fails_the_lorajob_with_the_trainers_message(lorajobs, operator, assets, tmp_path):
+    broken = tmp_path / "data"
+    broken.mkdir()
+    (broken / "train.jsonl").write_text('{"question": "no answer column"}\n')
+    body = localjob.lorajob("bad-data-real", assets, steps=STEPS)
+    body["spec"]["dataset"] |= {"dataDir": str(broken)}
+    del body["spec"]["dataset"]["evalSplit"], body["spec"]["training"]["evalInterval"]
+    lorajobs.apply(body)
+    failed = lorajobs.wait_phase("bad-data-real", "Failed", timeout=TIMEOUT)
+
+    reason = condition(failed, "Failed")
+    assert reason["reason"] == "InvalidData", reason
+    assert f"exited with code {exit_codes.DATA}" in reason["message"]
+    assert "answer" in reason["message"], reason["message"]
+    assert failed["status"]["restarts"]["train"] == 0

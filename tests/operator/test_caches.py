@@ -1,0 +1,122 @@
+"""The reconcile reads the watch caches only: an unchanged LoRAJob costs no API request; Secrets keep key names only."""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime, timezone
+
+import pytest
+from builders import NAMESPACE, condition, jobset, lorajob, workload
+from kubernetes import client
+
+from lorajob_operator import caches
+from lorajob_operator.kube import Cluster, Reconciler, WorkQueue, observe
+from lorajob_operator.metrics import CountingRESTClient, Metrics
+from lorajob_operator.reconcile import decide
+from lorajob_operator.settings import OperatorSettings
+
+SETTINGS = OperatorSettings()
+
+
+def _nowhere_client(metrics: Metrics) -> client.ApiClient:
+    """A client whose every request is counted, and fails (nothing listens on the discard port)."""
+    configuration = client.Configuration()
+    configuration.host = "http://127.0.0.1:9"
+    configuration.retries = 0
+    api_client = client.ApiClient(configuration)
+    api_client.rest_client = CountingRESTClient(configuration, metrics)
+    return api_client
+
+
+def _requests(metrics: Metrics) -> float:
+    return sum(sample.value for family in metrics.api_requests.collect() for sample in family.samples
+               if sample.name.endswith("_total"))
+
+
+def _training_world() -> tuple[caches.Caches, dict]:
+    """Caches holding a LoRAJob whose train step runs (convert done), admitted by Kueue, and all it reads."""
+    body = lorajob(resourceVersion="10")
+    view = caches.Caches([NAMESPACE])
+    stores = view.stores
+    stores[caches.LORAJOBS].upsert(body)
+    for phase, uid, conditions in (("convert", "js-convert", [condition("Completed")]), ("train", "js-train", [])):
+        stores[caches.JOBSETS].upsert(jobset(body, phase, uid=uid, conditions=conditions) | {"kind": "JobSet"})
+        admitted = workload(condition("QuotaReserved"), condition("Admitted"), cluster_queue="cq-tpu")
+        admitted["metadata"] |= {"name": f"wl-{phase}", "namespace": NAMESPACE, "labels": {caches.KUEUE_JOB_UID_LABEL: uid}}
+        stores[caches.WORKLOADS].upsert(admitted)
+    stores[caches.LOCAL_QUEUES].upsert({"metadata": {"name": "lorajob", "namespace": NAMESPACE}, "spec": {"clusterQueue": "cq-tpu"}})
+    stores[caches.SECRETS].upsert({"metadata": {"name": "hf-token", "namespace": NAMESPACE}, "data": {"HF_TOKEN": "aGZfeA=="}})
+    stores[caches.NAMESPACES].upsert({"metadata": {"name": NAMESPACE, "labels": {"team": "a"}}})
+    return view, body
+
+
+def test_a_reconcile_of_an_unchanged_lorajob_sends_no_request():
+    metrics = Metrics()
+    view, body = _training_world()
+    reconciler = Reconciler(Cluster(_nowhere_client(metrics)), view, SETTINGS)
+
+    # Its status is not written yet: the pass must write it (and here fails: the counter sees it).
+    with pytest.raises(Exception):
+        reconciler.reconcile(NAMESPACE, body["metadata"]["name"])
+    assert _requests(metrics) == 1
+
+    now = datetime.now(timezone.utc)
+    status = decide(observe(view, body, now, SETTINGS.render), SETTINGS.reconcile).status
+    assert status["phase"] == "Training"
+    view.stores[caches.LORAJOBS].upsert(body | {"metadata": body["metadata"] | {"resourceVersion": "11"}, "status": status})
+    for _ in range(3):
+        assert reconciler.reconcile(NAMESPACE, body["metadata"]["name"]) is None
+    assert _requests(metrics) == 1
+
+
+def test_observe_reads_the_caches_only_and_finds_each_step_and_its_workload():
+    view, body = _training_world()
+    observed = observe(view, body, datetime.now(timezone.utc), SETTINGS.render)
+    assert sorted(observed.children) == ["convert", "train"]
+    assert observed.children["convert"].completed
+    assert observed.children["train"].workload.admitted
+    assert observed.cluster_queue == "cq-tpu" and observed.problems == ()
+    assert observed.namespace_labels == {"team": "a"}
+
+
+def test_a_secret_is_cached_as_its_key_names_without_any_value():
+    store = caches.Store(caches.SECRETS)
+    stored = store.upsert({
+        "metadata": {"name": "hf-token", "namespace": NAMESPACE, "resourceVersion": "3", "annotations": {"a": "b"}},
+        "data": {"HF_TOKEN": "aGZfeA==", "OTHER": "eA=="}, "type": "Opaque",
+    })
+    assert stored == {"metadata": {"name": "hf-token", "namespace": NAMESPACE, "resourceVersion": "3"}, "keys": ["HF_TOKEN", "OTHER"]}
+    assert "aGZfeA==" not in repr(store.items())
+
+
+def test_an_older_version_never_replaces_a_newer_one_and_a_relist_drops_what_is_gone():
+    store = caches.Store(caches.JOBSETS, caches._run_label)
+    body = lorajob()
+    child = jobset(body, "train", uid="b")
+    newer = child | {"metadata": child["metadata"] | {"resourceVersion": "7"}}
+    older = newer | {"metadata": newer["metadata"] | {"resourceVersion": "5"}, "status": {"conditions": [condition("Failed")]}}
+    assert store.upsert(newer) is not None
+    assert store.upsert(older) is None
+    (found,) = store.indexed((NAMESPACE, body["metadata"]["name"]))
+    assert found["metadata"]["resourceVersion"] == "7"
+    assert store.replace([], NAMESPACE) == [found]
+    assert len(store) == 0 and store.indexed((NAMESPACE, body["metadata"]["name"])) == []
+
+
+def test_the_work_queue_hands_a_key_to_one_worker_at_a_time_and_keeps_read_progress():
+    queue = WorkQueue()
+    key = (NAMESPACE, "a")
+    queue.add(key)
+    assert queue.get() == (key, False)
+    queue.add(key, read_progress=True)  # while being worked on: queued again, not handed out
+    queue.add(key)
+    handed: list = []
+    other = threading.Thread(target=lambda: handed.append(queue.get()))
+    other.start()
+    other.join(timeout=0.2)
+    assert handed == [] and len(queue) == 1
+    queue.done(key)
+    other.join(timeout=5)
+    assert handed == [(key, True)]
+    queue.close()
+    assert queue.get() is None

@@ -1,0 +1,117 @@
+"""The operator and the trainer share one contract (`lorajob_trainer.contract`): a LoRAJob that leaves a setting
+unset trains exactly as `python -m lorajob_trainer.train` does, both sides agree on every path of a run, and
+no path or shared default is written anywhere else."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from builders import spec_dict
+from lorajob_operator import api, render
+from lorajob_trainer import contract
+from lorajob_trainer.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = (ROOT / "operator" / "lorajob_operator", ROOT / "trainer" / "lorajob_trainer")
+
+SET_BY_THE_OPERATOR = {
+    "run_name", "base_output_directory", "model_name", "load_parameters_path", "tokenizer_path",  # from the spec
+    "hf_path", "hf_data_dir", "train_data_columns", "steps",  # required fields, or the example's own choice
+    "progress_lines",  # the operator reads progress from the pod log; a person at a terminal gets a bar
+}
+
+
+def _minimal_spec(**overrides) -> api.LoRAJobSpec:
+    return api.LoRAJobSpec.model_validate(spec_dict(**overrides))
+
+
+def _flat(config: TrainConfig) -> dict:
+    values = config.model_dump()
+    nested = {f"{section}.{key}": value for section in ("lora", "mesh") for key, value in values.pop(section).items()}
+    return {**values, **nested}
+
+
+def test_a_lorajob_that_sets_nothing_trains_with_the_trainers_own_defaults():
+    rendered = _flat(render.train_config(_minimal_spec(), "run-1"))
+    defaults = _flat(TrainConfig.model_construct())  # the declared defaults, no validation of required keys
+    differing = {key: (rendered[key], defaults.get(key)) for key in rendered
+                 if key not in SET_BY_THE_OPERATOR and rendered[key] != defaults.get(key)}
+    assert differing == {}, f"LoRAJob default != trainer default (rendered, trainer): {differing}"
+
+
+@pytest.mark.parametrize("name, value", [
+    ("learning_rate", 2e-4), ("checkpoint_period", 100), ("max_target_length", 2048),
+    ("use_zarr3", False), ("use_ocdbt", False),
+])
+def test_the_defaults_the_issue_found_disagreeing_now_agree(name, value):
+    assert getattr(contract.DEFAULTS, name) == value
+
+
+def test_every_shared_default_is_taken_from_the_contract_by_both_sides():
+    sources = {path.name: path.read_text() for path in (PACKAGES[0] / "api.py", PACKAGES[1] / "config.py")}
+    for name in contract.Defaults.__dataclass_fields__:
+        for file, text in sources.items():
+            assert f"DEFAULTS.{name}" in text, f"{file} does not take its {name} default from the contract"
+
+
+def test_operator_and_trainer_agree_on_every_path_of_a_run():
+    spec = _minimal_spec(lora={"restoreFrom": {"huggingFace": "someone/adapter"}})
+    paths = render.run_paths(spec, "run-1")
+    assert paths.run_directory == "gs://bucket/runs/run-1"
+    assert (paths.checkpoints, paths.converted_base, paths.converted_adapter, paths.adapter_export) == (
+        "gs://bucket/runs/run-1/checkpoints", "gs://bucket/runs/run-1/base",
+        "gs://bucket/runs/run-1/restore-adapter", "gs://bucket/runs/run-1/huggingface")
+    local = TrainConfig.model_construct(base_output_directory="/data/runs", run_name="run-1")
+    assert str(local.checkpoint_directory) == contract.RunLayout("/data/runs", "run-1").checkpoints
+
+
+def _path_parts(path: Path) -> set[str]:
+    """String constants used to build a path: an operand of `/`, an argument of a join or of Path(...), or a
+    piece of an f-string after a slash."""
+    parts = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            operands = [node.left, node.right]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("join", "Path"):
+            operands = node.args
+        elif isinstance(node, ast.JoinedStr):
+            operands = [value for value in node.values if isinstance(value, ast.Constant)]
+            parts |= {piece for value in operands for piece in str(value.value).split("/")[1:]}
+            continue
+        else:
+            continue
+        parts |= {operand.value for operand in operands if isinstance(operand, ast.Constant) and isinstance(operand.value, str)}
+    return parts
+
+
+def test_no_run_path_is_spelled_outside_the_contract():
+    layout = contract.RunLayout("BASE", "RUN")
+    names = {getattr(layout, name).removeprefix("BASE/RUN/") for name, member in vars(contract.RunLayout).items()
+             if isinstance(member, property) and name != "run_directory"}
+    offenders = {}
+    for package in PACKAGES:
+        for path in package.rglob("*.py"):
+            if path.name == "contract.py":
+                continue
+            found = names & _path_parts(path)
+            if found:
+                offenders[str(path.relative_to(ROOT))] = sorted(found)
+    assert offenders == {}, f"run paths spelled outside lorajob_trainer/contract.py: {offenders}"
+
+
+@pytest.mark.parametrize("record", [
+    contract.ProgressRecord(step=3, total_steps=10, loss=1.5, tokens_per_second=900.0, eta_seconds=12.0,
+                            state="running", eval_loss=1.7, updated=1.0),
+    contract.ProgressRecord(step=10, total_steps=10, state="failed", message="dataset has no column 'messages'"),
+])
+def test_a_progress_record_reads_back_as_written(record):
+    assert contract.ProgressRecord.from_line("some prefix " + record.line()) == record
+
+
+def test_non_finite_numbers_are_written_as_unknown():
+    record = contract.ProgressRecord(step=1, total_steps=2, loss=float("nan"), eta_seconds=float("inf"))
+    assert (record.loss, record.eta_seconds) == (None, None)
+    assert contract.ProgressRecord.from_line(record.line()) == record

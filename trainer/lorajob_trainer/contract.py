@@ -1,0 +1,262 @@
+"""What the operator and the trainer agree on, in one place: shared defaults, the run directory layout, the
+dataset column layouts and the progress record (its JSON and the stdout line that carries it).
+
+Standard library only: the operator imports it without JAX. The trainer's exit codes are the other half of
+the contract and live in `exit_codes` (also standard library only).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """The defaults a LoRAJob and `python -m lorajob_trainer.train` share, so the same settings give the same run."""
+
+    learning_rate: float = 2e-4
+    """LoRA trains a few adapter weights from zero, so it wants about ten times a full fine-tune's rate;
+    2e-4 is the rate of the QLoRA paper and of PEFT's examples."""
+    warmup_steps_fraction: float = 0.1
+    """The first tenth of the steps warms the learning rate up from zero."""
+    per_device_batch_size: int = 1
+    """One sequence per device: the memory-safe start; packing fills it."""
+    gradient_accumulation_steps: int = 1
+    max_target_length: int = 2048
+    """Long enough for most chat turns of today's instruction data; longer examples are truncated."""
+    checkpoint_period: int = 100
+    """A LoRA checkpoint is small (adapter and optimizer state), and a preempted step saves on SIGTERM, so a
+    short period costs little and bounds the work a crash loses."""
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    """Twice the rank: the scale alpha/rank = 2 most LoRA recipes use."""
+    train_split: str = "train"
+    use_zarr3: bool = False
+    """Off: Pathways cannot restore Zarr v3 base checkpoints efficiently."""
+    use_ocdbt: bool = False
+    """Off: Pathways' array handler cannot read OCDBT, so the head pod would load the whole checkpoint."""
+
+
+DEFAULTS = Defaults()
+
+COLUMN_LAYOUTS: tuple[tuple[str, ...], ...] = (
+    ("messages",),
+    ("prompt", "completion"),
+    ("question", "answer"),
+)
+"""The dataset column layouts the trainer understands (the same three MaxText accepts); the first is the default."""
+
+
+def join(base: str, *parts: str) -> str:
+    """`base/part/...` for local paths and gs:// URIs alike (pathlib would fold gs:// to gs:/)."""
+    return "/".join([base.rstrip("/"), *parts])
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Where a run writes: everything under `<base_output_directory>/<run_name>/`."""
+
+    base_output_directory: str
+    run_name: str
+
+    @property
+    def run_directory(self) -> str:
+        return join(self.base_output_directory, self.run_name)
+
+    @property
+    def checkpoints(self) -> str:
+        """The trainer's Orbax checkpoints, one directory per saved step."""
+        return join(self.run_directory, "checkpoints")
+
+    def checkpoint(self, step: int) -> str:
+        return join(self.checkpoints, str(step))
+
+    @property
+    def converted_base(self) -> str:
+        """Where convert writes the base weights from a Hugging Face checkpoint."""
+        return join(self.run_directory, "base")
+
+    @property
+    def converted_adapter(self) -> str:
+        """Where convert writes a Hugging Face adapter to start from."""
+        return join(self.run_directory, "restore-adapter")
+
+    @property
+    def adapter_export(self) -> str:
+        """Where export writes the trained adapter in PEFT format, unless the LoRAJob names a path."""
+        return join(self.run_directory, "huggingface")
+
+    @property
+    def metrics(self) -> str:
+        """One JSON line of metrics per logged step."""
+        return join(self.run_directory, "metrics.jsonl")
+
+    @property
+    def progress(self) -> str:
+        """The latest progress record, replaced atomically."""
+        return join(self.run_directory, "progress.json")
+
+    @property
+    def tensorboard(self) -> str:
+        return join(self.run_directory, "tensorboard")
+
+    @property
+    def pathways_scratch(self) -> str:
+        """Pathways' scratch space on the run's storage."""
+        return join(self.run_directory, "pathways-scratch")
+
+
+STOPPED_EARLY = "stopped_early"
+"""The progress state of a run that ended before its last step because the eval loss stopped improving."""
+FINISHED_STATES = ("succeeded", STOPPED_EARLY)
+
+PROGRESS_LINE_PREFIX = "LORAJOB_PROGRESS "
+"""Starts the stdout line that repeats each progress record as compact JSON: the operator reads it from the
+lead pod's log (it cannot read the run directory, usually on gs://)."""
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _finite_or_none(value) -> float | None:
+    return float(value) if _finite(value) else None
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """A complete checkpoint the run keeps."""
+
+    step: int
+    train_loss: float | None = None
+    eval_loss: float | None = None
+    """Loss on the evaluation split at this step, when it was evaluated."""
+    time: float | None = None
+    """Unix time of the save."""
+
+    @classmethod
+    def from_json(cls, values) -> CheckpointRecord | None:
+        if not isinstance(values, dict) or not _count(values.get("step")):
+            return None
+        numbers = {name: values.get(name) for name in ("train_loss", "eval_loss", "time")}
+        if any(value is not None and not _finite(value) for value in numbers.values()):
+            return None
+        return cls(step=values["step"], **numbers)
+
+
+CHECKPOINT_SELECTORS = ("latest", "best")
+"""What export may take besides a step number: the newest checkpoint, or the one with the lowest eval loss."""
+
+
+class NoSuchCheckpoint(LookupError):
+    """The checkpoint asked for is not among the run's complete checkpoints."""
+
+
+def choose_checkpoint(selector: str, checkpoints: list[CheckpointRecord]) -> CheckpointRecord:
+    """The checkpoint `selector` (latest, best or a step number) names among `checkpoints`."""
+    if not checkpoints:
+        raise NoSuchCheckpoint("the run has no complete checkpoint")
+    kept = ", ".join(str(c.step) for c in sorted(checkpoints, key=lambda c: c.step))
+    if selector == "latest":
+        return max(checkpoints, key=lambda c: c.step)
+    if selector == "best":
+        evaluated = [c for c in checkpoints if c.eval_loss is not None]
+        if not evaluated:
+            raise NoSuchCheckpoint(f"no checkpoint has an eval loss (kept: {kept}); set dataset.evalSplit "
+                                   "and an evalInterval that divides the checkpointPeriod")
+        return min(evaluated, key=lambda c: (c.eval_loss, -c.step))
+    if not selector.isdigit():
+        raise ValueError(f"checkpoint {selector!r}: expected latest, best or a step number")
+    for checkpoint in checkpoints:
+        if checkpoint.step == int(selector):
+            return checkpoint
+    raise NoSuchCheckpoint(f"no complete checkpoint at step {selector} (kept: {kept})")
+
+
+def checkpoints_to_keep(checkpoints: list[CheckpointRecord], newest: int) -> set[int]:
+    """The steps a run keeps: the `newest` latest and the best by eval loss (export may ask for either)."""
+    keep = {c.step for c in sorted(checkpoints, key=lambda c: c.step)[-newest:]}
+    if any(c.eval_loss is not None for c in checkpoints):
+        keep.add(choose_checkpoint("best", checkpoints).step)
+    return keep
+
+
+@dataclass(frozen=True)
+class ProgressRecord:
+    """One progress update of a training run."""
+
+    step: int
+    total_steps: int | None
+    loss: float | None = None
+    tokens_per_second: float | None = None
+    eta_seconds: float | None = None
+    state: str | None = "running"
+    """running, succeeded, stopped_early, preempted or failed."""
+    message: str = ""
+    eval_loss: float | None = None
+    """The latest eval loss, measured at `eval_step`."""
+    eval_step: int | None = None
+    checkpoints: tuple[CheckpointRecord, ...] | None = None
+    """The complete checkpoints the run keeps, oldest first; None: unchanged since the last record."""
+    updated: float | None = None
+    """Unix time of the update."""
+
+    def __post_init__(self):
+        for name in ("loss", "tokens_per_second", "eta_seconds", "eval_loss"):  # NaN and inf become unknown
+            object.__setattr__(self, name, _finite_or_none(getattr(self, name)))
+        if self.checkpoints is not None:
+            object.__setattr__(self, "checkpoints", tuple(self.checkpoints))
+
+    def to_json(self) -> str:
+        values = {name: value for name, value in asdict(self).items() if value is not None or name == "total_steps"}
+        return json.dumps(values, separators=(",", ":"))
+
+    def line(self) -> str:
+        return PROGRESS_LINE_PREFIX + self.to_json()
+
+    @classmethod
+    def from_line(cls, line: str) -> ProgressRecord | None:
+        """The record of one progress line; None for any other line, or one cut short or garbled."""
+        _, prefix, payload = line.partition(PROGRESS_LINE_PREFIX)
+        if not prefix:
+            return None
+        try:
+            values = json.loads(payload)
+        except ValueError:
+            return None
+        if not isinstance(values, dict):
+            return None
+        step, total = values.get("step"), values.get("total_steps")
+        if not _count(step) or not (total is None or (_count(total) and total > 0)):
+            return None
+        numbers = {name: values.get(name) for name in ("loss", "tokens_per_second", "eta_seconds", "eval_loss")}
+        if any(value is not None and not _finite(value) for value in numbers.values()):
+            return None
+        state, message, updated = values.get("state"), values.get("message", ""), values.get("updated")
+        if not isinstance(state, (str, type(None))) or not isinstance(message, str):
+            return None
+        eval_step, checkpoints = values.get("eval_step"), values.get("checkpoints")
+        if eval_step is not None and not _count(eval_step):
+            return None
+        if checkpoints is not None:
+            records = [CheckpointRecord.from_json(c) for c in checkpoints] if isinstance(checkpoints, list) else [None]
+            if None in records:
+                return None
+            checkpoints = tuple(records)
+        return cls(step=step, total_steps=total, state=state, message=message, eval_step=eval_step,
+                   checkpoints=checkpoints, updated=updated if _finite(updated) else None, **numbers)
+
+
+def last_progress(log: str) -> ProgressRecord | None:
+    """The last readable progress record in a log tail (None when it holds none)."""
+    for line in reversed(log.splitlines()):
+        record = ProgressRecord.from_line(line)
+        if record is not None:
+            return record
+    return None

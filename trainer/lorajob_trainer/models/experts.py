@@ -1,0 +1,146 @@
+"""Routed mixture-of-experts pieces shared by the MoE families (Qwen3 MoE; reusable for Gemma 4 26B).
+
+- `route_top_k`: softmax over the router logits, top-k, optional renormalisation, as transformers does.
+- `ExpertsLinear`: one linear map per expert, applied with `jax.lax.ragged_dot` to tokens sorted by
+  expert (only the chosen experts compute), with its own per-expert LoRA: A [E, in, r],
+  B [E, r, out], one independent rank-r adapter per expert. Qwix does not intercept `ragged_dot`,
+  so `lora.apply_lora` adds these adapters itself (`add_lora`).
+- `to_peft` / `from_peft`: that adapter in the layout PEFT 0.21 writes for LoRA on a 3-D expert
+  parameter (`LoraConfig(target_parameters=[...])`, `lora.ParamWrapper`): lora_A [E*r, in] with
+  expert-major rows, lora_B [out, r*E] with expert-minor columns (`lora_B.reshape(out, r, E)`).
+
+A fused weight such as transformers' `gate_up_proj` ([E, 2F, D]: gate rows, then up rows) is
+stored as `parts` = 2 stacked matrices per expert, `w` [E*parts, in, out] (expert-major), because
+the Hub checkpoints keep gate and up as separate per-expert tensors; the adapter covers the fused
+output (out * parts), as PEFT's one adapter on `gate_up_proj` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.nn import initializers
+
+
+def route_top_k(logits: jax.Array, k: int, *, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """(weights float32 [N, k], expert ids int32 [N, k]) from router logits [N, E]."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids
+
+
+def sort_by_expert(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(order [N*k], group sizes [E]): `order` lists the (token, slot) pairs of `ids` [N, k] flattened,
+    grouped by expert in expert order, as `ragged_dot` wants its rows."""
+    flat = ids.reshape(-1)
+    return jnp.argsort(flat, stable=True), jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+def mix_experts(
+    tokens: jax.Array,
+    weights: jax.Array,
+    ids: jax.Array,
+    gate_up: ExpertsLinear,
+    down: ExpertsLinear,
+    activation: Callable[[jax.Array], jax.Array],
+) -> jax.Array:
+    """Each token's sum over its chosen experts `ids` [N, k] of weight · down(activation(gate) · up), as
+    transformers' MoE blocks compute it; tokens [N, D] -> [N, D] (only the chosen experts compute)."""
+    order, group_sizes = sort_by_expert(ids, gate_up.num_experts)
+    token_of_row = order // ids.shape[-1]
+    gate, up = jnp.split(gate_up(tokens[token_of_row], group_sizes), 2, axis=-1)
+    rows = down(activation(gate) * up, group_sizes)
+    rows = rows * weights.reshape(-1)[order, None].astype(rows.dtype)
+    return jnp.zeros_like(tokens, dtype=rows.dtype).at[token_of_row].add(rows)
+
+
+class ExpertsLinear(nnx.Module):
+    """Per-expert linear maps `w` [E*parts, in, out]; the output of expert e is the concatenation over
+    its `parts` matrices (see module docstring)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        *,
+        experts_per_token: int,
+        parts: int = 1,
+        sharding: tuple[str | None, str | None, str | None],
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
+        self.num_experts, self.parts, self.dtype = num_experts, parts, dtype
+        self.experts_per_token = experts_per_token
+        shape = (num_experts * parts, in_features, out_features)
+        self.w = nnx.Param(initializers.normal()(rngs.params(), shape, param_dtype), sharding=sharding)
+        self.sharding = sharding
+        self.lora_scale: float | None = None
+
+    def stacked(self) -> jax.Array:
+        """The weights as [E, in, parts * out]."""
+        w = self.w.get_value().astype(self.dtype)
+        _, d_in, d_out = w.shape
+        w = w.reshape(self.num_experts, self.parts, d_in, d_out).transpose(0, 2, 1, 3)
+        return w.reshape(self.num_experts, d_in, self.parts * d_out)
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """x [M, in] sorted by expert (`group_sizes` [E] rows each) -> [M, parts * out]."""
+        x = x.astype(self.dtype)
+        y = jax.lax.ragged_dot(x, self.stacked(), group_sizes)
+        if self.lora_scale is not None:
+            a = self.w_lora_a.get_value().astype(self.dtype)
+            b = self.w_lora_b.get_value().astype(self.dtype)
+            y = y + jax.lax.ragged_dot(jax.lax.ragged_dot(x, a, group_sizes), b, group_sizes) * self.lora_scale
+        return y
+
+    def add_lora(self, rank: int, alpha: float, rngs: nnx.Rngs) -> None:
+        """One rank-`rank` adapter per expert: A random (He uniform, as Qwix), B zero."""
+        _, d_in, d_out = self.w.get_value().shape
+        expert_axis, in_axis, out_axis = self.sharding
+        dtype = self.w.get_value().dtype
+        a = initializers.he_uniform()(rngs.params(), (self.num_experts, d_in, rank), dtype)
+        self.w_lora_a = nnx.LoRAParam(a, sharding=(expert_axis, in_axis, None))
+        self.w_lora_b = nnx.LoRAParam(
+            jnp.zeros((self.num_experts, rank, self.parts * d_out), dtype), sharding=(expert_axis, None, out_axis)
+        )
+        self.lora_scale = alpha / rank
+
+    def lora_delta(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """A·B per expert in the layout of `w` [E*parts, in, out] (unscaled)."""
+        delta = np.einsum("eir,ero->eio", a, b)
+        experts, d_in, fused = delta.shape
+        delta = delta.reshape(experts, d_in, self.parts, fused // self.parts).transpose(0, 2, 1, 3)
+        return delta.reshape(experts * self.parts, d_in, fused // self.parts)
+
+
+def active_shares(model: nnx.Module) -> dict[str, float]:
+    """{dotted module path + ".": share of its experts one token uses} for the FLOPs model (metrics.py)."""
+    return {
+        ".".join(map(str, path)) + ".": module.experts_per_token / module.num_experts
+        for path, module in nnx.iter_graph(model)
+        if isinstance(module, ExpertsLinear)
+    }
+
+
+def to_peft(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Our expert adapter (A [E, in, r], B [E, r, out]) -> PEFT's (lora_A [E*r, in], lora_B [out, r*E])."""
+    experts, d_in, rank = a.shape
+    lora_a = a.transpose(0, 2, 1).reshape(experts * rank, d_in)
+    lora_b = b.transpose(2, 1, 0).reshape(b.shape[-1], rank * experts)
+    return np.ascontiguousarray(lora_a), np.ascontiguousarray(lora_b)
+
+
+def from_peft(lora_a: np.ndarray, lora_b: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of `to_peft`."""
+    rank = lora_a.shape[0] // num_experts
+    a = lora_a.reshape(num_experts, rank, lora_a.shape[1]).transpose(0, 2, 1)
+    b = lora_b.reshape(lora_b.shape[0], rank, num_experts).transpose(2, 1, 0)
+    return np.ascontiguousarray(a), np.ascontiguousarray(b)
