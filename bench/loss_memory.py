@@ -72,7 +72,7 @@ def measure(args) -> dict:
     def loss_and_grad(adapters, base, batch):
         return jax.value_and_grad(lambda a: losses(nnx.merge(graphdef, a, base), batch), has_aux=True)(adapters)
 
-    with mesh:
+    with jax.set_mesh(mesh):
         compiled = jax.jit(loss_and_grad).lower(adapters, base, batch).compile()
         analysis = compiled.memory_analysis()
         (loss, _), grads = compiled(adapters, base, batch)

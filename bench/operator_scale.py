@@ -4,8 +4,11 @@
 
 For each N, on a fresh simulated cluster whose pods complete at once (kwok, no delays) and with room for
 many single-host trainings at a time (BENCH_POOLS):
-- burst: N LoRAJobs created at once; the time until each one's first JobSet exists (p50, p99, last),
-  against one client creating N JobSets directly in another namespace of the same cluster;
+- burst: N LoRAJobs created at once (16 client threads; "LoRAJobs created": until the last create returned); the time
+  until each one's first JobSet exists (p50, p99, last),
+  against one client creating N JobSets directly in another namespace of the same cluster (ratio: last
+  first JobSet / direct), and the operator's requests per LoRAJob until the last first JobSet exists
+  (watches included; by verb in the JSON line);
 - idle, suspended: the N LoRAJobs suspended, then the requests the operator sends over `--idle-seconds`
   (its own client counters, /metrics), and kube-apiserver's `apiserver_request_total` over the same
   window minus one with the operator stopped (the method of the figures before the watch caches);
@@ -31,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from operator_latency import NAMESPACE, REPO_ROOT, FirstJobSetWatch, _lorajob  # noqa: E402
+from operator_latency import NAMESPACE, REPO_ROOT, FirstJobSetWatch, _lorajob, direct_jobset  # noqa: E402
 
 DIRECT_NAMESPACE = "bench-direct"
 CLIENT_THREADS = 16
@@ -59,11 +62,16 @@ def _request_total(cluster) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("apiserver_request_total{"))
 
 
-def _operator_requests(operator) -> float:
+def _operator_requests_by_verb(operator) -> dict[str, float]:
     with urllib.request.urlopen(operator.metrics_url, timeout=10) as response:
         text = response.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("lorajob_operator_api_requests_total{"))
+    prefix = 'lorajob_operator_api_requests_total{verb="'
+    return {line[len(prefix):].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}
+
+
+def _operator_requests(operator) -> float:
+    return sum(_operator_requests_by_verb(operator).values())
 
 
 def _cpu_seconds(operator) -> float:
@@ -92,7 +100,8 @@ def _names(jobs: int) -> list[str]:
     return [f"bench-{index:04d}" for index in range(jobs)]
 
 
-def _burst(custom, watch: FirstJobSetWatch, jobs: int) -> tuple[list[float], float]:
+def _burst(custom, watch: FirstJobSetWatch, jobs: int) -> tuple[list[float], float, float]:
+    """Each LoRAJob's create -> first JobSet, the seconds until the last first JobSet and until the last create."""
     created: dict[str, float] = {}
 
     def create(name: str) -> None:
@@ -103,7 +112,7 @@ def _burst(custom, watch: FirstJobSetWatch, jobs: int) -> tuple[list[float], flo
     with ThreadPoolExecutor(CLIENT_THREADS) as pool:
         list(pool.map(create, _names(jobs)))
     seen = {name: watch.wait_for(f"{name}-convert", timeout=600) for name in created}
-    return [seen[name] - created[name] for name in created], max(seen.values()) - start
+    return [seen[name] - created[name] for name in created], max(seen.values()) - start, max(created.values()) - start
 
 
 def _direct_jobsets(cluster, custom, template: dict, jobs: int) -> float:
@@ -111,10 +120,7 @@ def _direct_jobsets(cluster, custom, template: dict, jobs: int) -> float:
     cluster.create_namespace_with_queue(DIRECT_NAMESPACE)
 
     def create(index: int) -> None:
-        body = {"apiVersion": template["apiVersion"], "kind": "JobSet", "spec": template["spec"],
-                "metadata": {"name": f"direct-{index:04d}", "namespace": DIRECT_NAMESPACE,
-                             "labels": {key: value for key, value in template["metadata"].get("labels", {}).items()
-                                        if key.startswith("kueue")}}}
+        body = direct_jobset(template, DIRECT_NAMESPACE, f"direct-{index:04d}")
         custom.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", DIRECT_NAMESPACE, "jobsets", body)
 
     start = time.monotonic()
@@ -133,6 +139,7 @@ def _set_suspend(custom, jobs: int, suspend: bool) -> None:
 
 def _wait_all(custom, phase: str, jobs: int, timeout: float, no_jobsets: bool = False) -> float:
     """Seconds until all `jobs` LoRAJobs are in `phase` (and, with `no_jobsets`, no JobSet is left)."""
+    from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
 
     start, done = time.monotonic(), 0
@@ -143,8 +150,10 @@ def _wait_all(custom, phase: str, jobs: int, timeout: float, no_jobsets: bool = 
             if done == jobs and not (no_jobsets and custom.list_namespaced_custom_object(
                     "jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets", limit=1)["items"]):
                 return time.monotonic() - start
-        except HTTPError as error:  # a list of N LoRAJobs cut short by a loaded API server: look again
-            print(f"listing LoRAJobs failed ({error}); retrying", file=sys.stderr)
+        except (HTTPError, ApiException) as error:  # a list of N LoRAJobs cut short (or timed out, 504) by a loaded API server: look again
+            if isinstance(error, ApiException) and error.status < 500:
+                raise
+            print(f"listing LoRAJobs failed ({str(error).splitlines()[0]}); retrying", file=sys.stderr)
         time.sleep(1.0)
     raise TimeoutError(f"only {done} of {jobs} LoRAJobs reached {phase} within {timeout:.0f} s")
 
@@ -185,7 +194,7 @@ def _memory_kib(pid: int) -> dict[str, int]:
 CHAIN_KEYS = ("chain", "chain_requests", "handoff_p50", "handoff_max", "ours_finished", "cpu_finished")
 
 
-def run(jobs: int, idle_seconds: float, chain: bool) -> dict:
+def run(jobs: int, idle_seconds: float, chain: bool, settings: dict[str, str]) -> dict:
     from kubernetes import client
 
     from lorajob_devcluster import ControlPlaneConfig, PodTiming, SimCluster, SimClusterConfig
@@ -200,15 +209,22 @@ def run(jobs: int, idle_seconds: float, chain: bool) -> dict:
         api_client = cluster.api_client()
         custom = client.CustomObjectsApi(api_client)
         log = Path(tempfile.mkdtemp(prefix="lorajob-scale-")) / "operator.log"
-        operator = OperatorProcess(cluster.kubeconfig, [NAMESPACE], log, {"LORAJOB_METRICS_PORT": str(free_loopback_port())}).start()
+        settings = {"LORAJOB_METRICS_PORT": str(free_loopback_port()), **settings}
+        operator = OperatorProcess(cluster.kubeconfig, [NAMESPACE], log, settings).start()
         pid = operator._process.pid
         try:
             rss_before = _memory_kib(pid)["VmRSS"]
             watch = FirstJobSetWatch(api_client)
             watch.start()
             time.sleep(1.0)  # let the watch connect before the first create
-            latencies, burst_seconds = _burst(custom, watch, jobs)
+            before_burst = _operator_requests_by_verb(operator)
+            latencies, burst_seconds, create_seconds = _burst(custom, watch, jobs)
+            burst_requests = {verb: (count - before_burst.get(verb, 0)) / jobs
+                              for verb, count in _operator_requests_by_verb(operator).items()}
             watch.stop()
+            print(json.dumps({"jobs": jobs, "p50": statistics.median(latencies), "p99": _percentile(latencies, 0.99),
+                              "created": create_seconds, "burst": burst_seconds, "burst_requests_by_verb": burst_requests}),
+                  file=sys.stderr, flush=True)  # the burst's figures, should a later phase fail
             template = custom.get_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets",
                                                            "bench-0000-convert")
             _set_suspend(custom, jobs, True)
@@ -231,7 +247,9 @@ def run(jobs: int, idle_seconds: float, chain: bool) -> dict:
         direct_seconds = _direct_jobsets(cluster, custom, template, jobs)
     return {
         "jobs": jobs, "p50": statistics.median(latencies), "p99": _percentile(latencies, 0.99),
-        "burst": burst_seconds, "direct": direct_seconds,
+        "created": create_seconds, "burst": burst_seconds, "direct": direct_seconds, "ratio": burst_seconds / direct_seconds,
+        "burst_requests": sum(burst_requests.values()),
+        "burst_requests_by_verb": {verb: round(count, 2) for verb, count in burst_requests.items() if count},
         "server_idle": (server_suspended - server_without) / jobs, "ours_suspended": ours_suspended / jobs,
         "cpu_suspended": cpu_suspended, **dict.fromkeys(CHAIN_KEYS), **chained,
         "peak_rss": memory["VmHWM"] / 1024, "rss_per_job": (memory["VmRSS"] - rss_before) / jobs, "log": str(log),
@@ -240,7 +258,8 @@ def run(jobs: int, idle_seconds: float, chain: bool) -> dict:
 
 COLUMNS = (
     ("N", "jobs", "{:>6}"), ("p50 s", "p50", "{:>7.2f}"), ("p99 s", "p99", "{:>7.2f}"),
-    ("all first JobSets s", "burst", "{:>19.1f}"), ("direct s", "direct", "{:>9.1f}"),
+    ("LoRAJobs created s", "created", "{:>18.1f}"), ("all first JobSets s", "burst", "{:>19.1f}"), ("direct s", "direct", "{:>9.1f}"), ("ratio", "ratio", "{:>5.2f}"),
+    ("burst req/job", "burst_requests", "{:>13.1f}"),
     ("idle susp. req/job/min (server diff)", "server_idle", "{:>36.3f}"),
     ("idle susp. (own)", "ours_suspended", "{:>16.4f}"), ("idle done (own)", "ours_finished", "{:>15.4f}"),
     ("idle CPU susp.", "cpu_suspended", "{:>14.1%}"), ("idle CPU done", "cpu_finished", "{:>13.1%}"),
@@ -256,10 +275,13 @@ def main() -> None:
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     parser.add_argument("--chain-up-to", type=int, default=None,
                         help="run the full chain only for N up to this (on 2 CPU cores the simulated controllers take minutes per 100)")
+    parser.add_argument("--setting", action="append", default=[], metavar="LORAJOB_X=VALUE",
+                        help="an operator setting (settings.py), e.g. LORAJOB_RECONCILE_WORKERS=32 (repeatable)")
     args = parser.parse_args()
+    settings = dict(setting.split("=", 1) for setting in args.setting)
     rows = []
     for jobs in args.jobs:
-        rows.append(run(jobs, args.idle_seconds, args.chain_up_to is None or jobs <= args.chain_up_to))
+        rows.append(run(jobs, args.idle_seconds, args.chain_up_to is None or jobs <= args.chain_up_to, settings))
         print(json.dumps(rows[-1]), flush=True)
     print(" ".join(title for title, _, _ in COLUMNS))
     for row in rows:

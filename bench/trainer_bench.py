@@ -3,14 +3,21 @@
     python bench/trainer_bench.py --shape tiny [--steps 10] [--batch 8] [--seq 128] [--rank 16] [--loss-chunk 256] [--remat minimal]
                                   [--peak-tflops 989] [--frameworks jax,torch]
 
-Shapes are Qwen3 configurations with random weights made on the device (no files, no network):
-`tiny` (the test model), `small` (~40M), `real-vocab` (`small` with Qwen3's 151,936-entry vocabulary),
-`0.6b` (Qwen3-0.6B) and `8b` (Qwen3-8B). Each framework
-runs in a child process of its own (clean peak-memory figures): a few warm-up steps (compilation),
-then `--steps` timed optimizer steps on a fixed random batch, LoRA on all seven projections,
-AdamW with clipping, bf16 on accelerators and float32 on CPU. Prints tokens/s, step time, MFU
-(LoRA model FLOPs: 4N + attention + adapters, see lorajob_trainer.metrics), peak memory, and the
-JAX/PyTorch throughput ratio. On CPU, MFU needs `--peak-tflops`.
+Shapes are model configurations with random weights made on the device (no files, no network).
+Qwen3: `tiny` (the test model), `small` (~40M), `real-vocab` (`small` with Qwen3's 151,936-entry
+vocabulary), `0.6b` (Qwen3-0.6B) and `8b` (Qwen3-8B). Mixture of experts: `tiny-moe` (the tiny
+Qwen3 MoE test model: 4 experts, top-2), `tiny-gemma4` (Gemma 4 26B-A4B's layout at tiny sizes: a
+dense MLP beside 4 routed experts, top-2), `30b-a3b` (Qwen3-30B-A3B: 128 experts, top-8) and
+`26b-a4b` (Gemma 4 26B-A4B: 128 experts, top-8). Each framework runs in a child process of its own
+(clean peak-memory figures): a few warm-up steps (compilation), then `--steps` timed optimizer steps
+on a fixed random batch, LoRA on the family's default targets (all seven projections of Qwen3;
+attention and one adapter per routed expert of Qwen3 MoE; attention, dense MLP and experts of
+Gemma 4; PEFT gets the experts as `target_parameters`), AdamW with clipping, bf16 on accelerators
+and float32 on CPU. Prints tokens/s (of real tokens), step time, MFU (LoRA model FLOPs: 4N +
+attention + adapters with N the parameters a token uses, routed experts at top-k / experts; see
+lorajob_trainer.metrics), peak memory, and the JAX/PyTorch throughput ratio. The load-balancing loss
+is trained as each checkpoint config says (off for these, as in the Hub's configs; both frameworks
+alike). On CPU, MFU needs `--peak-tflops`.
 """
 
 from __future__ import annotations
@@ -26,7 +33,6 @@ from pathlib import Path
 from lorajob_trainer.metrics import peak_host_memory_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 WARMUP_STEPS = 2
 
 QWEN3 = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_act": "silu", "rms_norm_eps": 1e-6,
@@ -42,15 +48,48 @@ SHAPES = {
              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True},
     "8b": {**QWEN3, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False},
+    "tiny-moe": None,  # lorajob_trainer.tiny's qwen3-moe config
+    "30b-a3b": {**QWEN3, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
+                "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+                "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "output_router_logits": False, "router_aux_loss_coef": 0.001, "tie_word_embeddings": False},
 }
+GEMMA4_26B = {
+    # Gemma 4 26B-A4B's text model (Tunix's ModelConfig.gemma4_26b_a4b); transformers fills in the rest.
+    "vocab_size": 262144, "hidden_size": 2816, "intermediate_size": 2112, "num_hidden_layers": 30,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "global_head_dim": 512,
+    "num_global_key_value_heads": 2, "attention_k_eq_v": True, "sliding_window": 1024,
+    "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0, "enable_moe_block": True, "num_experts": 128,
+    "top_k_experts": 8, "moe_intermediate_size": 704,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+    },
+}
+GEMMA4_SHAPES = {
+    "26b-a4b": GEMMA4_26B,
+    "tiny-gemma4": {**GEMMA4_26B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                    "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                    "global_head_dim": 32, "num_global_key_value_heads": 1, "sliding_window": 16, "num_experts": 4,
+                    "top_k_experts": 2, "moe_intermediate_size": 32,
+                    "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
+}
+SHAPES.update(dict.fromkeys(GEMMA4_SHAPES))
 
 
 def hf_config(shape: str) -> dict:
+    """The shape's config.json as a dict (Gemma 4's completed by transformers' Gemma4TextConfig)."""
+    if shape in GEMMA4_SHAPES:
+        import transformers
+
+        return transformers.Gemma4TextConfig(**GEMMA4_SHAPES[shape]).to_dict()
     if SHAPES[shape] is not None:
         return dict(SHAPES[shape])
     from lorajob_trainer import tiny
 
-    return tiny.tiny_config("qwen3")
+    return tiny.tiny_config("qwen3-moe" if shape == "tiny-moe" else "qwen3")
 
 
 # ---------------------------------------------------------------- JAX (this project's step)
@@ -65,12 +104,14 @@ def bench_dtype():
 
 
 def random_lora_model(hf: dict, rank: int, dtype, mesh):
-    """(Qwen3 of config `hf` with random weights made in place on the mesh and LoRA on TARGETS, its Tunix config)."""
+    """(The model of config `hf` with random weights made in place on the mesh and LoRA on its family's
+    default targets, its Tunix config)."""
     import jax
     from flax import nnx
 
     from lorajob_trainer import lora as lora_lib
-    from lorajob_trainer import models, weights
+    from lorajob_trainer import models
+    from lorajob_trainer.mesh import variable_sharding
 
     family = models.family_for_hf_config(hf)
     tunix_config = family.config_from_hf(hf, dtype)
@@ -78,10 +119,10 @@ def random_lora_model(hf: dict, rank: int, dtype, mesh):
     for index, (_, variable) in enumerate(nnx.to_flat_state(state)):
         shape = tuple(variable.get_value().shape)
         make = jax.jit(lambda key, shape=shape: 0.02 * jax.random.normal(key, shape, dtype),
-                       out_shardings=weights.variable_sharding(mesh, variable))
+                       out_shardings=variable_sharding(mesh, variable))
         variable.set_value(make(jax.random.key(index)))
     model = lora_lib.apply_lora(nnx.merge(graphdef, state), rank=rank, alpha=2.0 * rank,
-                                target_regex=lora_lib.module_path_regex("qwen3", TARGETS), mesh=mesh, rngs=nnx.Rngs(0))
+                                target_regex=lora_lib.module_path_regex(family.name), mesh=mesh, rngs=nnx.Rngs(0))
     return model, tunix_config
 
 
@@ -94,6 +135,7 @@ def bench_jax(args) -> dict:
     from lorajob_trainer import metrics
     from lorajob_trainer import train as train_lib
     from lorajob_trainer.config import MeshConfig, TrainConfig
+    from lorajob_trainer.models import experts
     from lorajob_trainer.optim import build_optimizer
 
     hf = hf_config(args.shape)
@@ -113,7 +155,7 @@ def bench_jax(args) -> dict:
     opt_state = train_lib.init_optimizer_state(optimizer, adapters, mesh)
     steps = train_lib.build_step_functions(
         graphdef, layout, optimizer, dtype, train_lib.step_shardings(adapters, opt_state, base, mesh), args.loss_chunk,
-        args.remat
+        args.remat, train_lib.aux_loss_coef(None, hf, model),
     )
     rows = args.batch
     tokens = jax.random.randint(jax.random.key(1), (1, rows, args.seq + 1), 0, hf["vocab_size"], jnp.int32)
@@ -125,7 +167,7 @@ def bench_jax(args) -> dict:
         "positions": jnp.broadcast_to(jnp.arange(args.seq, dtype=jnp.int32), (1, rows, args.seq)),
     }
     batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh, leading_dims=1))
-    with mesh:
+    with jax.set_mesh(mesh):
         compile_start = time.perf_counter()
         for _ in range(WARMUP_STEPS):
             adapters, opt_state, out = steps.train(adapters, opt_state, base, batch)
@@ -137,7 +179,8 @@ def bench_jax(args) -> dict:
         loss = float(out["loss"])
         elapsed = time.perf_counter() - start
     tokens_per_s = rows * args.seq * args.steps / elapsed
-    flops = train_lib.lora_flops(base, adapters, train_lib.attention_width(tunix_config), args.seq)
+    flops = train_lib.lora_flops(base, adapters, train_lib.attention_width(tunix_config), args.seq,
+                                 experts.active_shares(model))
     peak = metrics.peak_flops_per_device(jax.devices()[0].device_kind, args.peak_tflops)
     device_peak = metrics.peak_device_memory_bytes(jax.local_devices())
     return {
@@ -158,16 +201,21 @@ def bench_torch(args) -> dict:
     import transformers
     from peft import LoraConfig, get_peft_model
 
+    from lorajob_trainer import lora, models
+
     hf = hf_config(args.shape)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = transformers.Qwen3Config(**{k: v for k, v in hf.items() if k not in ("model_type", "architectures")})
+    config = transformers.AutoConfig.for_model(**hf)
     torch.manual_seed(0)
     torch.set_default_dtype(dtype)
     with device:
-        model = transformers.Qwen3ForCausalLM(config)
-    model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS,
-                                             lora_dropout=0.0, task_type="CAUSAL_LM"))
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    family = models.family_for_hf_config(hf).name
+    modules, parameters = lora.peft_target_lists(family, lora.default_targets(family))
+    model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=modules,
+                                             target_parameters=parameters or None, lora_dropout=0.0,
+                                             task_type="CAUSAL_LM"))
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shutil
 import subprocess
 import sys
@@ -69,7 +70,7 @@ def _report(assets, run: str, out: Path) -> None:
     print(f"\ntraining loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps")
     print(f"PEFT adapter: {assets.adapter(run)}")
     print(f"loss curve:   {png}")
-    print(f"checkpoints:  {assets.run_directory(run) / 'checkpoints'}")
+    print(f"checkpoints:  {assets.layout(run).checkpoints}")
 
 
 def main() -> int:
@@ -106,8 +107,9 @@ def main() -> int:
             final = _watch_until_final(kubectl, name, args.timeout)
             chain = time.monotonic() - applied
             subprocess.run([*kubectl, "get", "jobsets.jobset.x-k8s.io,workloads.kueue.x-k8s.io"], check=False)
-            subprocess.run([*kubectl, "get", "events", "--field-selector", "involvedObject.kind=LoRAJob",
-                            "--sort-by=.lastTimestamp"], check=False)
+            # The run as `lorajob status` tells it: steps, loss, checkpoints, outputs and events.
+            subprocess.run([str(Path(sys.executable).parent / "lorajob"), "status", name, "-n", NAMESPACE],
+                           env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}, check=False)
         print(f"operator log: {log}")
         if assets is not None:
             print(f"pod logs and directories: {cluster.state_dir / 'podrunner' / 'pods' / NAMESPACE}")

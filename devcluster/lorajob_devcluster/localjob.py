@@ -13,6 +13,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from lorajob_trainer.contract import RunLayout
+
 from . import topology
 
 MODEL_NAME = "tiny-qwen3"
@@ -25,14 +27,18 @@ class Assets:
     data: Path
     outputs: Path
 
+    def layout(self, run: str) -> RunLayout:
+        """Where the LoRAJob `run` writes under `outputs` (its `baseOutputDirectory`)."""
+        return RunLayout(str(self.outputs), run)
+
     def run_directory(self, run: str) -> Path:
-        return self.outputs / run
+        return Path(self.layout(run).run_directory)
 
     def adapter(self, run: str) -> Path:
-        return self.run_directory(run) / "huggingface"
+        return Path(self.layout(run).adapter_export)
 
     def metrics(self, run: str) -> Path:
-        return self.run_directory(run) / "metrics.jsonl"
+        return Path(self.layout(run).metrics)
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:

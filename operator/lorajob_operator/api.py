@@ -339,6 +339,8 @@ class SchedulingSpec(_Model):
     """infrastructureRetryLimit is how many times each step is retried after infrastructure failures (pod evicted or preempted, node lost, killed by a signal, trainer stopped by SIGTERM); training resumes from its latest checkpoint."""
     termination_grace_period_seconds: int = Field(default=120, ge=1, le=3600)
     """terminationGracePeriodSeconds is how long a train pod has after SIGTERM (preemption, drain, suspend) to finish its step and save a checkpoint there before it is killed; size it to a step plus a checkpoint write."""
+    progress_deadline_seconds: int | None = Field(default=None, ge=30, le=86_400)
+    """progressDeadlineSeconds, when set, restarts a train step whose step counter has not advanced for this long (counted while it runs, from its start or its last new step) as an infrastructure failure with reason Stalled, on infrastructureRetryLimit; training resumes from its latest checkpoint. Size it well above the slowest step plus its checkpoint write and evaluation, and above the trainer's start-up (checkpoint load, compilation) before its first step."""
 
 
 class ImagesSpec(_Model):
@@ -486,6 +488,25 @@ class Progress(_Model):
     """message is the trainer's explanation of its state (why it stopped or failed)."""
     summary: str | None = None
     """summary such as 120/500 (24%), for kubectl get."""
+    advanced_time: datetime | None = None
+    """advancedTime is when the running train step started or its step last advanced, whichever is later (kept only while it runs with scheduling.progressDeadlineSeconds set): the stall watchdog counts from it."""
+
+
+class DataStatus(_Model):
+    """The data check's figures (the convert step runs it before the train step asks Kueue for accelerators)."""
+
+    examples: int | None = None
+    """examples in the training split."""
+    tokens: int | None = None
+    """tokens of every example, the chat template rendered."""
+    trained_tokens: int | None = None
+    """trainedTokens are the answer tokens the loss is computed on, before truncation."""
+    epochs: float | None = None
+    """epochs is how many passes over the data training.steps x the global batch amounts to."""
+    truncated_examples: int | None = None
+    """truncatedExamples are the examples longer than training.maxTargetLength."""
+    truncated_share: float | None = None
+    """truncatedShare is the share (0 to 1) of the trained tokens training.maxTargetLength cuts off."""
 
 
 class ResolvedImages(_Model):
@@ -537,6 +558,8 @@ class LoRAJobStatus(_Model):
     """outputs of the run."""
     progress: Progress | None = None
     """progress of training."""
+    data: DataStatus | None = None
+    """data holds the data check's figures, once the convert step has run it."""
     checkpoints: list[CheckpointStatus] = Field(default_factory=list, max_length=CHECKPOINTS_LISTED)
     """checkpoints are the complete checkpoints the run keeps (the newest few and the best by eval loss), oldest first."""
     resolved: Resolved | None = None

@@ -68,12 +68,15 @@ def _slim_jobset(obj: dict) -> dict:
 
 
 def _slim_workload(obj: dict) -> dict:
-    status = obj.get("status") or {}
+    """What observe reads, and what places a pending Workload in its ClusterQueue's order (`queue_positions`)."""
+    spec, status = obj.get("spec") or {}, obj.get("status") or {}
     return {
         "metadata": _metadata(obj, "ownerReferences", labels=lambda label: label == KUEUE_JOB_UID_LABEL),
+        "spec": {"queueName": spec.get("queueName"), "priority": spec.get("priority"), "active": spec.get("active")},
         "status": {
             "conditions": status.get("conditions") or [],
             "admission": {"clusterQueue": (status.get("admission") or {}).get("clusterQueue")},
+            "resourceRequests": status.get("resourceRequests") or [],
         },
     }
 
@@ -131,6 +134,13 @@ def _newer(candidate: dict, current: dict | None) -> bool:
     return not (new.isdigit() and old.isdigit()) or int(new) >= int(old)
 
 
+def _same_but_version(candidate: dict, current: dict | None) -> bool:
+    if current is None:
+        return False
+    version = {"resourceVersion": current["metadata"].get("resourceVersion")}
+    return candidate | {"metadata": candidate["metadata"] | version} == current
+
+
 class _Gone(Exception):
     """The watch's resourceVersion has expired: list again."""
 
@@ -162,12 +172,18 @@ class Store:
             return [self._objects[key] for key in self._by_index.get(index_key, ())]
 
     def upsert(self, obj: dict) -> dict | None:
-        """Store `obj` unless a newer version is already stored; the stored object when it changed."""
+        """Store `obj` unless a newer version is already stored; the stored object when it changed.
+
+        A new resourceVersion whose slimmed object is otherwise the same is stored but is no change (None): an
+        update of fields no pass reads (a LocalQueue's counts, a JobSet's replicated-job counts) queues nothing."""
         obj = self.resource.slim(obj)
         key = key_of(obj)
         with self._lock:
             current = self._objects.get(key)
             if not _newer(obj, current) or obj == current:
+                return None
+            if _same_but_version(obj, current):
+                self._objects[key] = obj
                 return None
             self._unindex(key, current)
             self._objects[key] = obj
@@ -348,6 +364,46 @@ def _namespace_of(obj: dict) -> Key:
     return (obj["metadata"]["namespace"], "")
 
 
+QUEUED_AGAIN_AT_EVICTION = ("PodsReadyTimeout", "AdmissionCheck")
+"""Evicted reasons after which Kueue orders a Workload by the eviction's time instead of its creation."""
+
+
+def _true_condition(obj: dict, condition_type: str) -> dict | None:
+    return next(
+        (c for c in obj.get("status", {}).get("conditions") or [] if c.get("type") == condition_type and c.get("status") == "True"),
+        None,
+    )
+
+
+def _queue_order(workload: dict) -> tuple:
+    """Kueue's order of the pending Workloads of a ClusterQueue (both queueing strategies): higher
+    spec.priority first, then the earlier queue-ordering time; ties (same second) by namespace and name."""
+    evicted = _true_condition(workload, "Evicted")
+    queued_at = (
+        evicted["lastTransitionTime"] if evicted and evicted.get("reason") in QUEUED_AGAIN_AT_EVICTION
+        else workload["metadata"].get("creationTimestamp", "")
+    )
+    return -(workload["spec"].get("priority") or 0), queued_at, key_of(workload)
+
+
+def queue_positions(workloads: list[dict], cluster_queue_of: Callable[[str, str], str | None]) -> dict[Key, int]:
+    """The position in its ClusterQueue of every pending Workload (active, in a LocalQueue, without quota,
+    not finished); position 1 is the one Kueue considers next."""
+    pending: dict[str, list[dict]] = {}
+    for workload in workloads:
+        spec = workload["spec"]
+        if spec.get("active") is False or _true_condition(workload, "QuotaReserved") or _true_condition(workload, "Finished"):
+            continue
+        cluster_queue = spec.get("queueName") and cluster_queue_of(workload["metadata"]["namespace"], spec["queueName"])
+        if cluster_queue:
+            pending.setdefault(cluster_queue, []).append(workload)
+    return {
+        key_of(workload): position
+        for queued in pending.values()
+        for position, workload in enumerate(sorted(queued, key=_queue_order), start=1)
+    }
+
+
 class Caches:
     """The stores the reconcile reads, and the informers that fill them (`start`)."""
 
@@ -364,6 +420,7 @@ class Caches:
         }
         self.informers: list[Informer] = []
         self._policies: tuple[int, tuple[policy.LoRAJobPolicy, ...]] = (-1, ())
+        self._queue_positions: tuple[tuple[int, int], dict[Key, tuple[int, int]]] = ((-1, -1), {})
 
     def watches(self) -> list[tuple[Resource, str | None]]:
         """(resource, namespace or None for all) of each watch: one connection each, held open."""
@@ -414,6 +471,18 @@ class Caches:
 
     def local_queue(self, namespace: str, name: str) -> dict | None:
         return self.stores[LOCAL_QUEUES].get((namespace, name))
+
+    def cluster_queue_of(self, namespace: str, local_queue: str) -> str | None:
+        found = self.local_queue(namespace, local_queue)
+        return None if found is None else found["spec"].get("clusterQueue")
+
+    def queue_position(self, namespace: str, workload: str) -> int | None:
+        """The position of a pending Workload in its ClusterQueue (None: not pending), counting
+        the Workloads of the watched namespaces; worked out once per change of any Workload or LocalQueue."""
+        versions = (self.stores[WORKLOADS].version, self.stores[LOCAL_QUEUES].version)
+        if self._queue_positions[0] != versions:
+            self._queue_positions = (versions, queue_positions(self.stores[WORKLOADS].items(), self.cluster_queue_of))
+        return self._queue_positions[1].get((namespace, workload))
 
     def secret_keys(self, namespace: str, name: str) -> set[str] | None:
         secret = self.stores[SECRETS].get((namespace, name))

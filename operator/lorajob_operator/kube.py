@@ -4,9 +4,9 @@
 change events and by `Resync`, and worker threads that run `Reconciler.reconcile` (one pass over one
 LoRAJob; the queue never hands the same LoRAJob to two workers at once). A pass reads the caches only,
 so a pass over a LoRAJob whose world has not changed sends no request at all; its own writes are put
-into the caches at once (the watch event that follows is then no change). Only the resync pass reads
-the lead trainer's log for progress, so each log is read at most once per resync interval however many
-events arrive.
+into the caches at once (the watch event that follows is then no change). Only the resync pass and a
+pass a LoRAJob asked for (a deadline) read the lead trainer's log for progress, so each log is read
+about once per resync interval however many events arrive.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from lorajob_operator.reconcile import (
     TERMINAL_PHASES,
     Decision,
     Observed,
+    QueuePosition,
+    convert_log_wanted,
     decide,
     effective_spec,
     format_time,
@@ -70,9 +72,9 @@ class Cluster:
         pods = self.core.list_namespaced_pod(namespace, label_selector=f"{JOBSET_NAME_LABEL}={jobset}")
         return [self.core.api_client.sanitize_for_serialization(pod) for pod in pods.items]
 
-    def trainer_log_tail(self, namespace: str, pod_selector: str, lines: int) -> str | None:
-        """The last `lines` lines of the trainer container's log in the newest pod matching `pod_selector`
-        (None: no such pod yet or any more)."""
+    def trainer_log_tail(self, namespace: str, pod_selector: str, lines: int | None) -> str | None:
+        """The last `lines` lines (None: all) of the trainer container's log in the newest pod matching
+        `pod_selector` (None: no such pod yet or any more)."""
         pods = self.core.list_namespaced_pod(namespace, label_selector=pod_selector).items
         if not pods:
             return None
@@ -83,6 +85,16 @@ class Cluster:
             _preload_content=False, _request_timeout=LOG_REQUEST_TIMEOUT_SECONDS,
         )
         return response.data.decode("utf-8", errors="replace")
+
+
+def status_patch(old: dict, new: dict) -> dict:
+    """The JSON merge patch that turns status `old` into `new`: a field `new` lacks is removed (null), also
+    inside objects (a merge patch alone would keep it, e.g. the stall watchdog's status.progress.advancedTime)."""
+    patch: dict = {key: None for key in old.keys() - new.keys()}
+    for key, value in new.items():
+        both_objects = isinstance(value, dict) and isinstance(old.get(key), dict)
+        patch[key] = status_patch(old[key], value) if both_objects else value
+    return patch
 
 
 def spec_problems(view: Caches, namespace: str, spec: api.LoRAJobSpec) -> tuple[list[tuple[str, str]], str | None]:
@@ -122,6 +134,11 @@ def _newest_workload(view: Caches, namespace: str, jobset: dict) -> dict | None:
     return max(workloads, key=lambda w: w["metadata"]["creationTimestamp"], default=None)
 
 
+def _queue_position(view: Caches, workload: dict | None) -> QueuePosition | None:
+    found = workload and view.queue_position(workload["metadata"]["namespace"], workload["metadata"]["name"])
+    return QueuePosition(found, namespaces=tuple(view.namespaces or ())) if found else None
+
+
 def observe(
     view: Caches, body: dict, now: datetime, render_settings: RenderSettings,
     failed_pods: dict[str, list[dict]] | None = None,
@@ -143,7 +160,9 @@ def observe(
             jobset_name = jobset["metadata"]["name"]
             if jobset_name in names:
                 workload = _newest_workload(view, namespace, jobset)
-                children[names[jobset_name]] = observe_child(jobset, uid, workload, (failed_pods or {}).get(jobset_name))
+                children[names[jobset_name]] = observe_child(
+                    jobset, uid, workload, (failed_pods or {}).get(jobset_name), _queue_position(view, workload)
+                )
     return Observed(
         name=name,
         namespace=namespace,
@@ -162,14 +181,29 @@ def observe(
 
 
 class TrainLogs:
-    """Reads the lead trainer's log tail for status.progress; a log that cannot be read is logged and skipped."""
+    """Reads the lead trainer's log tail for status.progress, and the convert pod's log once for status.data;
+    a log that cannot be read is logged and skipped."""
 
     def __init__(self, cluster: Cluster, lines: int):
         self.cluster = cluster
         self.lines = lines
         self._read_after_finish: dict[tuple[str, str], str] = {}
         """LoRAJob -> uid of its finished train JobSet whose log was read: once is enough."""
+        self._data_read: dict[tuple[str, str], str] = {}
+        """LoRAJob -> uid of its completed convert JobSet whose log was read for the data check's figures."""
         self._last_error: dict[tuple[str, str], str] = {}
+
+    def read_data(self, key: tuple[str, str], observed: Observed) -> str | None:
+        """The whole log of the completed convert step (the data check's line comes first), once per JobSet."""
+        convert = observed.children.get("convert")
+        if not convert_log_wanted(observed.status, convert) or self._data_read.get(key) == convert.uid:
+            return None
+        self._data_read[key] = convert.uid
+        try:
+            return self.cluster.trainer_log_tail(observed.namespace, convert.lead_pod_selector, None)
+        except (ApiException, urllib3.exceptions.HTTPError) as error:
+            self._report(key, convert.name, error)
+            return None
 
     def read(self, key: tuple[str, str], observed: Observed) -> str | None:
         train = observed.children.get("train")
@@ -196,6 +230,7 @@ class TrainLogs:
 
     def forget(self, key: tuple[str, str]) -> None:
         self._read_after_finish.pop(key, None)
+        self._data_read.pop(key, None)
         self._last_error.pop(key, None)
 
 
@@ -211,7 +246,8 @@ class Reconciler:
     def reconcile(self, namespace: str, name: str, read_progress: bool = False) -> float | None:
         """Returns when the LoRAJob wants to be looked at again (seconds), if sooner than a resync.
 
-        `read_progress`: also read the lead trainer's log for status.progress (the resync pass asks)."""
+        `read_progress`: also read the lead trainer's log for status.progress, and the completed convert
+        step's log for status.data (the resync pass asks)."""
         key = (namespace, name)
         body = self.view.lorajob(namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
@@ -225,7 +261,9 @@ class Reconciler:
             pods = {child.name: self.cluster.pods_of(child.name, namespace) for child in failed}
             observed = observe(self.view, body, now, self.settings.render, pods)
         if read_progress:
-            observed = dataclasses.replace(observed, train_log=self.train_logs.read(key, observed))
+            observed = dataclasses.replace(
+                observed, train_log=self.train_logs.read(key, observed), convert_log=self.train_logs.read_data(key, observed)
+            )
         decision = decide(observed, self.settings.reconcile)
         self._apply(body, observed, decision)
         return decision.requeue_after
@@ -254,7 +292,7 @@ class Reconciler:
 
     def _write_status(self, observed: Observed, status: dict) -> None:
         written = self.cluster.custom.patch_namespaced_custom_object_status(
-            *LORAJOB[:2], observed.namespace, LORAJOB[2], observed.name, {"status": status}
+            *LORAJOB[:2], observed.namespace, LORAJOB[2], observed.name, {"status": status_patch(observed.status, status)}
         )
         self.view.stores[caches.LORAJOBS].upsert(written)
 
@@ -325,12 +363,19 @@ def _api_message(error: ApiException) -> str:
 
 class WorkQueue:
     """LoRAJob keys waiting for a pass, each at most once; a key being worked on is handed out again only
-    after `done` (so passes over one LoRAJob never overlap). A key asked for with `read_progress` keeps it."""
+    after `done` (so passes over one LoRAJob never overlap). A key asked for with `read_progress` keeps it.
+
+    A key added `urgent` (a LoRAJob whose spec no pass has acted on yet: new or edited) goes ahead of the
+    others, which only follow up on children and time: in a burst the first JobSets are not queued behind
+    the follow-ups of earlier LoRAJobs, and those follow-ups coalesce while they wait."""
 
     def __init__(self) -> None:
+        self._urgent_order: collections.deque[Key] = collections.deque()
         self._order: collections.deque[Key] = collections.deque()
         self._waiting: dict[Key, bool] = {}
         """Key -> read_progress, for every key queued or re-added while being worked on."""
+        self._urgent: set[Key] = set()
+        """The waiting keys added urgent."""
         self._working: set[Key] = set()
         self._changed = threading.Condition()
         self._closed = False
@@ -338,24 +383,35 @@ class WorkQueue:
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def add(self, key: Key, read_progress: bool = False) -> None:
+    def add(self, key: Key, read_progress: bool = False, urgent: bool = False) -> None:
         with self._changed:
             if key in self._waiting:
                 self._waiting[key] |= read_progress
+                if urgent and key not in self._urgent:
+                    self._urgent.add(key)
+                    if key not in self._working:
+                        self._order.remove(key)
+                        self._urgent_order.append(key)
                 return
             self._waiting[key] = read_progress
+            if urgent:
+                self._urgent.add(key)
             if key not in self._working:
-                self._order.append(key)
-                self._changed.notify()
+                self._enqueue(key)
+
+    def _enqueue(self, key: Key) -> None:
+        (self._urgent_order if key in self._urgent else self._order).append(key)
+        self._changed.notify()
 
     def get(self) -> tuple[Key, bool] | None:
         """The next key and its read_progress (blocks; None once closed)."""
         with self._changed:
-            while not self._order and not self._closed:
+            while not (self._urgent_order or self._order) and not self._closed:
                 self._changed.wait()
             if self._closed:
                 return None
-            key = self._order.popleft()
+            key = (self._urgent_order or self._order).popleft()
+            self._urgent.discard(key)
             self._working.add(key)
             return key, self._waiting.pop(key)
 
@@ -363,8 +419,7 @@ class WorkQueue:
         with self._changed:
             self._working.discard(key)
             if key in self._waiting:
-                self._order.append(key)
-                self._changed.notify()
+                self._enqueue(key)
 
     def close(self) -> None:
         with self._changed:
@@ -373,8 +428,9 @@ class WorkQueue:
 
 
 class Resync:
-    """Queues every cached LoRAJob every `resync_seconds` (with read_progress), and single ones sooner
-    when a pass asked to be looked at again (retry backoff, TTL, a blocked LoRAJob's recheck).
+    """Queues every cached LoRAJob every `resync_seconds`, and single ones sooner when a pass asked to be
+    looked at again (retry backoff, TTL, a blocked LoRAJob's recheck, the stall watchdog's deadline), both
+    with read_progress.
 
     It reads the caches only: it re-runs decide on what the watches delivered, which catches an event
     whose pass was lost or failed, and drives time-based decisions (deadlines, TTL, backoff)."""
@@ -422,7 +478,8 @@ class Resync:
         while not self._stop.is_set():
             now = time.monotonic()
             for key in self._take_due(now):
-                self.queue.add(key)
+                # With the log: the stall watchdog's deadline pass judges the trainer's newest step.
+                self.queue.add(key, read_progress=True)
             if now >= next_full:
                 for body in self.view.lorajobs():
                     self.queue.add(caches.key_of(body), read_progress=True)
@@ -465,7 +522,7 @@ class Controller:
             return
         self._synced.set()
         for body in self.caches.lorajobs():
-            self.queue.add(caches.key_of(body), read_progress=True)
+            self.queue.add(caches.key_of(body), read_progress=True, urgent=_unobserved(body))
         for thread in self._threads:
             thread.start()
         self.resync.start()
@@ -493,8 +550,9 @@ class Controller:
         """A cached object changed: queue the LoRAJobs whose pass reads it."""
         if not self._synced.is_set():
             return  # the first pass over every LoRAJob follows the sync
+        urgent = resource is caches.LORAJOBS and _unobserved(obj)
         for key in self._affected(resource, obj):
-            self.queue.add(key)
+            self.queue.add(key, urgent=urgent)
 
     def _affected(self, resource: caches.Resource, obj: dict) -> list[Key]:
         namespace, name = caches.key_of(obj)
@@ -503,6 +561,8 @@ class Controller:
         if resource is caches.JOBSETS:
             return _controllers(obj, api.KIND)
         if resource is caches.WORKLOADS:
+            # Only its own LoRAJob: the other queued LoRAJobs' positions follow at the resync, so a busy queue
+            # costs one pass per LoRAJob per resync interval, not one per LoRAJob per Workload event.
             owners = [self.caches.jobset(namespace, jobset) for _, jobset in _controllers(obj, "JobSet")]
             return [key for owner in owners if owner is not None for key in _controllers(owner, api.KIND)]
         if resource is caches.NAMESPACES:
@@ -527,7 +587,7 @@ class Controller:
 
     def _state(self) -> dict[str, dict[str, float]]:
         phases = collections.Counter(
-            (body.get("status") or {}).get("phase") or "Unknown" for body in self.caches.lorajobs()
+            _phase(body) or "Unknown" for body in self.caches.lorajobs()
         )
         restarts = collections.Counter()
         for informer in self.caches.informers:
@@ -538,6 +598,15 @@ class Controller:
             "work_queue_depth": {"": len(self.queue)},
             "watch_restarts": dict(restarts),
         }
+
+
+def _phase(body: dict) -> str | None:
+    return (body.get("status") or {}).get("phase")
+
+
+def _unobserved(body: dict) -> bool:
+    """No pass has acted on the LoRAJob's spec yet (it is new, or was edited since)."""
+    return (body.get("status") or {}).get("observedGeneration") != body["metadata"].get("generation")
 
 
 def _controllers(obj: dict, kind: str) -> list[Key]:

@@ -11,7 +11,9 @@ Mechanisms, in one place:
   Children are never given a TTL: a completed child is the record that its step is done.
 * Kueue is never fought: a JobSet is created with its queue label and then only read (suspend and
   pod templates belong to Kueue). Its Workload (label kueue.x-k8s.io/job-uid) says whether the step
-  is queued, admitted or evicted.
+  is queued, admitted or evicted. A queued step's message gives its place among the pending Workloads of
+  its ClusterQueue, in Kueue's order, worked out from the watched Workloads (`caches.queue_positions`), and
+  what it waits for (the resources Kueue's pending message names, with the Workload's requests of them).
 * Retries: a failed try N of a step (label lorajob.dev/attempt) is deleted once its backoff has
   passed and `status.restarts` records try N+1; the next pass, seeing no child, creates try N+1
   under the same name. Failures are classed (`failure_kind`): a user error (the trainer's documented
@@ -19,6 +21,9 @@ Mechanisms, in one place:
   infrastructure failure (a pod disrupted: evicted, preempted, node lost; a container killed by a
   signal; the trainer stopped by SIGTERM) is retried up to `scheduling.infrastructureRetryLimit`
   times, counted in `status.infrastructureRestarts`; anything else up to `scheduling.retryLimit`.
+* Stall watchdog (opt-in, `scheduling.progressDeadlineSeconds`): a running train step whose step has not
+  changed for that long, counted from status.progress.advancedTime (when it started running or its step
+  last changed), is restarted at once as an infrastructure failure with reason Stalled.
 * suspend: the running step's JobSet is deleted (foreground, so its pods are gone before a new one
   can take its name) and recreated on resume; training restarts from its latest checkpoint.
 * activeDeadlineSeconds counts from the later of startTime and the last resume.
@@ -34,12 +39,17 @@ Mechanisms, in one place:
   of its pod's log (read by kube.py while the train step runs, and once after it finished) is lifted
   into status.progress. Best effort: it never changes the phase, and a log that is missing or holds
   no readable line keeps the progress already recorded.
+* Data figures: the data check (first in the convert step) prints one data line; the completed convert
+  pod's log is read once (on a resync pass, while status.data is unset) and the line lifted into status.data.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 from typing import Mapping
 
 from lorajob_operator import api, policy, rules
@@ -50,12 +60,15 @@ from lorajob_operator.render import (
 from lorajob_operator.settings import ReconcileSettings, RenderSettings
 from lorajob_trainer import exit_codes
 from lorajob_trainer.contract import (
-    FINISHED_STATES, STOPPED_EARLY, CheckpointRecord, ProgressRecord, RunLayout, choose_checkpoint, last_progress,
+    FINISHED_STATES, STOPPED_EARLY, CheckpointRecord, ProgressRecord, RunLayout, choose_checkpoint, last_data,
+    last_progress,
 )
 
 RUNNING_PHASE = {step: api.Phase(phase) for step, phase in rules.PHASE_WHILE_RUNNING.items()}
 TERMINAL_PHASES = (api.Phase.Succeeded.value, api.Phase.Failed.value)
 TERMINATED_BY_SIGTERM = 143
+STALLED = "Stalled"
+"""Reason of a train step restarted (or the LoRAJob failed) by the stall watchdog."""
 # Labels JobSet and the Job controller put on every pod (with render.JOB_INDEX_LABEL): which JobSet,
 # replicated job and pod of its Job it is.
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
@@ -64,6 +77,16 @@ DISRUPTED_POD_REASONS = ("Evicted", "NodeLost", "Preempting", "Shutdown", "Termi
 
 
 # --- What exists -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class QueuePosition:
+    """Where a pending Workload stands among the pending Workloads of its ClusterQueue, in Kueue's order."""
+
+    position: int
+    """1 for the Workload Kueue considers next."""
+    namespaces: tuple[str, ...] = ()
+    """The namespaces whose Workloads were counted when the operator watches only some (empty: all)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class WorkloadState:
@@ -77,6 +100,11 @@ class WorkloadState:
     evicted_reason: str | None
     """Set while an eviction (preemption, deactivation, ...) is in effect."""
     evicted_message: str
+    requests: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """What its pod sets request in all, by resource (Kueue's status.resourceRequests of a pending Workload)."""
+    short_of: tuple[tuple[str, str], ...] = ()
+    """(resource, flavor) pairs whose quota Kueue's pending message says is used up, in its order."""
+    queue: QueuePosition | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +175,8 @@ class Observed:
     """The operator's own defaults, used where neither the LoRAJob nor a policy sets a value."""
     train_log: str | None = None
     """The tail of the lead trainer's log when this pass read it (see `train_log_wanted`)."""
+    convert_log: str | None = None
+    """The convert pod's log when this pass read it, for the data check's figures (see `convert_log_wanted`)."""
 
     @property
     def defaults(self) -> policy.ResolvedDefaults:
@@ -199,11 +229,45 @@ def _is_true(obj: dict, condition_type: str) -> bool:
     return condition is not None and condition.get("status") == "True"
 
 
-def observe_workload(workload: dict) -> WorkloadState:
+# Kueue's flavor assigner: "insufficient unused quota [in cohort] for <resource> in flavor <flavor>, <n> more needed"
+# (quota in use by others: it may free up), "insufficient quota for <resource> in flavor <flavor>, ..." (never enough).
+_QUOTA_IN_USE = re.compile(r"insufficient unused quota (?:in cohort )?for (\S+) in flavor ([^\s,;]+), \S+ more needed")
+_ANY_QUOTA = re.compile(r"quota (?:in cohort )?for (\S+) in flavor ([^\s,;]+)")
+
+
+def short_of(pending_message: str) -> tuple[tuple[str, str], ...]:
+    """The (resource, flavor) pairs Kueue's pending message names: those whose quota is in use, else any."""
+    pairs = _QUOTA_IN_USE.findall(pending_message) or _ANY_QUOTA.findall(pending_message)
+    return tuple(dict.fromkeys(pairs))
+
+
+def _quantity_text(value: Decimal) -> str:
+    if value != value.to_integral_value():
+        return str(value.normalize())
+    for suffix, size in (("Gi", 2**30), ("Mi", 2**20)):
+        if value >= size and value % size == 0:
+            return f"{int(value) // size}{suffix}"
+    return str(int(value))
+
+
+def total_requests(pod_set_requests: list[dict]) -> dict[str, str]:
+    """status.resourceRequests (one entry per pod set, totals of its pods) summed by resource."""
+    # Imported here: `kubernetes.utils` loads the whole client, which `lorajob render` and `validate` never need.
+    from kubernetes.utils.quantity import parse_quantity  # noqa: PLC0415
+
+    totals: dict[str, Decimal] = {}
+    for pod_set in pod_set_requests:
+        for resource, quantity in (pod_set.get("resources") or {}).items():
+            totals[resource] = totals.get(resource, Decimal(0)) + parse_quantity(quantity)
+    return {resource: _quantity_text(total) for resource, total in totals.items()}
+
+
+def observe_workload(workload: dict, queue: QueuePosition | None = None) -> WorkloadState:
     quota = _condition(workload, "QuotaReserved") or {}
     evicted = _condition(workload, "Evicted")
     active_eviction = evicted is not None and evicted.get("status") == "True"
-    admission = workload.get("status", {}).get("admission") or {}
+    status = workload.get("status", {})
+    admission = status.get("admission") or {}
     return WorkloadState(
         name=workload["metadata"]["name"],
         quota_reserved=_is_true(workload, "QuotaReserved"),
@@ -213,6 +277,9 @@ def observe_workload(workload: dict) -> WorkloadState:
         pending_message=quota.get("message", ""),
         evicted_reason=evicted.get("reason") if active_eviction else None,
         evicted_message=evicted.get("message", "") if active_eviction else "",
+        requests=total_requests(status.get("resourceRequests") or []),
+        short_of=short_of(quota.get("message", "")),
+        queue=queue,
     )
 
 
@@ -269,7 +336,8 @@ def lead_pod_selector(jobset: dict) -> str | None:
 
 
 def observe_child(
-    jobset: dict, owner_uid: str, workload: dict | None = None, failed_pods: list[dict] | None = None
+    jobset: dict, owner_uid: str, workload: dict | None = None, failed_pods: list[dict] | None = None,
+    queue: QueuePosition | None = None,
 ) -> ChildState:
     metadata = jobset["metadata"]
     labels = metadata.get("labels") or {}
@@ -288,7 +356,7 @@ def observe_child(
         failure_reason=failed.get("reason", "") if is_failed else "",
         failure_message=failed.get("message", "") if is_failed else "",
         suspended=bool(jobset.get("spec", {}).get("suspend")) or _is_true(jobset, "Suspended"),
-        workload=observe_workload(workload) if workload else None,
+        workload=observe_workload(workload, queue) if workload else None,
         container_failure=observe_container_failure(failed_pods or []),
         disruption=observe_disruption(failed_pods or []),
         uid=metadata.get("uid", ""),
@@ -317,15 +385,20 @@ def progress_from_log(log: str) -> api.Progress | None:
     return None if record is None else _status_progress(record)
 
 
+def _four_digits(loss: float | None) -> float | None:
+    """A loss as `kubectl get lj` prints it: 4 significant digits (metrics.jsonl keeps every digit)."""
+    return loss if loss is None or not math.isfinite(loss) else float(f"{loss:.4g}")
+
+
 def _status_progress(record: ProgressRecord) -> api.Progress:
     eta = record.eta_seconds
     return api.Progress(
         step=record.step,
         total_steps=record.total_steps,
-        loss=record.loss,
+        loss=_four_digits(record.loss),
         tokens_per_second=record.tokens_per_second,
         eta_seconds=None if eta is None else max(0, round(eta)),
-        eval_loss=record.eval_loss,
+        eval_loss=_four_digits(record.eval_loss),
         eval_step=record.eval_step,
         state=record.state,
         message=record.message[:4096] or None,
@@ -350,11 +423,35 @@ def train_log_wanted(status: dict, train: ChildState | None) -> bool:
     return not train.suspended
 
 
+def convert_log_wanted(status: dict, convert: ChildState | None) -> bool:
+    """Whether the convert pod's log may hold the data check's figures that status.data lacks: its step completed."""
+    return (
+        convert is not None and convert.owned and convert.completed and not convert.deleting
+        and convert.lead_pod_selector is not None and not status.get("data")
+    )
+
+
+def _data(o: Observed) -> dict | None:
+    """status.data: the data check's line in this pass's convert log, else kept."""
+    record = last_data(o.convert_log) if o.convert_log else None
+    if record is None:
+        return o.status.get("data")
+    return api.DataStatus(**dataclasses.asdict(record)).model_dump(by_alias=True, exclude_none=True)
+
+
 def _progress(o: Observed, record: ProgressRecord | None) -> dict | None:
     """status.progress: lifted from this pass's log tail, else kept (a pod that is gone erases nothing)."""
     if record is None:
         return o.status.get("progress")
     return _status_progress(record).model_dump(by_alias=True, exclude_none=True)
+
+
+def _watched(progress: dict | None, advanced_time: str | None) -> dict | None:
+    """status.progress with the stall watchdog's advancedTime, which it keeps only while it watches."""
+    progress = {key: value for key, value in (progress or {}).items() if key != "advancedTime"}
+    if advanced_time:
+        progress["advancedTime"] = advanced_time
+    return progress or None
 
 
 def _checkpoints(o: Observed, record: ProgressRecord | None) -> list[dict]:
@@ -421,6 +518,8 @@ class _Draft:
     """The retries of `restarts` after infrastructure failures (they do not use up retryLimit)."""
     start_time: str | None = None
     completion_time: str | None = None
+    advanced_time: str | None = None
+    """status.progress.advancedTime, set while the stall watchdog watches the running train step (else removed)."""
 
     def condition(self, condition_type: str, true: bool, reason: str, message: str = "") -> None:
         self.conditions[condition_type] = ("True" if true else "False", reason, message)
@@ -472,9 +571,12 @@ class _Draft:
             finished = o.status.get("phase") in TERMINAL_PHASES and o.status.get("resolved")
             # A finished LoRAJob keeps the record of what it ran with, whatever the policies say now.
             status["resolved"] = o.status["resolved"] if finished else resolved_status(o.spec, o.defaults, o.render)
-        progress = _progress(o, record)
+        progress = _watched(_progress(o, record), self.advanced_time)
         if progress:
             status["progress"] = progress
+        data = _data(o)
+        if data:
+            status["data"] = data
         if o.spec is not None:
             step = exported_step(o.spec, progress, status["checkpoints"])
             if step is not None:
@@ -648,7 +750,7 @@ def _advance(o: Observed, draft: _Draft, settings: ReconcileSettings, decision: 
         if child.failed:
             _step_failed(o, draft, settings, decision, phase, child)
             return
-        _running(o, draft, phase, child)
+        _running(o, draft, decision, phase, child)
         return
     draft.phase, draft.message = api.Phase.Succeeded.value, "all steps completed"
     draft.completion_time = draft.completion_time or format_time(o.now)
@@ -703,8 +805,7 @@ def _step_failed(o, draft: _Draft, settings, decision: Decision, phase: str, chi
     else:
         limit, used, budget = o.spec.scheduling.retry_limit, child.attempt - draft.infrastructure_restarts[phase], "retryLimit"
     if used >= limit:
-        retries = f"after {limit} retr{'y' if limit == 1 else 'ies'}" if limit else f"({budget} is 0)"
-        _fail(draft, f"{phase.capitalize()}Failed", f"{failure}; giving up {retries}")
+        _fail(draft, f"{phase.capitalize()}Failed", f"{failure}; giving up {_retries(limit, budget)}")
         return
     retry = used + 1
     wait = ((child.failed_at or o.now) + timedelta(seconds=backoff_seconds(retry, settings)) - o.now).total_seconds()
@@ -712,12 +813,54 @@ def _step_failed(o, draft: _Draft, settings, decision: Decision, phase: str, chi
         draft.message = f"{failure}; retry {retry}/{limit} in {int(wait) + 1}s"
         decision.requeue_after = wait
         return
+    _restart(draft, decision, phase, child, retry, limit, failure, infrastructure=infrastructure, reason="Retrying")
+
+
+def _retries(limit: int, budget: str) -> str:
+    return f"after {limit} retr{'y' if limit == 1 else 'ies'}" if limit else f"({budget} is 0)"
+
+
+def _restart(
+    draft: _Draft, decision: Decision, phase: str, child: ChildState, retry: int, limit: int, failure: str, *,
+    infrastructure: bool, reason: str,
+) -> None:
+    """Delete the step's try and record the next one (the next pass, seeing no child, creates it)."""
     draft.restarts[phase] = child.attempt + 1
     if infrastructure:
         draft.infrastructure_restarts[phase] = retry
     decision.delete.append(child.name)
     draft.message = f"{failure}; retrying ({retry}/{limit})"
-    decision.events.append(Event("Warning", "Retrying", draft.message))
+    decision.events.append(Event("Warning", reason, draft.message))
+
+
+def _watch_progress(o: Observed, draft: _Draft, decision: Decision, child: ChildState) -> None:
+    """The stall watchdog of the running train step (scheduling.progressDeadlineSeconds): counts from when
+    it started running or its step last changed, whichever is later (status.progress.advancedTime, written
+    when the step changes, so an operator restart keeps the clock), and wakes the LoRAJob at the deadline."""
+    deadline = o.spec.scheduling.progress_deadline_seconds
+    previous = o.status.get("progress") or {}
+    record = last_progress(o.train_log) if o.train_log else None
+    advanced = previous.get("advancedTime")
+    if advanced is None or (record is not None and record.step != previous.get("step")):
+        advanced = format_time(o.now)
+    idle = (o.now - _parse_time(advanced)).total_seconds()
+    if idle < deadline:
+        draft.advanced_time = advanced
+        decision.requeue_after = deadline - idle
+        return
+    step = record.step if record is not None else previous.get("step")
+    last = f"last step {step}" if step is not None else "no step reported yet"
+    failure = (
+        f"the train step stalled (JobSet {child.name}): no new step for {int(idle)}s ({last}; "
+        f"scheduling.progressDeadlineSeconds={deadline}); an infrastructure failure"
+    )
+    limit, used = o.spec.scheduling.infrastructure_retry_limit, draft.infrastructure_restarts["train"]
+    if used >= limit:
+        _fail(draft, STALLED, f"{failure}; giving up {_retries(limit, 'infrastructureRetryLimit')}")
+        decision.delete.append(child.name)  # its hung pods would hold their accelerators
+        return
+    # No backoff: the step already waited out its deadline.
+    _restart(draft, decision, "train", child, used + 1, limit, failure, infrastructure=True, reason=STALLED)
 
 
 def _queued(o: Observed, draft: _Draft, phase: str, child: ChildState | None, message: str) -> None:
@@ -726,6 +869,7 @@ def _queued(o: Observed, draft: _Draft, phase: str, child: ChildState | None, me
         return
     workload = child.workload if child else None
     cluster_queue = o.cluster_queue or "?"
+    details = ""
     if workload is None:
         reason, text = "WaitingForWorkload", f"{message}; waiting for Kueue to create its Workload"
     elif workload.evicted_reason:
@@ -734,18 +878,68 @@ def _queued(o: Observed, draft: _Draft, phase: str, child: ChildState | None, me
         draft.condition("Evicted", True, workload.evicted_reason, workload.evicted_message)
     elif workload.pending_reason in ("", "Pending"):
         reason = "WaitingForQuota"
-        text = f"waiting for quota in ClusterQueue {cluster_queue}"
-        text += f": {workload.pending_message}" if workload.pending_message else ""
+        text, details = _waiting_for_quota(cluster_queue, workload)
     else:
         reason = workload.pending_reason
         text = f"not admitted by ClusterQueue {cluster_queue} ({workload.pending_reason}): {workload.pending_message}"
     draft.phase, draft.message = api.Phase.Queued.value, f"{phase} step: {text}"
-    draft.condition("Queued", True, reason, draft.message)
-    draft.condition("Admitted", False, reason, draft.message)
+    # status.message is short enough for `kubectl get lj -o wide`; the conditions add the details.
+    explained = draft.message + (f"; {details}" if details else "")
+    draft.condition("Queued", True, reason, explained)
+    draft.condition("Admitted", False, reason, explained)
     draft.condition("Running", False, "Queued", "")
 
 
-def _running(o: Observed, draft: _Draft, phase: str, child: ChildState) -> None:
+def ordinal(number: int) -> str:
+    suffix = "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
+    return f"{number}{suffix}"
+
+
+def waiting_for(workload: WorkloadState) -> str:
+    """What a pending Workload waits for, e.g. `16 google.com/tpu (flavor tpu-v6e-slice-4x4)`: each resource
+    Kueue's message says is short, with what the Workload requests of it in all. Kueue's message does not
+    always name one (it may only list flavors that do not match): then the accelerators it requests, else
+    everything it requests; "quota" before Kueue has looked at it."""
+    flavors: dict[str, list[str]] = {}
+    for resource, flavor in workload.short_of:
+        flavors.setdefault(resource, []).append(flavor)
+    if flavors:
+        return ", ".join(
+            " ".join(filter(None, (workload.requests.get(resource), resource))) + f" (flavor {' or '.join(names)})"
+            for resource, names in flavors.items()
+        )
+    extended = {resource: total for resource, total in workload.requests.items() if "/" in resource}
+    return ", ".join(f"{total} {resource}" for resource, total in (extended or workload.requests).items()) or "quota"
+
+
+EXACT_QUEUE_POSITIONS = 10
+"""Positions up to this are given exactly; further back, only the power of ten of the Workloads ahead, so
+that the 1,000 LoRAJobs behind an admitted one do not all need a status write to say they moved up."""
+
+
+def queue_place(position: int) -> str:
+    """`3rd`, or `100+ Workloads ahead` (see EXACT_QUEUE_POSITIONS)."""
+    if position <= EXACT_QUEUE_POSITIONS:
+        return ordinal(position)
+    return f"{10 ** (len(str(position - 1)) - 1)}+ Workloads ahead"
+
+
+def _waiting_for_quota(cluster_queue: str, workload: WorkloadState) -> tuple[str, str]:
+    """(the short text, its details): position in the ClusterQueue and what the Workload waits for; then
+    what the position counts and Kueue's own message."""
+    queue = workload.queue
+    where = f"{queue_place(queue.position)} in ClusterQueue {cluster_queue}" if queue else f"queued in ClusterQueue {cluster_queue}"
+    details = []
+    if queue:
+        plural = "s" if len(queue.namespaces) > 1 else ""
+        counted = f" in namespace{plural} {', '.join(queue.namespaces)}" if queue.namespaces else ""
+        details.append(f"counting the pending Workloads{counted} in Kueue's order (priority, then creation)")
+    if workload.pending_message:
+        details.append(f"Kueue: {workload.pending_message}")
+    return f"{where}; waiting for {waiting_for(workload)}", "; ".join(details)
+
+
+def _running(o: Observed, draft: _Draft, decision: Decision, phase: str, child: ChildState) -> None:
     queue = o.defaults.queue_name
     queued_by_kueue = queue and (child.workload is None or not child.workload.admitted)
     if queued_by_kueue or (child.suspended and not queue):
@@ -759,3 +953,5 @@ def _running(o: Observed, draft: _Draft, phase: str, child: ChildState) -> None:
     draft.condition("Queued", False, "Admitted", "")
     draft.condition("Running", True, f"{phase.capitalize()}Running", draft.message)
     draft.clear("Evicted")
+    if phase == "train" and o.spec.scheduling.progress_deadline_seconds is not None:
+        _watch_progress(o, draft, decision, child)

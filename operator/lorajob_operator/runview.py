@@ -164,7 +164,7 @@ def format_status(view: RunView, now: datetime | None = None) -> str:
     for label, key in (("base", "baseCheckpointPath"), ("checkpoints", "checkpointPath"), ("adapter", "adapterPath")):
         if outputs.get(key):
             exported = f" (step {outputs['exportedStep']})" if key == "adapterPath" and "exportedStep" in outputs else ""
-            lines.append(f"{label + ':':12}{outputs[key]}{exported}")
+            lines.append(f"{label + ':':13}{outputs[key]}{exported}")
 
     conditions = [c for c in status.get("conditions") or [] if c.get("status") == "True"]
     if conditions:

@@ -56,21 +56,35 @@ def test_full_chain_runs_convert_train_export_to_success(lorajobs, operator):
     assert "Training" in reasons or "Exporting" in reasons, reasons
 
 
-def test_a_second_job_waits_in_kueue_until_the_first_releases_the_tpu_slice(lorajobs, operator):
+def _waiting(position: str) -> str:
+    """How the Queued message of a `sample` train step behind a full v6e-16 slice starts, `position` in the
+    ClusterQueue (the flavor follows when Kueue's message names the quota that is short)."""
+    return f"train step: {position} in ClusterQueue {CLUSTER_QUEUE}; waiting for 16 google.com/tpu"
+
+
+def _message(obj: dict) -> str:
+    return (obj.get("status") or {}).get("message") or ""
+
+
+def test_jobs_wait_in_kueue_in_order_until_the_first_releases_the_tpu_slice(lorajobs, operator):
     lorajobs.apply(sample("first", train_only=True, images=every_image(SLOW_IMAGE)))
     lorajobs.wait_phase("first", "Training", timeout=60)
     lorajobs.apply(sample("second", train_only=True))
+    lorajobs.wait("second", lambda obj: _message(obj).startswith(_waiting("1st")), "second queued 1st", timeout=60)
+    lorajobs.apply(sample("third", train_only=True))  # its Workload is created after the second's: it queues behind it
 
-    waiting = f"train step: waiting for quota in ClusterQueue {CLUSTER_QUEUE}: couldn't assign flavors"
-    queued = lorajobs.wait(  # Kueue's own words about what is missing follow the ClusterQueue's name
-        "second",
-        lambda obj: condition(obj, "Queued").get("reason") == "WaitingForQuota"
-        and condition(obj, "Queued")["message"].startswith(waiting),
-        "Queued waiting for quota, with Kueue's message",
-        timeout=60,
-    )
-    assert queued["status"]["phase"] == "Queued"
-    assert queued["status"]["message"] == condition(queued, "Queued")["message"]
+    third = lorajobs.wait("third", lambda obj: _message(obj).startswith(_waiting("2nd")), "third queued 2nd", timeout=60)
+    assert _message(lorajobs.get("second")).startswith(_waiting("1st"))
+    reason = condition(third, "Queued")
+    assert (reason["status"], reason["reason"]) == ("True", "WaitingForQuota")
+    # Details for `kubectl describe`: what the position counts (the namespace the operator watches), then Kueue's own words.
+    assert reason["message"].startswith(third["status"]["message"]), reason["message"]
+    assert (
+        f"; counting the pending Workloads in namespace {lorajobs.namespace} in Kueue's order (priority, then creation); "
+        "Kueue: couldn't assign flavors"
+    ) in reason["message"], reason["message"]
+    wide = lorajobs.kubectl("get", "lj", "third", "-o", "wide").stdout
+    assert _waiting("2nd") in wide, wide
     second = _ours(lorajobs.jobsets(), "second")["train"]
     (workload,) = json.loads(lorajobs.kubectl(
         "get", "workloads.kueue.x-k8s.io", "-l", f"kueue.x-k8s.io/job-uid={second['metadata']['uid']}", "-o", "json",
@@ -83,6 +97,8 @@ def test_a_second_job_waits_in_kueue_until_the_first_releases_the_tpu_slice(lora
     first = lorajobs.wait_phase("first", "Succeeded", timeout=120)
     second = lorajobs.wait_phase("second", "Succeeded", timeout=90)
     assert second["status"]["completionTime"] >= first["status"]["completionTime"]
+    third = lorajobs.wait_phase("third", "Succeeded", timeout=90)
+    assert third["status"]["completionTime"] >= second["status"]["completionTime"]
 
 
 def test_a_failing_train_step_fails_the_job_with_the_reason_and_never_exports(lorajobs, operator):

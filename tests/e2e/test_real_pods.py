@@ -85,7 +85,7 @@ def test_the_chain_runs_for_real_survives_an_operator_crash_and_resumes_after_a_
     first.kill()
     lorajobs.wait_until(lambda: trained_steps(assets, run), "training steps without the operator", timeout=TIMEOUT)
     lead = next(p["metadata"]["name"] for p in train_pods if p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"] == "0")
-    restored = assets.run_directory(run) / "restore-adapter"
+    restored = assets.layout(run).converted_adapter
     assert f"starting from adapter {restored}" in lorajobs.kubectl("logs", lead).stdout, "convert's adapter is train's start"
     start_operator()
     lorajobs.wait(run, lambda obj: step(obj) >= 1, "the new operator reporting progress", timeout=60)
@@ -107,6 +107,9 @@ def test_the_chain_runs_for_real_survives_an_operator_crash_and_resumes_after_a_
     )
     assert done["status"]["progress"]["step"] == total
     assert done["status"]["outputs"]["adapterPath"] == str(assets.adapter(run))
+    data = done["status"]["data"]  # the data check's figures, lifted from the convert pod's log
+    assert data["examples"] == 200 and 0 < data["trainedTokens"] < data["tokens"], data
+    assert data["epochs"] > 0 and 0 <= data["truncatedShare"] <= 1, data
     assert_peft_loads(assets, run)
 
 

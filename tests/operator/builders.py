@@ -82,11 +82,22 @@ def jobset(
     return obj
 
 
-def workload(*conditions: dict, cluster_queue: str | None = None) -> dict:
+def workload(
+    *conditions: dict, cluster_queue: str | None = None, requests: dict[str, dict[str, str]] | None = None,
+    name: str = "jobset-x-12345", created: str = "2026-01-01T00:00:00Z", queue_name: str = "lorajob",
+    priority: int | None = None,
+) -> dict:
+    """A Kueue Workload; `requests`: status.resourceRequests as {pod set: {resource: total quantity}}."""
     status: dict = {"conditions": list(conditions)}
     if cluster_queue:
         status["admission"] = {"clusterQueue": cluster_queue}
-    return {"metadata": {"name": "jobset-x-12345", "creationTimestamp": "2026-01-01T00:00:00Z"}, "status": status}
+    if requests:
+        status["resourceRequests"] = [{"name": pod_set, "resources": resources} for pod_set, resources in requests.items()]
+    return {
+        "metadata": {"name": name, "namespace": NAMESPACE, "creationTimestamp": created},
+        "spec": {"queueName": queue_name, "priority": priority},
+        "status": status,
+    }
 
 
 def failed_pod(name: str, container: str, exit_code: int, finished_at: str = "2026-01-01T00:00:00Z") -> dict:

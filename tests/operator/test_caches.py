@@ -6,13 +6,13 @@ import threading
 from datetime import datetime, timezone
 
 import pytest
-from builders import NAMESPACE, condition, jobset, lorajob, workload
+from builders import NAMESPACE, condition, jobset, lorajob, spec_dict, workload
 from kubernetes import client
 
 from lorajob_operator import caches
-from lorajob_operator.kube import Cluster, Reconciler, WorkQueue, observe
+from lorajob_operator.kube import Cluster, Controller, Reconciler, Resync, WorkQueue, observe, status_patch
 from lorajob_operator.metrics import CountingRESTClient, Metrics
-from lorajob_operator.reconcile import decide
+from lorajob_operator.reconcile import QueuePosition, decide
 from lorajob_operator.settings import OperatorSettings
 
 SETTINGS = OperatorSettings()
@@ -120,3 +120,81 @@ def test_the_work_queue_hands_a_key_to_one_worker_at_a_time_and_keeps_read_progr
     assert handed == [(key, True)]
     queue.close()
     assert queue.get() is None
+
+
+def test_a_pass_a_lorajob_asked_for_reads_the_trainer_log():
+    """The stall watchdog's pass at its deadline judges the trainer's newest step, not the last resync's."""
+    queue = WorkQueue()
+    resync = Resync(caches.Caches([NAMESPACE]), queue, interval=3600)
+    resync.schedule((NAMESPACE, "a"), 0)
+    resync.start()
+    try:
+        assert queue.get() == ((NAMESPACE, "a"), True)
+    finally:
+        resync.stop()
+
+
+def test_the_status_write_removes_what_the_decision_left_out():
+    """A merge patch keeps fields it does not name: the write names each removed one, nested ones too."""
+    old = {"phase": "Training", "progress": {"step": 3, "advancedTime": "2026-01-01T12:00:00Z"}, "conditions": [{"type": "A"}]}
+    new = {"phase": "Training", "progress": {"step": 3, "loss": 1.0}, "conditions": []}
+    assert status_patch(old, new) == {"phase": "Training", "progress": {"step": 3, "loss": 1.0, "advancedTime": None}, "conditions": []}
+    assert status_patch({}, new) == new
+
+
+def _pending(name: str, created: str, **kwargs) -> dict:
+    return workload(condition("QuotaReserved", "False", "Pending", "waiting"), name=name, created=created, **kwargs)
+
+
+def test_pending_workloads_are_placed_in_kueues_order_per_cluster_queue():
+    cluster_queues = {(NAMESPACE, "lorajob"): "cq-tpu", (NAMESPACE, "cpu"): "cq-cpu"}
+    evicted = _pending("requeued", "2026-01-01T00:00:00Z")
+    evicted["status"]["conditions"].append(condition("Evicted", reason="PodsReadyTimeout", at="2026-01-01T00:10:00Z"))
+    workloads = [
+        _pending("b-later", "2026-01-01T00:02:00Z"),
+        _pending("a-same-second", "2026-01-01T00:02:00Z"),
+        _pending("urgent", "2026-01-01T00:05:00Z", priority=100),
+        _pending("earliest", "2026-01-01T00:01:00Z"),
+        evicted,
+        _pending("other-queue", "2026-01-01T00:03:00Z", queue_name="cpu"),
+        _pending("no-local-queue", "2026-01-01T00:00:00Z", queue_name="missing"),
+        _pending("inactive", "2026-01-01T00:00:00Z") | {"spec": {"queueName": "lorajob", "active": False}},
+        workload(condition("QuotaReserved"), condition("Admitted"), name="admitted", cluster_queue="cq-tpu"),
+        workload(condition("QuotaReserved", "False"), condition("Finished"), name="finished"),
+    ]
+    positions = caches.queue_positions([caches.WORKLOADS.slim(w) for w in workloads], lambda ns, q: cluster_queues.get((ns, q)))
+    assert positions == {
+        (NAMESPACE, "urgent"): 1, (NAMESPACE, "earliest"): 2, (NAMESPACE, "a-same-second"): 3,
+        (NAMESPACE, "b-later"): 4, (NAMESPACE, "requeued"): 5, (NAMESPACE, "other-queue"): 1,
+    }
+
+
+def test_observe_places_a_queued_step_from_the_caches_and_follows_the_queue_as_it_moves():
+    body = lorajob(resourceVersion="10", spec=spec_dict(model={"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://b/ckpt/0/items"}))
+    view = caches.Caches([NAMESPACE])
+    stores = view.stores
+    stores[caches.LORAJOBS].upsert(body)
+    stores[caches.LOCAL_QUEUES].upsert({"metadata": {"name": "lorajob", "namespace": NAMESPACE}, "spec": {"clusterQueue": "cq-tpu"}})
+    stores[caches.JOBSETS].upsert(jobset(body, "train", uid="js-train", suspend=True))
+    ours = _pending("ours", "2026-01-01T00:02:00Z")
+    ours["metadata"]["labels"] = {caches.KUEUE_JOB_UID_LABEL: "js-train"}
+    stores[caches.WORKLOADS].upsert(ours)
+    ahead = _pending("someone-elses", "2026-01-01T00:01:00Z")
+    stores[caches.WORKLOADS].upsert(ahead)
+
+    def queue():
+        return observe(view, body, datetime.now(timezone.utc), SETTINGS.render).children["train"].workload.queue
+
+    assert queue() == QueuePosition(2, (NAMESPACE,))
+    admitted = workload(condition("QuotaReserved"), name="someone-elses", cluster_queue="cq-tpu")
+    stores[caches.WORKLOADS].upsert(admitted | {"metadata": admitted["metadata"] | {"resourceVersion": "5"}})
+    assert queue() == QueuePosition(1, (NAMESPACE,))
+
+
+def test_a_change_to_another_workload_queues_no_pass_the_resync_moves_the_queued_lorajobs_up():
+    controller = Controller(_nowhere_client(Metrics()), SETTINGS, [NAMESPACE], Metrics())
+    stores = controller.caches.stores
+    for name, phase in (("waiting", "Queued"), ("running", "Training")):
+        stores[caches.LORAJOBS].upsert(lorajob(name, status={"phase": phase}))
+    unrelated = _pending("someone-elses", "2026-01-01T00:01:00Z")
+    assert controller._affected(caches.WORKLOADS, unrelated) == []

@@ -16,6 +16,8 @@ from lorajob_trainer.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = (ROOT / "operator" / "lorajob_operator", ROOT / "trainer" / "lorajob_trainer")
+RUN_PATH_READERS = PACKAGES + (ROOT / "devcluster" / "lorajob_devcluster", ROOT / "scripts")
+"""Code that finds a run's files: the demo and the local pod runner too."""
 
 SET_BY_THE_OPERATOR = {
     "run_name", "base_output_directory", "model_name", "load_parameters_path", "tokenizer_path",  # from the spec
@@ -92,7 +94,7 @@ def test_no_run_path_is_spelled_outside_the_contract():
     names = {getattr(layout, name).removeprefix("BASE/RUN/") for name, member in vars(contract.RunLayout).items()
              if isinstance(member, property) and name != "run_directory"}
     offenders = {}
-    for package in PACKAGES:
+    for package in RUN_PATH_READERS:
         for path in package.rglob("*.py"):
             if path.name == "contract.py":
                 continue
@@ -109,6 +111,18 @@ def test_no_run_path_is_spelled_outside_the_contract():
 ])
 def test_a_progress_record_reads_back_as_written(record):
     assert contract.ProgressRecord.from_line("some prefix " + record.line()) == record
+
+
+def test_a_data_record_reads_back_as_written_and_a_garbled_one_not_at_all():
+    record = contract.DataRecord(examples=7473, tokens=1402116, trained_tokens=512330, epochs=4.28,
+                                 truncated_examples=12, truncated_share=0.003)
+    log = f"data check passed: ...\npod log timestamp {record.line()}\nconverting the checkpoint\n"
+    assert contract.last_data(log) == record
+    assert contract.last_data(record.line()[:-5]) is None  # cut short
+    negative = record.line().replace('"examples":7473', '"examples":-1')
+    assert contract.DataRecord.from_line(negative) is None
+    assert contract.DataRecord.from_line(record.line().replace("4.28", "NaN")) is None
+    assert contract.last_data("no data line") is None
 
 
 def test_non_finite_numbers_are_written_as_unknown():

@@ -15,6 +15,7 @@ from builders import UID, compute, condition, jobset, lorajob, spec_dict, worklo
 
 from lorajob_operator.reconcile import (
     Observed,
+    convert_log_wanted,
     decide,
     lead_pod_selector,
     observe_child,
@@ -24,9 +25,10 @@ from lorajob_operator.reconcile import (
     train_log_wanted,
 )
 from lorajob_operator import api
+from lorajob_operator.kube import TrainLogs
 from lorajob_operator.render import export_command, parse_spec, train_command
 from lorajob_operator.settings import ReconcileSettings
-from lorajob_trainer.contract import PROGRESS_LINE_PREFIX, CheckpointRecord, ProgressRecord, RunLayout
+from lorajob_trainer.contract import PROGRESS_LINE_PREFIX, CheckpointRecord, DataRecord, ProgressRecord, RunLayout
 from lorajob_trainer.metrics import MetricsWriter
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
@@ -208,6 +210,13 @@ def test_a_running_step_s_progress_is_lifted_into_status():
     assert decision.status["progress"]["loss"] == 1.25
 
 
+def test_status_holds_losses_to_four_significant_digits_as_kubectl_prints_them():
+    body = lorajob(spec=TRAIN_ONLY, status={"phase": "Training"})
+    record = line(step=12, total_steps=30, loss=6.832830905914307, eval_loss=0.00012934567, eval_step=10)
+    progress = decide(_observed(body, _train(body), record), SETTINGS).status["progress"]
+    assert (progress["loss"], progress["evalLoss"]) == (6.833, 0.0001293)
+
+
 @pytest.mark.parametrize("train_log", [None, "", "pod restarted, nothing yet", PROGRESS_LINE_PREFIX + "{garbled"])
 def test_a_log_without_news_keeps_the_recorded_progress(train_log):
     recorded = {"step": 7, "totalSteps": 10, "loss": 0.5, "summary": "7/10 (70%)"}
@@ -296,3 +305,49 @@ def test_operator_imports_no_trainer_runtime():
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- status.data: the data check's figures, from the convert step's log -----------------------------------
+
+DATA = DataRecord(examples=7473, tokens=1402116, trained_tokens=512330, epochs=4.28, truncated_examples=12, truncated_share=0.003)
+
+
+def _convert(body: dict, **jobset_args) -> object:
+    return observe_child(jobset(body, "convert", **jobset_args), UID, workload(condition("QuotaReserved"), condition("Admitted")))
+
+
+def test_the_convert_log_is_read_for_the_data_figures_once_the_step_completed_and_until_status_has_them():
+    body = lorajob()
+    assert convert_log_wanted({}, _convert(body, conditions=[COMPLETED]))
+    assert not convert_log_wanted({}, _convert(body))  # still running: read once it completed
+    assert not convert_log_wanted({"data": {"examples": 1}}, _convert(body, conditions=[COMPLETED]))
+    assert not convert_log_wanted({}, None)
+
+
+def test_the_data_line_of_the_convert_log_is_lifted_into_status_and_kept():
+    body = lorajob(status={"phase": "Converting"})
+    converted = _convert(body, conditions=[COMPLETED])
+    observed = dataclasses.replace(_observed(body, None, None), children={"convert": converted},
+                                   convert_log=f"data check passed: ...\n{DATA.line()}\nconverting\n")
+    status = decide(observed, SETTINGS).status
+    assert status["data"] == {"examples": 7473, "tokens": 1402116, "trainedTokens": 512330, "epochs": 4.28,
+                              "truncatedExamples": 12, "truncatedShare": 0.003}
+    later = dataclasses.replace(observed, status=status, convert_log=None)
+    assert decide(later, SETTINGS).status["data"] == status["data"]
+
+
+def test_the_convert_log_is_read_once_per_convert_jobset():
+    class Cluster:
+        reads = 0
+
+        def trainer_log_tail(self, namespace, selector, lines):
+            Cluster.reads += 1
+            assert lines is None  # the whole log: the data line comes first
+            return DATA.line()
+
+    body = lorajob(status={"phase": "Training"})
+    observed = dataclasses.replace(_observed(body, None, None), children={"convert": _convert(body, conditions=[COMPLETED])})
+    logs = TrainLogs(Cluster(), lines=100)
+    assert logs.read_data(("team-a", "qwen3-gsm8k"), observed) == DATA.line()
+    assert logs.read_data(("team-a", "qwen3-gsm8k"), observed) is None
+    assert Cluster.reads == 1

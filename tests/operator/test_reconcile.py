@@ -8,9 +8,12 @@ import pytest
 from builders import UID, condition, failed_pod, jobset, lorajob, spec_dict, workload
 
 from lorajob_operator import reconcile
-from lorajob_operator.reconcile import Create, Observed, decide, observe_child, observe_container_failure
+from lorajob_operator.reconcile import (
+    Create, Observed, QueuePosition, decide, observe_child, observe_container_failure, ordinal, short_of, total_requests,
+)
 from lorajob_operator.render import parse_spec
 from lorajob_operator.settings import ReconcileSettings
+from lorajob_trainer.contract import ProgressRecord
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 SETTINGS = ReconcileSettings(retry_backoff_seconds=10, retry_backoff_max_seconds=60)
@@ -18,15 +21,18 @@ COMPLETED = condition("Completed", reason="AllJobsCompleted")
 PENDING_MESSAGE = "couldn't assign flavors to pod set worker: insufficient unused quota for google.com/tpu in flavor v6e, 16 more needed"
 
 
-def _observe(body: dict, children: dict | None = None, *, now: datetime = NOW, problems=(), cluster_queue="cq-tpu") -> Observed:
+def _observe(
+    body: dict, children: dict | None = None, *, now: datetime = NOW, problems=(), cluster_queue="cq-tpu",
+    train_log: str | None = None, queue: QueuePosition | None = None,
+) -> Observed:
     spec, errors = parse_spec(body)
     states = {}
     for phase, (child, wl, pods) in (children or {}).items():
-        states[phase] = observe_child(child, UID, wl, pods)
+        states[phase] = observe_child(child, UID, wl, pods, queue)
     return Observed(
         name=body["metadata"]["name"], namespace=body["metadata"]["namespace"], generation=body["metadata"]["generation"],
         spec=spec, spec_errors=errors, status=body.get("status") or {}, children=states,
-        problems=tuple(problems), cluster_queue=cluster_queue, now=now,
+        problems=tuple(problems), cluster_queue=cluster_queue, now=now, train_log=train_log,
     )
 
 
@@ -54,15 +60,70 @@ def test_a_new_lorajob_creates_its_first_step_and_waits_for_kueue():
     assert [(e.type, e.reason) for e in decision.events] == [("Normal", "Queued")]
 
 
-def test_a_step_waiting_for_quota_says_which_cluster_queue():
+def test_a_step_waiting_for_quota_says_its_place_in_the_cluster_queue_and_what_it_waits_for():
     body = lorajob()
-    pending = workload(condition("QuotaReserved", "False", "Pending", PENDING_MESSAGE))
-    decision = decide(_observe(body, {"convert": (jobset(body, "convert", suspend=True), pending, None)}), SETTINGS)
+    requests = {"pathways-head": {"cpu": "49", "memory": "100Gi"}, "worker": {"cpu": "4", "google.com/tpu": "16", "memory": "28Gi"}}
+    pending = workload(condition("QuotaReserved", "False", "Pending", PENDING_MESSAGE), requests=requests)
+    children = {"convert": (jobset(body, "convert", suspend=True), pending, None)}
+    decision = decide(_observe(body, children, queue=QueuePosition(2)), SETTINGS)
     assert decision.create == []
+    short = "convert step: 2nd in ClusterQueue cq-tpu; waiting for 16 google.com/tpu (flavor v6e)"
+    assert decision.status["message"] == short
     queued = _conditions(decision)["Queued"]
     assert (queued["status"], queued["reason"]) == ("True", "WaitingForQuota")
-    assert queued["message"] == f"convert step: waiting for quota in ClusterQueue cq-tpu: {PENDING_MESSAGE}"
-    assert decision.status["message"] == queued["message"]
+    assert queued["message"] == (
+        f"{short}; counting the pending Workloads in Kueue's order (priority, then creation); Kueue: {PENDING_MESSAGE}"
+    )
+    assert _conditions(decision)["Admitted"]["message"] == queued["message"]
+
+    watching_one_namespace = decide(_observe(body, children, queue=QueuePosition(1, ("team-a",))), SETTINGS)
+    assert _conditions(watching_one_namespace)["Queued"]["message"].startswith(
+        "convert step: 1st in ClusterQueue cq-tpu; waiting for 16 google.com/tpu (flavor v6e); counting the pending Workloads in namespace team-a in"
+    )
+
+
+@pytest.mark.parametrize(("position", "place"), [
+    (1, "1st"), (2, "2nd"), (3, "3rd"), (10, "10th"), (11, "10+ Workloads ahead"), (100, "10+ Workloads ahead"),
+    (101, "100+ Workloads ahead"), (5000, "1000+ Workloads ahead"),
+])
+def test_far_back_in_the_queue_only_the_power_of_ten_ahead_is_said_so_moving_up_rarely_rewrites_status(position, place):
+    assert reconcile.queue_place(position) == place
+
+
+def test_a_step_kueue_has_not_placed_yet_still_says_which_cluster_queue():
+    body = lorajob()
+    children = {"convert": (jobset(body, "convert", suspend=True), workload(condition("QuotaReserved", "False", "Pending", "")), None)}
+    decision = decide(_observe(body, children), SETTINGS)
+    assert decision.status["message"] == "convert step: queued in ClusterQueue cq-tpu; waiting for quota"
+    assert _conditions(decision)["Queued"]["message"] == decision.status["message"]
+
+
+def test_when_kueues_message_names_no_resource_the_step_says_what_it_requests():
+    body = lorajob()
+    requests = {"pathways-head": {"cpu": "49", "memory": "100Gi"}, "worker": {"cpu": "4", "google.com/tpu": "16", "memory": "28Gi"}}
+    only_affinity = "couldn't assign flavors to pod set pathways-head: flavor tpu-v6e-slice-2x2 doesn't match node affinity"
+    for requested, waits_for in ((requests, "16 google.com/tpu"), ({"head": {"cpu": "2", "memory": "1Gi"}}, "2 cpu, 1Gi memory")):
+        pending = workload(condition("QuotaReserved", "False", "Pending", only_affinity), requests=requested)
+        decision = decide(_observe(body, {"convert": (jobset(body, "convert", suspend=True), pending, None)}), SETTINGS)
+        assert decision.status["message"] == f"convert step: queued in ClusterQueue cq-tpu; waiting for {waits_for}"
+
+
+def test_what_a_workload_waits_for_is_read_from_kueues_message_and_its_requests():
+    several = (
+        "couldn't assign flavors to pod set worker: insufficient quota for google.com/tpu in flavor cpu-np, "
+        "request > maximum capacity (16 > 0), flavor tpu-v6e-slice-2x2 doesn't match node affinity, "
+        "insufficient unused quota for google.com/tpu in flavor tpu-v6e-slice-4x4, 16 more needed; "
+        "couldn't assign flavors to pod set head: insufficient unused quota in cohort for cpu in flavor cpu-np, 2 more needed"
+    )
+    assert short_of(several) == (("google.com/tpu", "tpu-v6e-slice-4x4"), ("cpu", "cpu-np"))
+    never_fits = "couldn't assign flavors to pod set worker: insufficient quota for google.com/tpu in flavor cpu-np, request > maximum capacity (16 > 0)"
+    assert short_of(never_fits) == (("google.com/tpu", "cpu-np"),)
+    assert short_of("Workload no longer fits after processing another workload") == ()
+    halves = [{"name": "a", "resources": {"cpu": "500m", "memory": "1Gi"}}, {"name": "b", "resources": {"cpu": "2", "memory": "512Mi"}}]
+    assert total_requests(halves) == {"cpu": "2.5", "memory": "1536Mi"}
+    assert [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101, 111)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st", "111th",
+    ]
 
 
 def test_an_admitted_step_is_running():
@@ -249,3 +310,120 @@ def test_the_failed_container_is_the_real_error_not_a_sibling_killed_by_sigterm(
     assert observe_container_failure(pods).pod == "b"
     assert observe_container_failure([failed_pod("a", "worker", 143)]).exit_code == 143
     assert observe_container_failure([]) is None
+
+
+# --- Stall watchdog (scheduling.progressDeadlineSeconds) --------------------------------------------------
+
+WATCHED = spec_dict(scheduling={"queueName": "lorajob", "progressDeadlineSeconds": 60, "infrastructureRetryLimit": 2})
+
+
+def _step(step: int) -> str:
+    return ProgressRecord(step=step, total_steps=20, loss=1.0).line()
+
+
+def _train_running(body: dict, *, train: tuple | None = None) -> dict:
+    """Convert completed, and the train step's JobSet (running, admitted, unless `train` says otherwise)."""
+    converted = (jobset(body, "convert", conditions=[COMPLETED]), _admitted(), None)
+    return {"convert": converted, "train": train or (jobset(body, "train"), _admitted(), None)}
+
+
+def _at(seconds: float) -> datetime:
+    return NOW + timedelta(seconds=seconds)
+
+
+def _stuck_at_step_7(*, restarts: int, infrastructure_restarts: int) -> tuple[dict, dict]:
+    """A LoRAJob on train attempt `restarts` whose step counter last moved (to 7) at NOW."""
+    progress = {"step": 7, "totalSteps": 20, "summary": "7/20 (35%)", "advancedTime": "2026-01-01T12:00:00Z"}
+    body = lorajob(spec=WATCHED, status={
+        "phase": "Training", "progress": progress,
+        "restarts": {"convert": 0, "train": restarts, "export": 0},
+        "infrastructureRestarts": {"convert": 0, "train": infrastructure_restarts, "export": 0},
+    })
+    return body, _train_running(body, train=(jobset(body, "train", attempt=restarts), _admitted(), None))
+
+
+def test_an_advancing_step_never_stalls():
+    body = lorajob(spec=WATCHED, status={"phase": "Training"})
+    for seconds, log in [(0, _step(1)), (50, _step(2)), (100, _step(3)), (150, None), (155, _step(3))]:
+        decision = decide(_observe(body, _train_running(body), now=_at(seconds), train_log=log), SETTINGS)
+        assert decision.delete == [] and decision.status["phase"] == "Training", seconds
+        assert [e for e in decision.events if e.reason == reconcile.STALLED] == []
+        body = _with_status(body, decision)
+    assert decision.status["progress"]["advancedTime"] == "2026-01-01T12:01:40Z"  # when step 3 was first seen
+    assert decision.requeue_after == pytest.approx(5)  # woken at the deadline, 60 s after step 3
+
+
+def test_a_frozen_step_past_the_deadline_restarts_as_an_infrastructure_failure_with_reason_stalled():
+    body, children = _stuck_at_step_7(restarts=1, infrastructure_restarts=0)
+    before = decide(_observe(body, children, now=_at(59), train_log=_step(7)), SETTINGS)
+    assert before.delete == [] and before.requeue_after == pytest.approx(1)
+
+    stalled = decide(_observe(body, children, now=_at(61), train_log=_step(7)), SETTINGS)
+    assert stalled.delete == ["qwen3-gsm8k"] and stalled.create == []
+    assert stalled.status["phase"] == "Training"
+    assert (stalled.status["restarts"]["train"], stalled.status["infrastructureRestarts"]["train"]) == (2, 1)
+    message = (
+        "the train step stalled (JobSet qwen3-gsm8k): no new step for 61s (last step 7; "
+        "scheduling.progressDeadlineSeconds=60); an infrastructure failure; retrying (1/2)"
+    )
+    assert stalled.status["message"] == message
+    assert [(e.type, e.reason, e.message) for e in stalled.events] == [("Warning", "Stalled", message)]
+    assert "advancedTime" not in stalled.status["progress"]  # the next try's clock starts when it runs
+
+    # The stalled try is deleted, then try 2 is created; the retry is not a retryLimit one.
+    body = _with_status(body, stalled)
+    deleting = _train_running(body, train=(jobset(body, "train", attempt=1, deleting=True), None, None))
+    assert decide(_observe(body, deleting, now=_at(62)), SETTINGS).create == []
+    assert decide(_observe(body, {"convert": deleting["convert"]}, now=_at(63)), SETTINGS).create == [Create("train", 2)]
+
+
+def test_a_step_that_never_prints_progress_counts_from_when_it_started_running():
+    body = lorajob(spec=WATCHED, status={"phase": "Training"})
+    started = decide(_observe(body, _train_running(body), train_log="loading checkpoint\n"), SETTINGS)
+    assert started.status["progress"] == {"advancedTime": "2026-01-01T12:00:00Z"}
+    body = _with_status(body, started)
+    stalled = decide(_observe(body, _train_running(body), now=_at(60), train_log="loading checkpoint\n"), SETTINGS)
+    assert stalled.delete == ["qwen3-gsm8k"]
+    assert "no new step for 60s (no step reported yet;" in stalled.status["message"]
+
+
+def test_without_a_progress_deadline_a_frozen_step_never_stalls():
+    progress = {"step": 7, "totalSteps": 20, "summary": "7/20 (35%)"}
+    body = lorajob(status={"phase": "Training", "progress": progress})
+    decision = decide(_observe(body, _train_running(body), now=_at(86_400), train_log=_step(7)), SETTINGS)
+    assert decision.delete == [] and decision.events == [] and decision.requeue_after is None
+    assert "advancedTime" not in decision.status["progress"]
+
+
+def test_time_queued_or_suspended_does_not_count():
+    pending = workload(condition("QuotaReserved", "False", "Pending", "waiting"))
+    old = {"step": 7, "totalSteps": 20, "summary": "7/20 (35%)", "advancedTime": "2026-01-01T10:00:00Z"}
+    body = lorajob(spec=WATCHED, status={"phase": "Training", "progress": old})
+    queued = decide(_observe(body, _train_running(body, train=(jobset(body, "train", suspend=True), pending, None))), SETTINGS)
+    assert queued.status["phase"] == "Queued" and queued.delete == []
+    assert "advancedTime" not in queued.status["progress"]
+
+    # Admitted two hours later: the clock starts now, not when the step last ran or was created.
+    body = _with_status(body, queued)
+    admitted = decide(_observe(body, _train_running(body), now=_at(7200)), SETTINGS)
+    assert admitted.status["progress"]["advancedTime"] == "2026-01-01T14:00:00Z" and admitted.delete == []
+
+    # Suspended, then resumed: the clock restarts with the resumed step.
+    body = _with_status(body, admitted)
+    suspended = decide(_observe(lorajob(spec={**WATCHED, "suspend": True}, status=body["status"]), _train_running(body),
+                               now=_at(7230)), SETTINGS)
+    assert suspended.status["phase"] == "Suspended" and "advancedTime" not in suspended.status["progress"]
+    body = _with_status(body, suspended)
+    resumed = decide(_observe(body, _train_running(body), now=_at(9000)), SETTINGS)
+    assert resumed.delete == [] and resumed.status["progress"]["advancedTime"] == "2026-01-01T14:30:00Z"
+
+
+def test_a_stall_with_the_infrastructure_budget_used_up_fails_the_lorajob_and_stops_the_step():
+    body, children = _stuck_at_step_7(restarts=2, infrastructure_restarts=2)
+    decision = decide(_observe(body, children, now=_at(90)), SETTINGS)
+    assert decision.status["phase"] == "Failed" and decision.delete == ["qwen3-gsm8k"] and decision.create == []
+    failed = _conditions(decision)["Failed"]
+    assert failed["reason"] == "Stalled"
+    assert failed["message"].endswith("no new step for 90s (last step 7; scheduling.progressDeadlineSeconds=60); "
+                                      "an infrastructure failure; giving up after 2 retries")
+    assert [(e.type, e.reason) for e in decision.events] == [("Warning", "Failed")]

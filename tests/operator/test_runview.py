@@ -59,7 +59,7 @@ def test_status_text_shows_steps_progress_loss_outputs_and_events():
     assert lines[3] == "progress  [" + "█" * 21 + "░" * 9 + "] 70/100 (70%)  loss 0.4286  1,234 tok/s  ETA 2m05s"
     assert lines[4].startswith("loss      █") and lines[4].endswith("step 1..70: 3.0000 -> 0.0429 (min 0.0429)")
     assert lines[5] == "eval loss ▁  last 2.0000 at step 50"
-    assert "checkpoints:gs://bucket/runs/qwen3-gsm8k/checkpoints" in lines
+    assert "checkpoints: gs://bucket/runs/qwen3-gsm8k/checkpoints" in lines
     assert "conditions Admitted, Running (TrainRunning)" in lines
     assert lines[-1].split() == ["30s", "ago", "Normal", "Created", "created", "JobSet", "qwen3-gsm8k"]
 

@@ -16,6 +16,9 @@ def test_accelerator_script_runs_every_piece_and_writes_its_table(tmp_path):
     table = out.read_text()
     assert table in completed.stdout
     rows = [line.split() for line in table.splitlines()[2:]]
-    assert [row[:3] for row in rows[:2]] == [["train", "step", "ours"], ["train", "step", "HF+PEFT"]]
-    assert all(float(row[4]) > 0 for row in rows[:2]), table
-    assert [row[3] for row in rows[2:]] == ["full-logits", "chunked"], table
+    assert [row[:3] for row in rows[:4]] == [
+        ["train", "step", "ours"], ["train", "step", "HF+PEFT"],
+        ["moe", "tiny-moe", "ours"], ["moe", "tiny-moe", "HF+PEFT"],
+    ]
+    assert all(float(row[4]) > 0 for row in rows[:4]), table
+    assert [row[3] for row in rows[4:]] == ["full-logits", "chunked"], table

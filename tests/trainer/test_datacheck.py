@@ -8,6 +8,7 @@ from trainer_testkit import arithmetic_rows, base_args, tiny_checkpoint, write_j
 
 from lorajob_trainer import datacheck, exit_codes
 from lorajob_trainer.config import TrainConfig
+from lorajob_trainer.contract import last_data
 
 EXAMPLES = 40
 
@@ -61,3 +62,12 @@ def test_bad_data_exits_with_the_data_code_and_says_what_is_wrong(model_dir, tmp
 def test_a_bad_key_exits_with_the_config_code(model_dir, tmp_path, train_file, capsys):
     assert datacheck.main(_args(model_dir, tmp_path, train_file, "no_such_key=1")) == exit_codes.CONFIG
     assert "no_such_key" in capsys.readouterr().err
+
+
+def test_a_passing_check_prints_its_figures_as_the_one_line_the_operator_reads(model_dir, tmp_path, train_file, capsys):
+    args = _args(model_dir, tmp_path, train_file, "max_target_length=16")
+    assert datacheck.main(["--devices", "2", *args]) == 0
+    record = last_data(capsys.readouterr().out)
+    report = datacheck.check(TrainConfig.from_args(args), devices=2)
+    assert record == report.record(50)
+    assert record.epochs == 50 * report.epochs and 0 < record.truncated_share <= 1

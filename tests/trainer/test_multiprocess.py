@@ -191,10 +191,11 @@ def test_incomplete_distributed_environment_is_named(env, named):
 @pytest.mark.parametrize(
     ("axes", "devices", "slices", "expected"),
     [
-        pytest.param({}, 8, 1, (1, 8, 1), id="fsdp-fills"),
-        pytest.param({"tensor": 2}, 8, 1, (1, 4, 2), id="tensor-within"),
-        pytest.param({}, 16, 2, (2, 8, 1), id="data-across-slices"),
-        pytest.param({"data": 2, "fsdp": 2, "tensor": 2}, 8, 1, (2, 2, 2), id="explicit"),
+        pytest.param({}, 8, 1, (1, 8, 1, 1), id="fsdp-fills"),
+        pytest.param({"tensor": 2}, 8, 1, (1, 4, 1, 2), id="tensor-within"),
+        pytest.param({"expert": 4}, 8, 1, (1, 2, 4, 1), id="expert-within"),
+        pytest.param({}, 16, 2, (2, 8, 1, 1), id="data-across-slices"),
+        pytest.param({"data": 2, "fsdp": 2, "tensor": 2}, 8, 1, (2, 2, 1, 2), id="explicit"),
     ],
 )
 def test_mesh_shape(axes, devices, slices, expected):

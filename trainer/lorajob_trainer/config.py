@@ -60,7 +60,10 @@ class MeshConfig(_Section):
     data: int = -1
     """Data-parallel degree across slices (DCN); -1 = number of slices."""
     fsdp: int = -1
-    """Parameter-sharding degree within a slice; -1 = all devices of a slice not used by tensor."""
+    """Parameter-sharding degree within a slice; -1 = all devices of a slice not used by expert and tensor."""
+    expert: int = Field(1, gt=0)
+    """Expert-parallel degree within a slice: MoE models' routed experts (and their adapters) are split over
+    it along the expert dimension, the batch too; other weights are replicated over it."""
     tensor: int = Field(1, gt=0)
     """Tensor-parallel degree within a slice."""
 
@@ -153,6 +156,11 @@ class TrainConfig(_Section):
     """What the backward pass recomputes per decoder layer (MaxText's names): none = keep every activation;
     minimal = keep the weight matmuls' outputs, recompute norms, activations and attention scores;
     full = keep only each layer's input."""
+
+    router_aux_loss_coef: float | None = Field(None, ge=0)
+    """Weight of the MoE load-balancing loss added to the LM loss, as transformers' router_aux_loss_coef
+    (Qwen3 MoE; Gemma 4 defines no such loss); None = as the checkpoint's config.json: its
+    router_aux_loss_coef when output_router_logits is true, else 0 (off). 0 still reports it (aux_loss)."""
 
     eval_interval: int = Field(0, ge=0)
     """Evaluate every N steps (and after the last); 0 = never."""

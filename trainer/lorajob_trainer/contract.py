@@ -129,6 +129,18 @@ def _finite_or_none(value) -> float | None:
     return float(value) if _finite(value) else None
 
 
+def _json_after(prefix: str, line: str) -> dict | None:
+    """The JSON object that follows `prefix` in `line` (None: no prefix, or not a whole JSON object)."""
+    _, found, payload = line.partition(prefix)
+    if not found:
+        return None
+    try:
+        values = json.loads(payload)
+    except ValueError:
+        return None
+    return values if isinstance(values, dict) else None
+
+
 @dataclass(frozen=True)
 class CheckpointRecord:
     """A complete checkpoint the run keeps."""
@@ -223,14 +235,8 @@ class ProgressRecord:
     @classmethod
     def from_line(cls, line: str) -> ProgressRecord | None:
         """The record of one progress line; None for any other line, or one cut short or garbled."""
-        _, prefix, payload = line.partition(PROGRESS_LINE_PREFIX)
-        if not prefix:
-            return None
-        try:
-            values = json.loads(payload)
-        except ValueError:
-            return None
-        if not isinstance(values, dict):
+        values = _json_after(PROGRESS_LINE_PREFIX, line)
+        if values is None:
             return None
         step, total = values.get("step"), values.get("total_steps")
         if not _count(step) or not (total is None or (_count(total) and total > 0)):
@@ -255,8 +261,53 @@ class ProgressRecord:
 
 def last_progress(log: str) -> ProgressRecord | None:
     """The last readable progress record in a log tail (None when it holds none)."""
+    return _last_record(log, ProgressRecord.from_line)
+
+
+def _last_record(log: str, from_line):
     for line in reversed(log.splitlines()):
-        record = ProgressRecord.from_line(line)
+        record = from_line(line)
         if record is not None:
             return record
     return None
+
+
+DATA_LINE_PREFIX = "LORAJOB_DATA "
+"""Starts the data check's one machine-readable line (`DataRecord.line`), which the operator lifts into status.data."""
+
+
+@dataclass(frozen=True)
+class DataRecord:
+    """The data check's figures (lorajob_trainer.datacheck)."""
+
+    examples: int
+    tokens: int
+    """Tokens of every example, the chat template rendered."""
+    trained_tokens: int
+    """Tokens the loss is computed on (the answers), before truncation."""
+    epochs: float
+    """Passes over the data that steps x the global batch amounts to."""
+    truncated_examples: int
+    """Examples longer than max_target_length."""
+    truncated_share: float
+    """Share (0 to 1) of the trained tokens max_target_length cuts off."""
+
+    def line(self) -> str:
+        return DATA_LINE_PREFIX + json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_line(cls, line: str) -> DataRecord | None:
+        """The record of one data line; None for any other line, or one cut short or garbled."""
+        values = _json_after(DATA_LINE_PREFIX, line)
+        if values is None:
+            return None
+        counts = {name: values.get(name) for name in ("examples", "tokens", "trained_tokens", "truncated_examples")}
+        shares = {name: values.get(name) for name in ("epochs", "truncated_share")}
+        if not all(_count(value) for value in counts.values()) or not all(_finite(v) and v >= 0 for v in shares.values()):
+            return None
+        return cls(**counts, **shares)
+
+
+def last_data(log: str) -> DataRecord | None:
+    """The last readable data record in a log (None when it holds none)."""
+    return _last_record(log, DataRecord.from_line)

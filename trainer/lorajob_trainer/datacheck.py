@@ -21,6 +21,7 @@ from lorajob_trainer import data as data_lib
 from lorajob_trainer import exit_codes, models
 from lorajob_trainer.config import ConfigError, TrainConfig
 from lorajob_trainer.console import configure_logging
+from lorajob_trainer.contract import DataRecord
 
 log = logging.getLogger("lorajob_trainer.datacheck")  # not __name__: run as __main__
 
@@ -42,12 +43,22 @@ class DataReport:
     def epochs(self) -> float:
         return self.rows_per_step / self.rows_per_epoch if self.rows_per_epoch else 0.0
 
+    @property
+    def truncated_share(self) -> float:
+        return self.truncated_trained_tokens / self.trained_tokens if self.trained_tokens else 0.0
+
     def describe(self, steps: int) -> str:
-        cut = self.truncated_trained_tokens / self.trained_tokens if self.trained_tokens else 0.0
         return (f"{self.examples:,} examples, {self.tokens:,} tokens ({self.trained_tokens:,} trained); "
                 f"{steps:,} steps x {self.rows_per_step:,} rows = {steps * self.epochs:.2f} epochs; "
                 f"{self.truncated_examples:,} examples longer than max_target_length lose "
-                f"{100 * cut:.1f}% of the trained tokens")
+                f"{100 * self.truncated_share:.1f}% of the trained tokens")
+
+    def record(self, steps: int) -> DataRecord:
+        """The figures as the operator reads them (status.data), from the line `main` prints."""
+        return DataRecord(
+            examples=self.examples, tokens=self.tokens, trained_tokens=self.trained_tokens, epochs=steps * self.epochs,
+            truncated_examples=self.truncated_examples, truncated_share=self.truncated_share,
+        )
 
 
 def _rows(lengths: list[int], seq_len: int, packing: bool) -> int:
@@ -110,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data check failed: the tokenizer cannot be loaded: {error}", file=sys.stderr)
         return exit_codes.MODEL
     log.info("data check passed: %s", report.describe(config.steps))
+    print(report.record(config.steps).line(), flush=True)
     return 0
 
 

@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         "train_data_columns=['question','answer']",
         f"steps={args.steps}",
         "eval_interval=10",
+        "log_period=5",
         "eval_steps=2",
         "per_device_batch_size=8",
         "max_target_length=64",
@@ -78,8 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     run_module("lorajob_trainer.export", "--checkpoint", layout.checkpoints, "--out", str(out / "adapter"))
     png = metrics.plot_loss_curve(Path(layout.metrics), out / "loss.png")
-    losses = [r["loss"] for r in metrics.read_metrics(Path(layout.metrics)) if "loss" in r]
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; adapter in {out / 'adapter'}; loss curve {png}")
+    logged = [r for r in metrics.read_metrics(Path(layout.metrics)) if "loss" in r]
+    first, last = logged[0], logged[-1]
+    print(f"loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']}); "
+          f"adapter in {out / 'adapter'}; loss curve {png}")
 
 
 if __name__ == "__main__":

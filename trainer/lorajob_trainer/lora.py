@@ -48,6 +48,7 @@ from jax.sharding import Mesh
 
 from lorajob_trainer import weights
 from lorajob_trainer.checkpoint import CheckpointMetadata
+from lorajob_trainer.mesh import variable_sharding
 from lorajob_trainer.models import experts
 
 PEFT_PREFIX = "base_model.model.model.layers"
@@ -150,7 +151,7 @@ def apply_lora(
     provider = qwix.LoraProvider(module_path=qwix_regex, rank=rank, alpha=alpha)
     batch = mesh.devices.size
     inputs = (jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1), jnp.int32), None, jnp.ones((batch, 1, 1), bool))
-    with mesh:
+    with mesh:  # not jax.set_mesh: this also runs under jit (abstract model building)
         lora_model = qwix.apply_lora_to_model(model, provider, *inputs, rngs=rngs)
     for path, module in nnx.iter_graph(lora_model):
         if isinstance(module, experts.ExpertsLinear) and re.fullmatch(target_regex, "/".join(map(str, path))):
@@ -161,7 +162,7 @@ def apply_lora(
         raise LoraError(f"LoRA target regex {target_regex!r} matches no module of the model")
     _check_rank_fits(flat, rank)
     for _, variable in flat:
-        variable.set_value(jax.device_put(variable.get_value(), weights.variable_sharding(mesh, variable)))
+        variable.set_value(jax.device_put(variable.get_value(), variable_sharding(mesh, variable)))
     nnx.update(lora_model, state)
     return lora_model
 
@@ -421,14 +422,14 @@ def resolve_step_dir(path: str | Path) -> Path:
 def load_adapter_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], CheckpointMetadata]:
     """(flat LoRA params as host arrays, metadata) of a step directory or checkpoint root."""
     step_dir = resolve_step_dir(path)
-    with ocp.CheckpointManager(step_dir.parent, item_names=("lora",)) as manager:
-        custom = manager.metadata(int(step_dir.name)).custom_metadata
-    if not custom:
-        raise LoraError(f"{step_dir} has no LoRA metadata (rank, alpha, base model)")
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+    step = int(step_dir.name)
+    with ocp.CheckpointManager(step_dir.parent, item_handlers={"lora": ocp.PyTreeCheckpointHandler()}) as manager:
+        custom = manager.metadata(step).custom_metadata
+        if not custom:
+            raise LoraError(f"{step_dir} has no LoRA metadata (rank, alpha, base model)")
         # As host arrays: the shardings of a multi-host run's save cannot be rebuilt in one process.
-        saved = checkpointer.metadata(step_dir / "lora").item_metadata.tree
+        saved = manager.item_metadata(step)["lora"].tree
         as_host = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
-        tree = checkpointer.restore(step_dir / "lora", restore_args=as_host)
+        tree = manager.restore(step, args=ocp.args.Composite(lora=ocp.args.PyTreeRestore(restore_args=as_host)))["lora"]
     params = {key: np.asarray(value) for key, value in weights.flatten(tree).items()}
     return params, CheckpointMetadata.from_json(custom)

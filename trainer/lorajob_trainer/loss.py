@@ -6,7 +6,8 @@ so the backward pass recomputes a chunk's logits instead of keeping them). Withi
 trained positions (loss weight != 0) are moved to the front first, so a chunk holding no trained
 token of any row is skipped in both passes: the LM head runs only where SFT trains. The batch axis
 is never reordered or flattened, so its data-parallel sharding is kept. The head weight is frozen
-(LoRA never trains it): only the hidden states' gradient flows back.
+(LoRA never trains it): only the hidden states' gradient flows back. `losses_with_load_balancing`
+adds the MoE load-balancing loss of the same forward (experts.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lorajob_trainer import models
+from lorajob_trainer.models import experts
 
 
 def token_losses(model: nnx.Module, micro_batch: dict[str, jax.Array], chunk_length: int) -> tuple[jax.Array, jax.Array]:
@@ -28,6 +30,16 @@ def token_losses(model: nnx.Module, micro_batch: dict[str, jax.Array], chunk_len
     return chunked_cross_entropy(
         hidden, output_head(model), micro_batch["targets"], micro_batch["weights"], chunk_length
     )
+
+
+def losses_with_load_balancing(
+    model: nnx.Module, micro_batch: dict[str, jax.Array], chunk_length: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`token_losses` and the load-balancing loss of the same forward over the micro-batch's real tokens
+    (transformers' `load_balancing_loss_func`; 0 for a model without load-balanced MoE blocks)."""
+    with experts.router_logits_recorded(model) as routing:
+        loss_sum, weight_sum = token_losses(model, micro_batch, chunk_length)
+    return loss_sum, weight_sum, routing.load_balancing_loss(micro_batch["segment_ids"] != 0)
 
 
 def hidden_states(model: nnx.Module, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:

@@ -47,6 +47,7 @@ from jax.sharding import Mesh, PartitionSpec
 from lorajob_trainer import tunix_models_only  # noqa: F401  (first: before any tunix import)
 from tunix.models.gemma3 import model as gemma3_lib
 from lorajob_trainer import weights
+from lorajob_trainer.mesh import named_sharding, variable_sharding
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +346,7 @@ def load_state(
     _check_all_used(metadata, used, location, family)
     targets, axes = _restore_targets(reads, variables, metadata, mesh)
     arrays = weights.restore_orbax_params(location, targets, partial=True)
-    out_shardings = {read.ours: weights.variable_sharding(mesh, variables[read.ours]) for read in reads}
+    out_shardings = {read.ours: variable_sharding(mesh, variables[read.ours]) for read in reads}
     shapes = {read.ours: tuple(variables[read.ours].get_value().shape) for read in reads}
     values = jax.jit(
         lambda a: _to_tunix(a, reads, axes, shapes, tunix_config, dtype), out_shardings=out_shardings
@@ -365,7 +366,7 @@ def _restore_targets(
         variable = variables[read.ours]
         shape = tuple(variable.get_value().shape)
         per_layer = layer_shape(read.tmap, shape)
-        spec = layer_spec(read.tmap, weights.variable_sharding(mesh, variable).spec, len(shape))
+        spec = layer_spec(read.tmap, variable_sharding(mesh, variable).spec, len(shape))
         for source in read.sources:
             found = tuple(metadata[source.key].shape)
             if source.index is None:
@@ -377,7 +378,7 @@ def _restore_targets(
                 source_spec = spec[: axes[source.key]] + [None] + spec[axes[source.key] :]
             if read.tmap.vocab_rows and found[0] != per_layer[0]:
                 log.warning("%s has %d vocabulary rows, the config %d", source.key, found[0], per_layer[0])
-            sharding = weights.named_sharding(mesh, tuple(source_spec), found)
+            sharding = named_sharding(mesh, tuple(source_spec), found)
             targets[source.key] = jax.ShapeDtypeStruct(found, metadata[source.key].dtype, sharding=sharding)
     return targets, axes
 

@@ -1,7 +1,10 @@
-"""Device mesh from named axes: `data` across slices (DCN), `fsdp` and `tp` within a slice.
+"""Device mesh from named axes: `data` across slices (DCN), `fsdp`, `expert` and `tp` within a slice.
 
-The axis names `fsdp` and `tp` are the ones Tunix model sharding configs use; `data` is ours.
-Batches are split over (`data`, `fsdp`); LoRA adapters inherit their base layer's sharding.
+The axis names `fsdp` and `tp` are the ones Tunix model sharding configs use; `data` and `expert` are
+ours. `expert` splits the routed experts' stacked weights and their adapters along the expert
+dimension (with `fsdp`: models/experts.EXPERT_AXES); every other weight is replicated over it, as
+over `data`. Batches are split over (`data`, `fsdp`, `expert`); LoRA adapters inherit their base
+layer's sharding.
 """
 
 from __future__ import annotations
@@ -11,31 +14,36 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lorajob_trainer.config import MeshConfig
 
-AXES = ("data", "fsdp", "tp")
-BATCH_AXES = ("data", "fsdp")
+AXES = ("data", "fsdp", "expert", "tp")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 class MeshError(ValueError):
     """The requested mesh does not fit the available devices."""
 
 
-def mesh_shape(config: MeshConfig, num_devices: int, num_slices: int) -> tuple[int, int, int]:
-    """(data, fsdp, tp) with -1 entries filled in; MeshError if it does not use every device exactly."""
+def mesh_shape(config: MeshConfig, num_devices: int, num_slices: int) -> tuple[int, int, int, int]:
+    """(data, fsdp, expert, tp) with -1 entries filled in; MeshError if it does not use every device exactly."""
     data = num_slices if config.data == -1 else config.data
-    if num_devices % (data * config.tensor):
-        raise MeshError(f"mesh.data={data} x mesh.tensor={config.tensor} does not divide {num_devices} devices")
-    fsdp = num_devices // (data * config.tensor) if config.fsdp == -1 else config.fsdp
-    if data * fsdp * config.tensor != num_devices:
+    fixed = data * config.expert * config.tensor
+    if num_devices % fixed:
         raise MeshError(
-            f"mesh data={data} x fsdp={fsdp} x tensor={config.tensor} = {data * fsdp * config.tensor} "
+            f"mesh.data={data} x mesh.expert={config.expert} x mesh.tensor={config.tensor} does not divide "
+            f"{num_devices} devices"
+        )
+    fsdp = num_devices // fixed if config.fsdp == -1 else config.fsdp
+    if fsdp * fixed != num_devices:
+        raise MeshError(
+            f"mesh data={data} x fsdp={fsdp} x expert={config.expert} x tensor={config.tensor} = {fsdp * fixed} "
             f"devices, but {num_devices} are available"
         )
-    return data, fsdp, config.tensor
+    return data, fsdp, config.expert, config.tensor
 
 
 def build_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -45,8 +53,8 @@ def build_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) 
     if num_slices > 1:
         if shape[0] % num_slices:
             raise MeshError(f"mesh.data={shape[0]} must be a multiple of the {num_slices} slices")
-        ici = (shape[0] // num_slices, shape[1], shape[2])
-        grid = mesh_utils.create_hybrid_device_mesh(ici, (num_slices, 1, 1), devices)
+        ici = (shape[0] // num_slices, *shape[1:])
+        grid = mesh_utils.create_hybrid_device_mesh(ici, (num_slices, 1, 1, 1), devices)
     else:
         grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     return Mesh(grid, AXES)
@@ -80,3 +88,24 @@ def local_batch_rows(sharding: NamedSharding, global_shape: tuple[int, ...], bat
     if not covered[first:last].all():
         raise MeshError("this process's devices hold a non-contiguous set of batch rows; reorder the mesh devices")
     return range(first, last)
+
+
+def named_sharding(mesh: Mesh, axis_names: tuple[str | None, ...] | None, shape: tuple[int, ...]) -> NamedSharding:
+    """NamedSharding from Tunix logical axis names; axes absent from `mesh` or not dividing the dim replicate."""
+    spec = []
+    for dim, name in zip(shape, axis_names or (None,) * len(shape)):
+        names = name if isinstance(name, tuple) else (name,)
+        usable = tuple(n for n in names if n is not None and n in mesh.shape)
+        size = math.prod(mesh.shape[n] for n in usable)
+        spec.append((usable if len(usable) > 1 else usable[0]) if usable and dim % size == 0 else None)
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def sharding_names(variable: nnx.Variable) -> tuple[str | None, ...] | None:
+    """The logical axis names a Tunix parameter was declared with (None: replicated)."""
+    metadata = variable.get_metadata()
+    return metadata.get("out_sharding") or metadata.get("sharding_names") or metadata.get("sharding")
+
+
+def variable_sharding(mesh: Mesh, variable: nnx.Variable) -> NamedSharding:
+    return named_sharding(mesh, sharding_names(variable), tuple(variable.get_value().shape))

@@ -45,13 +45,17 @@ def rematerialised_layers(model: nnx.Module, policy: RematPolicy) -> Iterator[No
 @functools.cache
 def _rematerialised_class(cls: type, policy: RematPolicy) -> type:
     # A pure function of the layer's state under jax.checkpoint (nnx.remat would write the Qwix
-    # adapters' Variables back across trace levels, which NNX refuses).
+    # adapters' Variables back across trace levels, which NNX refuses). Intermediates the layer
+    # records (experts.RouterLogits) leave it as outputs and are set on the layer again.
     def __call__(self, *args, **kwargs):
         graphdef, state = nnx.split(self)
 
         def layer(state, *args, **kwargs):
-            return cls.__call__(nnx.merge(graphdef, state), *args, **kwargs)
+            module = nnx.merge(graphdef, state)
+            return cls.__call__(module, *args, **kwargs), nnx.pop(module, nnx.Intermediate)
 
-        return jax.checkpoint(layer, policy=_SAVEABLE[policy])(state, *args, **kwargs)
+        outputs, recorded = jax.checkpoint(layer, policy=_SAVEABLE[policy])(state, *args, **kwargs)
+        nnx.update(self, recorded)
+        return outputs
 
     return type(cls.__name__, (cls,), {"__call__": __call__})

@@ -72,6 +72,8 @@ class LoraModel:
     """Sum over layers of query heads * head_dim (for the FLOPs model)."""
     active: dict[str, float] = field(default_factory=dict)
     """Routed experts' module paths (with a trailing ".") -> share a token uses (for the FLOPs model)."""
+    aux_loss_coef: float | None = None
+    """Weight of the MoE load-balancing loss in the training loss; None: the model has none."""
 
 
 def compute_dtype(config: TrainConfig) -> jnp.dtype:
@@ -96,7 +98,18 @@ def load_lora_model(config: TrainConfig, mesh: Mesh, dtype: jnp.dtype) -> LoraMo
         model, rank=config.lora.lora_rank, alpha=config.lora.lora_alpha, target_regex=regex, mesh=mesh,
         rngs=nnx.Rngs(config.seed),
     )
-    return LoraModel(model, targets, attention_width(spec.tunix_config), experts.active_shares(model))
+    return LoraModel(
+        model, targets, attention_width(spec.tunix_config), experts.active_shares(model),
+        aux_loss_coef(config.router_aux_loss_coef, spec.hf_config, model),
+    )
+
+
+def aux_loss_coef(override: float | None, hf_config: dict[str, Any], model: nnx.Module) -> float | None:
+    """`override` (config key router_aux_loss_coef), else the checkpoint's (experts.aux_loss_coef); None for a
+    model without load-balanced MoE blocks."""
+    if not any(isinstance(module, experts.LoadBalanced) for _, module in nnx.iter_graph(model)):
+        return None
+    return experts.aux_loss_coef(hf_config) if override is None else override
 
 
 def attention_width(tunix_config: Any) -> int:
@@ -111,7 +124,7 @@ class LoraLayout:
         self._template = list(nnx.to_flat_state(state))
 
     def flat(self, state: nnx.State) -> dict[str, jax.Array]:
-        return {weights.path_key(path): variable.value for path, variable in nnx.to_flat_state(state)}
+        return {weights.path_key(path): variable.get_value() for path, variable in nnx.to_flat_state(state)}
 
     def state(self, flat: dict[str, jax.Array]) -> nnx.State:
         return nnx.from_flat_state(
@@ -137,29 +150,41 @@ def build_step_functions(
     shardings: dict[str, Any],
     loss_chunk_length: int,
     remat_policy: remat_lib.RematPolicy,
+    aux_loss_coef: float | None = None,
 ) -> StepFunctions:
-    """Jitted train and eval steps with fixed in/out shardings, so each compiles once."""
+    """Jitted train and eval steps with fixed in/out shardings, so each compiles once.
+
+    `aux_loss_coef` (LoraModel.aux_loss_coef): the step minimises LM loss + coef * load-balancing loss,
+    the latter the mean over micro-batches of each one's (as transformers computes it per forward), and
+    reports it as `aux_loss`; None: the model has none."""
     traces = {"train": 0, "eval": 0}
 
-    def losses(lora, base, micro_batch):
+    def losses(lora, base, micro_batch, aux_weight=0.0):
+        """(objective: weighted NLL sum + aux_weight * load-balancing loss, (NLL sum, weight sum, that loss))."""
         adapters = layout.state({name: value.astype(dtype) for name, value in lora.items()})
         model = nnx.merge(graphdef, adapters, base)
         with remat_lib.rematerialised_layers(model, remat_policy):
-            return loss_lib.token_losses(model, micro_batch, loss_chunk_length)
+            loss_sum, weight_sum, aux = loss_lib.losses_with_load_balancing(model, micro_batch, loss_chunk_length)
+        trained_aux = aux if aux_loss_coef else jax.lax.stop_gradient(aux)
+        return loss_sum + aux_weight * trained_aux, (loss_sum, weight_sum, aux)
 
     grad_fn = jax.value_and_grad(losses, has_aux=True)
 
     def train_step(lora, opt_state, base, batch):
         traces["train"] += 1
+        accumulation = batch["weights"].shape[0]
+        weight_sum = jnp.sum(batch["weights"])
+        scale = 1.0 / jnp.maximum(weight_sum, 1.0)
+        # Gradients are summed, then scaled by `scale`: this weight makes the aux term's coef / accumulation.
+        aux_weight = (aux_loss_coef or 0.0) / (accumulation * scale)
 
         def accumulate(carry, micro_batch):
-            grads, loss_sum, weight_sum = carry
-            (micro_loss, micro_weight), micro_grads = grad_fn(lora, base, micro_batch)
-            return (jax.tree.map(jnp.add, grads, micro_grads), loss_sum + micro_loss, weight_sum + micro_weight), None
+            grads, loss_sum, aux_sum = carry
+            (_, (micro_loss, _, micro_aux)), micro_grads = grad_fn(lora, base, micro_batch, aux_weight)
+            return (jax.tree.map(jnp.add, grads, micro_grads), loss_sum + micro_loss, aux_sum + micro_aux), None
 
         zeros = jax.tree.map(jnp.zeros_like, lora)
-        (grads, loss_sum, weight_sum), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), batch)
-        scale = 1.0 / jnp.maximum(weight_sum, 1.0)
+        (grads, loss_sum, aux_sum), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), batch)
         grads = jax.tree.map(lambda g: g * scale, grads)
         updates, opt_state = optimizer.update(grads, opt_state, lora)
         step_metrics = {
@@ -168,13 +193,15 @@ def build_step_functions(
             "real_tokens": jnp.sum(batch["segment_ids"] != 0),
             "grad_norm": optax.global_norm(grads),
         }
+        if aux_loss_coef is not None:
+            step_metrics["aux_loss"] = aux_sum / accumulation
         return optax.apply_updates(lora, updates), opt_state, step_metrics
 
     def eval_step(lora, base, batch):
         traces["eval"] += 1
 
         def accumulate(carry, micro_batch):
-            loss_sum, weight_sum = losses(lora, base, micro_batch)
+            _, (loss_sum, weight_sum, _) = losses(lora, base, micro_batch)
             return (carry[0] + loss_sum, carry[1] + weight_sum), None
 
         (loss_sum, weight_sum), _ = jax.lax.scan(accumulate, (0.0, 0.0), batch)
@@ -356,7 +383,7 @@ class Trainer:
         self.opt_state = init_optimizer_state(self.optimizer, self.lora, mesh)
         self.steps = build_step_functions(
             graphdef, self.layout, self.optimizer, self.dtype, step_shardings(self.lora, self.opt_state, base, mesh),
-            config.loss_chunk_length, config.remat_policy,
+            config.loss_chunk_length, config.remat_policy, lora_model.aux_loss_coef,
         )
         self.tokenizer = data_lib.load_tokenizer(
             str(models.local_config_directory(config.tokenizer_directory)), config.chat_template_path
@@ -481,7 +508,7 @@ class Trainer:
         pending: tuple[int, dict[str, jax.Array]] | None = None
         # The operator's pods print progress lines for the operator instead.
         self.console = ConsoleProgress(total, start, enabled=self.is_lead and not self.config.progress_lines)
-        with self.mesh, self.stop, self.console:
+        with jax.set_mesh(self.mesh), self.stop, self.console:
             for step in range(start + 1, total + 1):
                 try:
                     batch = self._next_batch(step)
@@ -588,7 +615,8 @@ class Trainer:
                 "peak_device_memory_bytes": metrics_lib.peak_device_memory_bytes(jax.local_devices()),
             }
             self.writer.write(step, record)
-            log.info("step %d/%d loss %.4f  %.0f tok/s  %.3f s/step", step, self.config.steps, values["loss"],
+            aux = f" aux_loss {values['aux_loss']:.4f}" if "aux_loss" in values else ""
+            log.info("step %d/%d loss %.4f%s  %.0f tok/s  %.3f s/step", step, self.config.steps, values["loss"], aux,
                      tokens_per_second, step_time)
         self.last_loss = values["loss"]
         self.report_progress(step, loss=values["loss"], tokens_per_second=tokens_per_second, eta_seconds=eta,
@@ -643,7 +671,7 @@ def build_trainer(
 ) -> Trainer:
     mesh = mesh_lib.build_mesh(config.mesh)
     ckpt.ensure_writable(config.run_directory)
-    with mesh:
+    with jax.set_mesh(mesh):
         lora_model = load_model(config, mesh, compute_dtype(config))
     return Trainer(config, lora_model, mesh)
 
@@ -693,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
     except tuple(SETUP_ERRORS) as error:
         print(f"training failed before step 1: {type(error).__name__}: {error}", file=sys.stderr)
         return next(code for kind, code in reversed(SETUP_ERRORS.items()) if isinstance(error, kind))
-    log.info("done: step %d, loss %s, %.1f s", result.final_step, result.final_loss, time.time() - started)
+    log.info("done: step %d, loss %.4f, %.1f s", result.final_step, result.final_loss, time.time() - started)
     return 0
 
 

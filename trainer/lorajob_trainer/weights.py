@@ -32,9 +32,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from lorajob_trainer import storage
+from lorajob_trainer.mesh import variable_sharding
 from lorajob_trainer.models.families import TensorMap
 
 log = logging.getLogger(__name__)
@@ -264,30 +265,6 @@ def to_hf(tmap: TensorMap, value: np.ndarray) -> list[np.ndarray]:
         np.ascontiguousarray(part.transpose(order).reshape([math.prod(sizes[n] for n in g) for g in groups]))
         for part in parts
     ]
-
-
-# --- sharded parameters ------------------------------------------------------------------------
-
-
-def named_sharding(mesh: Mesh, axis_names: tuple[str | None, ...] | None, shape: tuple[int, ...]) -> NamedSharding:
-    """NamedSharding from Tunix logical axis names; axes absent from `mesh` or not dividing the dim replicate."""
-    spec = []
-    for dim, name in zip(shape, axis_names or (None,) * len(shape)):
-        names = name if isinstance(name, tuple) else (name,)
-        usable = tuple(n for n in names if n is not None and n in mesh.shape)
-        size = math.prod(mesh.shape[n] for n in usable)
-        spec.append((usable if len(usable) > 1 else usable[0]) if usable and dim % size == 0 else None)
-    return NamedSharding(mesh, PartitionSpec(*spec))
-
-
-def sharding_names(variable: nnx.Variable) -> tuple[str | None, ...] | None:
-    """The logical axis names a Tunix parameter was declared with (None: replicated)."""
-    metadata = variable.get_metadata()
-    return metadata.get("out_sharding") or metadata.get("sharding_names") or metadata.get("sharding")
-
-
-def variable_sharding(mesh: Mesh, variable: nnx.Variable) -> NamedSharding:
-    return named_sharding(mesh, sharding_names(variable), tuple(variable.get_value().shape))
 
 
 def path_key(path: tuple[Any, ...]) -> str:

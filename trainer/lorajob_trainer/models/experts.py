@@ -5,6 +5,8 @@
   expert (only the chosen experts compute), with its own per-expert LoRA: A [E, in, r],
   B [E, r, out], one independent rank-r adapter per expert. Qwix does not intercept `ragged_dot`,
   so `lora.apply_lora` adds these adapters itself (`add_lora`).
+- `LoadBalanced` / `router_logits_recorded` / `load_balancing_loss`: transformers' MoE load-balancing
+  (auxiliary) loss, for the blocks whose family defines one (Qwen3 MoE does; Gemma 4 does not).
 - `to_peft` / `from_peft`: that adapter in the layout PEFT 0.21 writes for LoRA on a 3-D expert
   parameter (`LoraConfig(target_parameters=[...])`, `lora.ParamWrapper`): lora_A [E*r, in] with
   expert-major rows, lora_B [out, r*E] with expert-minor columns (`lora_B.reshape(out, r, E)`).
@@ -17,13 +19,23 @@ output (out * parts), as PEFT's one adapter on `gate_up_proj` does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.nn import initializers
+
+
+EXPERT_AXES = ("expert", "fsdp")
+"""Mesh axes the experts' dimension of `ExpertsLinear` weights (and adapters) is split over (mesh.py)."""
+IN_EXPERT_SHARDING = (EXPERT_AXES, None, "tp")
+"""`ExpertsLinear.sharding` of an input-side (gate/up) projection: [experts, model dim, expert hidden]."""
+OUT_EXPERT_SHARDING = (EXPERT_AXES, "tp", None)
+"""`ExpertsLinear.sharding` of the output-side (down) projection: [experts, expert hidden, model dim]."""
 
 
 def route_top_k(logits: jax.Array, k: int, *, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -33,6 +45,80 @@ def route_top_k(logits: jax.Array, k: int, *, normalize: bool) -> tuple[jax.Arra
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, ids
+
+
+class RouterLogits(nnx.Intermediate):
+    """The router logits [tokens, experts] of one forward of a `LoadBalanced` block, while recorded."""
+
+
+class LoadBalanced:
+    """A routed-experts block (an nnx.Module) whose family defines transformers' load-balancing loss: it calls
+    `record` with its router logits, which keeps them while `router_logits_recorded` is active."""
+
+    top_k: int
+    recording: bool = False
+
+    def record(self, logits: jax.Array) -> None:
+        if self.recording:
+            self.router_logits = RouterLogits(logits)
+
+
+@dataclasses.dataclass
+class RecordedRouting:
+    """What `router_logits_recorded` collected: one router-logits array [tokens, experts] per block."""
+
+    logits: list[jax.Array] = dataclasses.field(default_factory=list)
+    top_k: int = 0
+
+    def load_balancing_loss(self, token_mask: jax.Array) -> jax.Array:
+        """`load_balancing_loss` of the recorded logits; 0 when nothing was recorded."""
+        if not self.logits:
+            return jnp.zeros((), jnp.float32)
+        return load_balancing_loss(self.logits, self.top_k, token_mask)
+
+
+@contextlib.contextmanager
+def router_logits_recorded(model: nnx.Module) -> Iterator[RecordedRouting]:
+    """While active, the model's `LoadBalanced` blocks keep their router logits; on exit they are in the
+    yielded record (nothing for a model without such blocks)."""
+    blocks = [module for _, module in nnx.iter_graph(model) if isinstance(module, LoadBalanced)]
+    if len({block.top_k for block in blocks}) > 1:
+        raise ValueError("MoE blocks with different top-k: one load-balancing loss does not cover them")
+    recorded = RecordedRouting(top_k=blocks[0].top_k if blocks else 0)
+    for block in blocks:
+        block.recording = True
+    try:
+        yield recorded
+    finally:
+        for block in blocks:
+            block.recording = False
+            if isinstance(getattr(block, "router_logits", None), RouterLogits):
+                recorded.logits.append(block.router_logits.get_value())
+                del block.router_logits
+
+
+def aux_loss_coef(hf_config: dict) -> float:
+    """The load-balancing loss's weight in transformers' training loss, from a config.json with its MoE
+    convention (Mixtral, Qwen2/3 MoE): `router_aux_loss_coef` (default 0.001) when `output_router_logits`
+    is true (default false, as in the Hub's Qwen3 MoE configs), else 0."""
+    return float(hf_config.get("router_aux_loss_coef", 0.001)) if hf_config.get("output_router_logits") else 0.0
+
+
+def load_balancing_loss(router_logits: list[jax.Array], top_k: int, token_mask: jax.Array) -> jax.Array:
+    """transformers' `load_balancing_loss_func` (Switch Transformer eqs. 4-6) over every layer's router logits
+    [N, E] at once: E * sum_e f_e * P_e, where f_e is the share of (layer, real token) pairs whose top-k
+    holds expert e and P_e their mean softmax probability of e; `token_mask` [N] (or [B, L]) is 1 for real
+    tokens (transformers' 2-D attention mask); 0 when there are none."""
+    logits = jnp.stack(router_logits).astype(jnp.float32)  # [layers, N, E]
+    num_experts = logits.shape[-1]
+    probs = jax.nn.softmax(logits, axis=-1)
+    _, selected = jax.lax.top_k(probs, top_k)
+    chosen = jnp.sum(jax.nn.one_hot(selected, num_experts, dtype=jnp.float32), axis=-2)  # [layers, N, E]
+    mask = token_mask.reshape(1, -1, 1).astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(mask) * logits.shape[0], 1.0)
+    tokens_per_expert = jnp.sum(chosen * mask, axis=(0, 1)) / count
+    prob_per_expert = jnp.sum(probs * mask, axis=(0, 1)) / count
+    return num_experts * jnp.sum(tokens_per_expert * prob_per_expert)
 
 
 def sort_by_expert(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -72,7 +158,7 @@ class ExpertsLinear(nnx.Module):
         *,
         experts_per_token: int,
         parts: int = 1,
-        sharding: tuple[str | None, str | None, str | None],
+        sharding: tuple[str | tuple[str, ...] | None, str | None, str | None],
         dtype: jnp.dtype,
         param_dtype: jnp.dtype,
         rngs: nnx.Rngs,

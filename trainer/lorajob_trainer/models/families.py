@@ -246,6 +246,18 @@ def _gemma3_config(hf: dict[str, Any], dtype: Any) -> gemma3_lib.ModelConfig:
     )
 
 
+GEMMA_MLP_AND_NORMS = [
+    TensorMap("layers.{i}.mlp.gate_proj.kernel", ("layers.{i}.mlp.gate_proj.weight",), "f d", "d f"),
+    TensorMap("layers.{i}.mlp.up_proj.kernel", ("layers.{i}.mlp.up_proj.weight",), "f d", "d f"),
+    TensorMap("layers.{i}.mlp.down_proj.kernel", ("layers.{i}.mlp.down_proj.weight",), "d f", "f d"),
+    TensorMap("layers.{i}.pre_attention_norm.scale", ("layers.{i}.input_layernorm.weight",)),
+    TensorMap("layers.{i}.post_attention_norm.scale", ("layers.{i}.post_attention_layernorm.weight",)),
+    TensorMap("layers.{i}.pre_ffw_norm.scale", ("layers.{i}.pre_feedforward_layernorm.weight",)),
+    TensorMap("layers.{i}.post_ffw_norm.scale", ("layers.{i}.post_feedforward_layernorm.weight",)),
+]
+"""The gated MLP and the four sandwich norms of a Gemma decoder layer (Gemma 3 and Gemma 4 name them alike)."""
+
+
 def _gemma3_maps(config: gemma3_lib.ModelConfig) -> list[TensorMap]:
     per_layer = [
         TensorMap("layers.{i}.attn.q_einsum.w", ("layers.{i}.self_attn.q_proj.weight",), "(n h) d", "n d h"),
@@ -254,14 +266,7 @@ def _gemma3_maps(config: gemma3_lib.ModelConfig) -> list[TensorMap]:
         TensorMap("layers.{i}.attn.attn_vec_einsum.w", ("layers.{i}.self_attn.o_proj.weight",), "d (n h)", "n h d"),
         TensorMap("layers.{i}.attn._query_norm.scale", ("layers.{i}.self_attn.q_norm.weight",)),
         TensorMap("layers.{i}.attn._key_norm.scale", ("layers.{i}.self_attn.k_norm.weight",)),
-        TensorMap("layers.{i}.mlp.gate_proj.kernel", ("layers.{i}.mlp.gate_proj.weight",), "f d", "d f"),
-        TensorMap("layers.{i}.mlp.up_proj.kernel", ("layers.{i}.mlp.up_proj.weight",), "f d", "d f"),
-        TensorMap("layers.{i}.mlp.down_proj.kernel", ("layers.{i}.mlp.down_proj.weight",), "d f", "f d"),
-        TensorMap("layers.{i}.pre_attention_norm.scale", ("layers.{i}.input_layernorm.weight",)),
-        TensorMap("layers.{i}.post_attention_norm.scale", ("layers.{i}.post_attention_layernorm.weight",)),
-        TensorMap("layers.{i}.pre_ffw_norm.scale", ("layers.{i}.pre_feedforward_layernorm.weight",)),
-        TensorMap("layers.{i}.post_ffw_norm.scale", ("layers.{i}.post_feedforward_layernorm.weight",)),
-    ]
+    ] + GEMMA_MLP_AND_NORMS
     return [
         TensorMap("embedder.input_embedding", ("embed_tokens.weight",)),
         TensorMap("final_norm.scale", ("norm.weight",)),

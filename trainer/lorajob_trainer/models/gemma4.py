@@ -28,7 +28,7 @@ from flax import nnx
 from tunix.models.gemma4 import model as gemma4_lib
 
 from lorajob_trainer.models import experts
-from lorajob_trainer.models.families import Family, ModelConfigError, TensorMap, _expand, _head_dim, _reject, _required
+from lorajob_trainer.models.families import GEMMA_MLP_AND_NORMS, Family, ModelConfigError, TensorMap, _expand, _head_dim, _reject, _required
 from lorajob_trainer.models.kv_split import KeyValueEinsums
 
 LAYER_TYPES = {
@@ -71,10 +71,10 @@ class MoE(nnx.Module):
         self.experts = nnx.Dict(
             # gate and up fused as transformers stores them: outputs [gate | up]
             gate_up_proj=experts.ExpertsLinear(
-                num_experts, dim, 2 * config.expert_dim, sharding=("fsdp", None, "tp"), **common
+                num_experts, dim, 2 * config.expert_dim, sharding=experts.IN_EXPERT_SHARDING, **common
             ),
             down_proj=experts.ExpertsLinear(
-                num_experts, config.expert_dim, dim, sharding=("fsdp", "tp", None), **common
+                num_experts, config.expert_dim, dim, sharding=experts.OUT_EXPERT_SHARDING, **common
             ),
         )
 
@@ -246,14 +246,7 @@ def _layer_maps(config: gemma4_lib.ModelConfig, layer: int, shared: bool) -> lis
     return maps
 
 
-_DECODER_LAYER = [
-    TensorMap("layers.{i}.mlp.gate_proj.kernel", ("layers.{i}.mlp.gate_proj.weight",), "f d", "d f"),
-    TensorMap("layers.{i}.mlp.up_proj.kernel", ("layers.{i}.mlp.up_proj.weight",), "f d", "d f"),
-    TensorMap("layers.{i}.mlp.down_proj.kernel", ("layers.{i}.mlp.down_proj.weight",), "d f", "f d"),
-    TensorMap("layers.{i}.pre_attention_norm.scale", ("layers.{i}.input_layernorm.weight",)),
-    TensorMap("layers.{i}.post_attention_norm.scale", ("layers.{i}.post_attention_layernorm.weight",)),
-    TensorMap("layers.{i}.pre_ffw_norm.scale", ("layers.{i}.pre_feedforward_layernorm.weight",)),
-    TensorMap("layers.{i}.post_ffw_norm.scale", ("layers.{i}.post_feedforward_layernorm.weight",)),
+_DECODER_LAYER = GEMMA_MLP_AND_NORMS + [
     TensorMap("layers.{i}.skip_scale", ("layers.{i}.layer_scalar",)),
 ]
 _MOE = [

@@ -12,7 +12,7 @@ import jax
 from flax import nnx
 from tunix.models.gemma3 import model as gemma3_lib
 
-from lorajob_trainer import weights
+from lorajob_trainer.mesh import sharding_names
 
 
 class KeyValueEinsums(nnx.Module):
@@ -20,7 +20,7 @@ class KeyValueEinsums(nnx.Module):
 
     def __init__(self, fused: gemma3_lib.Einsum):
         self.shape = fused.shape  # Tunix reads the KV-head count from shape[1]
-        names = weights.sharding_names(fused.w)
+        names = sharding_names(fused.w)
         sharding = None if names is None else tuple(names)[1:]
         self.k_einsum, self.v_einsum = (_slice_einsum(fused.w.get_value()[c], sharding) for c in range(2))
 

@@ -8,6 +8,10 @@ Tunix's attention, norms and embedding are used as they are (with the RoPE fix o
   megablox kernels; `ExpertsLinear` runs only the chosen experts, with `ragged_dot`, anywhere;
 - its expert weights are bare parameters that LoRA cannot reach; ours carry per-expert adapters.
 
+Its router logits feed transformers' load-balancing loss (`experts.LoadBalanced`), which
+transformers adds to the LM loss, scaled by `router_aux_loss_coef`, when `output_router_logits` is set
+(`experts.aux_loss_coef`).
+
 HF layout (the Hub checkpoints): `layers.<i>.mlp.gate.weight` [E, D] (router) and per expert
 `layers.<i>.mlp.experts.<e>.{gate,up}_proj.weight` [F, D], `down_proj.weight` [D, F].
 """
@@ -42,12 +46,12 @@ class Routing:
     norm_topk_prob: bool
 
 
-class SparseMoeBlock(nnx.Module):
+class SparseMoeBlock(experts.LoadBalanced, nnx.Module):
     """Router + routed experts, computed as transformers' Qwen3MoeSparseMoeBlock."""
 
     def __init__(self, config: qwen3_lib.ModelConfig, routing: Routing, *, rngs: nnx.Rngs):
-        shd = config.shd_config
         self.routing = routing
+        self.top_k = routing.num_experts_per_tok
         self.num_experts = config.num_experts
         self.router = nnx.Linear(
             config.embed_dim,
@@ -62,10 +66,11 @@ class SparseMoeBlock(nnx.Module):
         )
         self.experts = nnx.Dict(
             gate_up_proj=experts.ExpertsLinear(
-                config.num_experts, config.embed_dim, config.hidden_dim, parts=2, sharding=shd.exp_weight_edf, **common
+                config.num_experts, config.embed_dim, config.hidden_dim, parts=2, sharding=experts.IN_EXPERT_SHARDING,
+                **common,
             ),
             down_proj=experts.ExpertsLinear(
-                config.num_experts, config.hidden_dim, config.embed_dim, sharding=shd.exp_weight_efd, **common
+                config.num_experts, config.hidden_dim, config.embed_dim, sharding=experts.OUT_EXPERT_SHARDING, **common
             ),
         )
 
@@ -73,7 +78,9 @@ class SparseMoeBlock(nnx.Module):
         batch, length, dim = x.shape
         tokens = x.reshape(-1, dim)
         k = self.routing.num_experts_per_tok
-        weights, ids = experts.route_top_k(self.router(tokens), k, normalize=self.routing.norm_topk_prob)
+        logits = self.router(tokens)
+        self.record(logits)
+        weights, ids = experts.route_top_k(logits, k, normalize=self.routing.norm_topk_prob)
         out = experts.mix_experts(
             tokens, weights, ids, self.experts["gate_up_proj"], self.experts["down_proj"], jax.nn.silu
         )
