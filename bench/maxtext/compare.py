@@ -50,9 +50,12 @@ class Shape:
     head_dim: int
     seq_len: int
     batch: int
+    vocab_size: int | None = None
+    """None: the tiny tokenizer's vocabulary; else the model's (token ids stay the tokenizer's)."""
 
     def hf_overrides(self) -> dict[str, int]:
-        return {
+        vocab = {"vocab_size": self.vocab_size} if self.vocab_size else {}
+        return vocab | {
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -69,6 +72,8 @@ SHAPES = {
         Shape("tiny", 64, 128, 2, 4, 2, 16, seq_len=128, batch=4),
         Shape("small", 256, 768, 4, 8, 4, 32, seq_len=256, batch=4),
         Shape("medium", 512, 1536, 8, 8, 4, 64, seq_len=512, batch=4),
+        # `small` with Qwen3's vocabulary: the LM head and the loss at a real size.
+        Shape("real-vocab", 256, 768, 4, 8, 4, 32, seq_len=256, batch=4, vocab_size=151936),
         # For an accelerator: Qwen3-0.6B-sized layers with the tiny vocabulary.
         Shape("large", 1024, 3072, 28, 16, 8, 128, seq_len=1024, batch=8),
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 def shape_overrides(maxtext_model: str, hf: dict) -> list[str]:
     """`maxtext_model` (a MaxText model name of the same family) shrunk or grown to the HF config `hf`."""
-    return [
+    keys = [
         f"model_name={maxtext_model}",
         "override_model_config=True",
         f"base_num_decoder_layers={hf['num_hidden_layers']}",
@@ -21,3 +21,11 @@ def shape_overrides(maxtext_model: str, hf: dict) -> list[str]:
         f"vocab_size={hf['vocab_size']}",
         f"logits_via_embedding={hf['tie_word_embeddings']}",
     ]
+    if "num_experts" in hf:  # routed experts (Qwen3 MoE)
+        keys += [
+            f"num_experts={hf['num_experts']}",
+            f"num_experts_per_tok={hf['num_experts_per_tok']}",
+            f"base_moe_mlp_dim={hf['moe_intermediate_size']}",
+            f"norm_topk_prob={hf.get('norm_topk_prob', False)}",
+        ]
+    return keys

@@ -278,6 +278,10 @@ class Reconciler:
                 blocked = dataclasses.replace(observed, problems=(*observed.problems, rejection))
                 self._apply(body, blocked, decide(blocked, self.settings.reconcile))
                 return
+        if decision.create and not (decision.delete or decision.delete_self) and _unobserved(body):
+            # A new or edited LoRAJob's next JobSet: its status and events follow in the pass that the JobSet's
+            # watch event queues behind the other new LoRAJobs, so a burst costs one request per LoRAJob up front.
+            return
         if decision.status != observed.status:
             self._write_status(observed, decision.status)
         for event in decision.events:

@@ -22,7 +22,7 @@ import shlex
 
 import pydantic
 
-from lorajob_operator import accelerators, api, rules
+from lorajob_operator import accelerators, api, rules, validation
 from lorajob_operator.settings import RenderSettings, Resources
 from lorajob_trainer import catalog, distributed
 from lorajob_trainer.config import ConfigError, TrainConfig
@@ -110,7 +110,7 @@ def parse_spec(body: dict) -> tuple[api.LoRAJobSpec | None, tuple[str, ...]]:
             f"spec.{'.'.join(str(p) for p in item['loc'])}: {item['msg']}" for item in error.errors()
         )
     run = run_name(spec, body["metadata"]["name"])
-    errors = rules.run_name_errors(run, spec)
+    errors = [*validation.spec_rule_errors(body["spec"]), *rules.run_name_errors(run, spec)]
     try:
         train_config(spec, run)
     except ConfigError as error:  # a combination the trainer refuses: fail now, not in the pod

@@ -3,18 +3,20 @@ from the generated CRD schema (edge and huge numbers, null, odd unicode, values 
 limit, wrong types, missing and unknown fields, bad names). Derandomized: every run draws the same cases.
 
 * offline: `lorajob validate` never crashes and passes every unedited example; what it accepts, the
-  operator parses and renders every step of (an accepted LoRAJob never fails as InvalidSpec).
+  operator parses and renders every step of (an accepted LoRAJob never fails as InvalidSpec). The
+  operator's own pass (observe from caches holding what the spec needs, then decide) creates the first
+  step's JobSet of every accepted case and no child of any rejected one: an object that bypassed or
+  predates the CRD's rules, CEL included, fails as InvalidSpec instead.
 * against kube-apiserver: the offline verdict is the server's (dry-run create, strict field validation).
 
-`pytest -s` prints the counts, among them the rejected cases the operator's own parse would still run:
-the CRD's cross-field CEL rules are not checked again there (only an object that bypassed admission
-could reach it).
+`pytest -n 0 -s` prints the counts.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -24,9 +26,11 @@ from hypothesis import strategies as st
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from lorajob_operator import api, crd, render, rules
-from lorajob_operator.settings import RenderSettings
-from lorajob_operator.validation import apply_defaults, validate
+from lorajob_devcluster import wait_for
+from lorajob_operator import api, caches, crd, kube, reconcile, render, rules
+from lorajob_operator.local import OperatorProcess
+from lorajob_operator.settings import ReconcileSettings, RenderSettings
+from lorajob_operator.validation import FieldError, apply_defaults, validate
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = [yaml.safe_load(path.read_text()) for path in sorted((REPO / "examples").glob("*.yaml"))]
@@ -162,9 +166,30 @@ def _stored(doc: dict) -> dict:
     return body
 
 
-COUNTS = {"offline": 0, "offline accepted": 0, "offline rejected, operator would run it": 0, "offline edits": 0,
-          "server": 0, "server accepted": 0}
-"""Printed (pytest -s) at the end of each test: how many cases ran and how they ended."""
+def _storable(error: FieldError) -> bool:
+    """Whether an object with this error could still be stored (a CRD changed since, admission bypassed): the
+    API server always prunes unknown fields and checks object names itself."""
+    return error.kind != "unknown field" and not error.field.startswith("metadata.")
+
+
+def _operator_pass(body: dict, spec: api.LoRAJobSpec | None) -> reconcile.Decision:
+    """The operator's decision on `body` from caches that hold its namespace and, when it parsed, the Secret
+    and LocalQueue it names (so that only the spec decides)."""
+    view = caches.Caches([NAMESPACE])
+    view.stores[caches.NAMESPACES].upsert({"metadata": {"name": NAMESPACE, "resourceVersion": "1"}})
+    token = spec and spec.credentials and spec.credentials.hugging_face_token
+    if token:
+        view.stores[caches.SECRETS].upsert({"metadata": {"name": token.name, "namespace": NAMESPACE, "resourceVersion": "1"},
+                                            "data": {token.key: ""}})
+    if spec and spec.scheduling.queue_name:
+        view.stores[caches.LOCAL_QUEUES].upsert({"metadata": {"name": spec.scheduling.queue_name, "namespace": NAMESPACE,
+                                                              "resourceVersion": "1"}, "spec": {"clusterQueue": "cq"}})
+    observed = kube.observe(view, body, datetime(2026, 1, 1, tzinfo=timezone.utc), RenderSettings())
+    return reconcile.decide(observed, ReconcileSettings())
+
+
+COUNTS = {"offline": 0, "offline accepted": 0, "offline edits": 0, "refused by the operator too": 0, "server": 0, "server accepted": 0}
+"""Printed (pytest -n 0 -s) at the end of each test: how many cases ran and how they ended."""
 
 
 def test_offline_validation_and_the_operator_agree():
@@ -187,9 +212,16 @@ def offline_case(case):
         assert [js["metadata"]["labels"][render.LABEL_PHASE] for js in rendered] == rules.phases(spec)
     if not edits:
         assert errors == [], [str(e) for e in errors]
+    decision = _operator_pass(body, spec)
+    if any(_storable(error) for error in errors):  # as if it had reached the operator past admission
+        assert decision.create == [] and decision.status["phase"] == api.Phase.Failed.value, (edits, doc["spec"])
+        assert spec is None, (edits, [str(e) for e in errors])
+    elif not errors:
+        first = [] if spec.suspend else rules.phases(spec)[:1]
+        assert [create.phase for create in decision.create] == first, (edits, decision.status)
     COUNTS["offline"] += 1
     COUNTS["offline accepted"] += not errors
-    COUNTS["offline rejected, operator would run it"] += bool(errors) and spec is not None
+    COUNTS["refused by the operator too"] += any(_storable(error) for error in errors)
     COUNTS["offline edits"] += len(edits)
 
 
@@ -219,3 +251,67 @@ def test_the_api_server_gives_the_offline_verdict(custom):
     agree()
     assert COUNTS["server"] >= SERVER_CASES
     print(f"fuzz cases: {COUNTS}")
+
+
+RUN_NAMESPACE = "api-fuzz-run"
+RUN_CASES = 8
+
+
+def _settled(obj: dict) -> bool:
+    """A status of the object's own generation, in a phase of the API; a Failed one says why."""
+    status = obj.get("status") or {}
+    if status.get("observedGeneration") != obj["metadata"]["generation"] or status.get("phase") not in {p.value for p in api.Phase}:
+        return False
+    failed = [c for c in status.get("conditions") or [] if c["type"] == "Failed" and c["status"] == "True"]
+    return status["phase"] != api.Phase.Failed.value or bool(failed and failed[0].get("reason") and failed[0].get("message"))
+
+
+@pytest.mark.cluster
+def test_accepted_cases_run_on_the_operator_to_a_settled_status(sim_cluster, tmp_path):
+    """Accepted cases, created for real beside a running operator (its default settings): each gets a settled
+    status of its generation, the operator neither crashes nor stops answering, and every JobSet belongs to one."""
+    accepted: list[dict] = []
+
+    @fuzz(200)
+    @given(lorajobs())
+    def collect(case):
+        doc, _ = case
+        doc["metadata"]["name"] = f"fuzz-run-{len(accepted)}"
+        if len(accepted) < RUN_CASES and not validate(doc):
+            accepted.append(doc)
+
+    collect()
+    assert len(accepted) == RUN_CASES
+    core, custom = client.CoreV1Api(sim_cluster.api_client()), client.CustomObjectsApi(sim_cluster.api_client())
+    secret_keys: dict[str, dict[str, str]] = {}
+    for spec in (render.parse_spec(_stored(doc))[0] for doc in accepted):  # what they name exists: they can run
+        sim_cluster.create_namespace_with_queue(RUN_NAMESPACE, spec.scheduling.queue_name or "lorajob")
+        if (token := spec.credentials and spec.credentials.hugging_face_token) is not None:
+            secret_keys.setdefault(token.name, {})[token.key] = "hf_fuzz"
+    for name, keys in secret_keys.items():
+        core.create_namespaced_secret(RUN_NAMESPACE, client.V1Secret(metadata=client.V1ObjectMeta(name=name), string_data=keys))
+    log = tmp_path / "operator.log"
+    with OperatorProcess(sim_cluster.kubeconfig, [RUN_NAMESPACE], log) as operator:
+        for doc in accepted:
+            custom.create_namespaced_custom_object(api.GROUP, api.VERSION, RUN_NAMESPACE, api.PLURAL, doc, field_validation="Strict")
+
+        def lorajobs_now() -> list[dict]:
+            return custom.list_namespaced_custom_object(api.GROUP, api.VERSION, RUN_NAMESPACE, api.PLURAL)["items"]
+
+        def all_settled() -> list[dict] | None:
+            found = lorajobs_now()
+            return found if len(found) == RUN_CASES and all(map(_settled, found)) else None
+
+        settled = wait_for(all_settled, 90, "every fuzzed LoRAJob to get a settled status")
+        first = settled[0]["metadata"]["name"]  # still answering: a spec change is seen and settled too
+        custom.patch_namespaced_custom_object(api.GROUP, api.VERSION, RUN_NAMESPACE, api.PLURAL, first, {"spec": {"suspend": True}})
+        wait_for(lambda: next(o for o in lorajobs_now() if o["metadata"]["name"] == first)["metadata"]["generation"] > 1
+                 and all_settled(), 60, f"{first} to settle again after a spec change")
+        assert operator.healthy(), operator.log_tail()
+    assert "Traceback" not in log.read_text(), log.read_text()[-4000:]
+    owners = {o["metadata"]["uid"] for o in lorajobs_now()}
+    jobsets = sim_cluster.get_json("jobsets.jobset.x-k8s.io", "-n", RUN_NAMESPACE)["items"]
+    assert all({ref["uid"] for ref in js["metadata"].get("ownerReferences", [])} & owners for js in jobsets), jobsets
+    print(f"fuzz cases run on the operator: {RUN_CASES}, phases {sorted(o['status']['phase'] for o in lorajobs_now())}, "
+          f"reasons {sorted(c['reason'] for o in lorajobs_now() for c in o['status'].get('conditions', []) if c['status'] == 'True')}, "
+          f"{len(jobsets)} JobSets")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from lorajob_operator import api, render
+from lorajob_operator import api, caches, render
 from lorajob_operator.settings import RenderSettings
 
 NAMESPACE = "team-a"
@@ -56,6 +56,19 @@ def parsed(body: dict) -> api.LoRAJobSpec:
     spec, errors = render.parse_spec(body)
     assert spec is not None, errors
     return spec
+
+
+def cluster_view(*bodies: dict, namespace_labels: dict | None = None) -> caches.Caches:
+    """Watch caches holding `bodies` and what the base spec names: its namespace, the hf-token Secret
+    (key HF_TOKEN) and the lorajob LocalQueue (of ClusterQueue cq-tpu)."""
+    view = caches.Caches([NAMESPACE])
+    stores = view.stores
+    for body in bodies:
+        stores[caches.LORAJOBS].upsert(body)
+    stores[caches.LOCAL_QUEUES].upsert({"metadata": {"name": "lorajob", "namespace": NAMESPACE}, "spec": {"clusterQueue": "cq-tpu"}})
+    stores[caches.SECRETS].upsert({"metadata": {"name": "hf-token", "namespace": NAMESPACE}, "data": {"HF_TOKEN": "aGZfeA=="}})
+    stores[caches.NAMESPACES].upsert({"metadata": {"name": NAMESPACE, "labels": namespace_labels or {}}})
+    return view
 
 
 def owner(body: dict) -> render.Owner:

@@ -3,11 +3,11 @@ and an update of fields no pass reads queues nothing."""
 
 from __future__ import annotations
 
-from builders import NAMESPACE, jobset, lorajob
+from builders import NAMESPACE, cluster_view, jobset, lorajob
 from kubernetes import client
 
 from lorajob_operator import caches
-from lorajob_operator.kube import Controller, WorkQueue
+from lorajob_operator.kube import Cluster, Controller, Reconciler, WorkQueue
 from lorajob_operator.metrics import Metrics
 from lorajob_operator.settings import OperatorSettings
 
@@ -65,3 +65,41 @@ def test_a_lorajob_no_pass_has_acted_on_is_queued_urgent():
     controller._on_change(caches.LORAJOBS, lorajob("edited", status=observed, generation=2))
     controller._on_change(caches.LORAJOBS, lorajob("new"))
     assert _drain(controller.queue, 3) == ["edited", "new", "running"]
+
+
+class _RecordingApi:
+    """In place of the client's CustomObjectsApi and CoreV1Api: records each write and answers as the API server
+    would, with the object written."""
+
+    def __init__(self, view: caches.Caches):
+        self.view = view
+        self.writes: list[tuple[str, str]] = []
+
+    def create_namespaced_custom_object(self, group, version, namespace, plural, body, **_):
+        self.writes.append(("create " + plural, body["metadata"]["name"]))
+        return body | {"metadata": body["metadata"] | {"uid": "js-uid", "resourceVersion": str(len(self.writes))}}
+
+    def patch_namespaced_custom_object_status(self, group, version, namespace, plural, name, body):
+        self.writes.append(("status", name))
+        stored = self.view.lorajob(namespace, name)
+        return stored | {"metadata": stored["metadata"] | {"resourceVersion": str(100 + len(self.writes))}, "status": body["status"]}
+
+    def create_namespaced_event(self, namespace, event):
+        self.writes.append(("event", event["reason"]))
+
+
+def test_a_new_lorajobs_pass_only_creates_its_jobset_and_the_pass_after_writes_its_status():
+    body = lorajob(resourceVersion="1")
+    view = cluster_view(body)
+    cluster = Cluster(client.ApiClient(client.Configuration()))
+    cluster.custom = cluster.core = recorded = _RecordingApi(view)
+    reconciler = Reconciler(cluster, view, OperatorSettings())
+    name = body["metadata"]["name"]
+
+    reconciler.reconcile(NAMESPACE, name)
+    assert recorded.writes == [("create jobsets", f"{name}-convert")]
+    reconciler.reconcile(NAMESPACE, name)  # the JobSet's watch event queues this one
+    assert recorded.writes[1:] == [("status", name), ("event", "Queued")]
+    assert view.lorajob(NAMESPACE, name)["status"]["observedGeneration"] == 1
+    reconciler.reconcile(NAMESPACE, name)
+    assert len(recorded.writes) == 3

@@ -6,7 +6,7 @@ import threading
 from datetime import datetime, timezone
 
 import pytest
-from builders import NAMESPACE, condition, jobset, lorajob, spec_dict, workload
+from builders import NAMESPACE, cluster_view, condition, jobset, lorajob, spec_dict, workload
 from kubernetes import client
 
 from lorajob_operator import caches
@@ -36,17 +36,13 @@ def _requests(metrics: Metrics) -> float:
 def _training_world() -> tuple[caches.Caches, dict]:
     """Caches holding a LoRAJob whose train step runs (convert done), admitted by Kueue, and all it reads."""
     body = lorajob(resourceVersion="10")
-    view = caches.Caches([NAMESPACE])
+    view = cluster_view(body, namespace_labels={"team": "a"})
     stores = view.stores
-    stores[caches.LORAJOBS].upsert(body)
     for phase, uid, conditions in (("convert", "js-convert", [condition("Completed")]), ("train", "js-train", [])):
         stores[caches.JOBSETS].upsert(jobset(body, phase, uid=uid, conditions=conditions) | {"kind": "JobSet"})
         admitted = workload(condition("QuotaReserved"), condition("Admitted"), cluster_queue="cq-tpu")
         admitted["metadata"] |= {"name": f"wl-{phase}", "namespace": NAMESPACE, "labels": {caches.KUEUE_JOB_UID_LABEL: uid}}
         stores[caches.WORKLOADS].upsert(admitted)
-    stores[caches.LOCAL_QUEUES].upsert({"metadata": {"name": "lorajob", "namespace": NAMESPACE}, "spec": {"clusterQueue": "cq-tpu"}})
-    stores[caches.SECRETS].upsert({"metadata": {"name": "hf-token", "namespace": NAMESPACE}, "data": {"HF_TOKEN": "aGZfeA=="}})
-    stores[caches.NAMESPACES].upsert({"metadata": {"name": NAMESPACE, "labels": {"team": "a"}}})
     return view, body
 
 
@@ -171,10 +167,8 @@ def test_pending_workloads_are_placed_in_kueues_order_per_cluster_queue():
 
 def test_observe_places_a_queued_step_from_the_caches_and_follows_the_queue_as_it_moves():
     body = lorajob(resourceVersion="10", spec=spec_dict(model={"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://b/ckpt/0/items"}))
-    view = caches.Caches([NAMESPACE])
+    view = cluster_view(body)
     stores = view.stores
-    stores[caches.LORAJOBS].upsert(body)
-    stores[caches.LOCAL_QUEUES].upsert({"metadata": {"name": "lorajob", "namespace": NAMESPACE}, "spec": {"clusterQueue": "cq-tpu"}})
     stores[caches.JOBSETS].upsert(jobset(body, "train", uid="js-train", suspend=True))
     ours = _pending("ours", "2026-01-01T00:02:00Z")
     ours["metadata"]["labels"] = {caches.KUEUE_JOB_UID_LABEL: "js-train"}

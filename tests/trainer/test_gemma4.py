@@ -38,6 +38,13 @@ def multimodal(tmp_path_factory):
     return directory
 
 
+def test_a_maxtext_checkpoint_is_refused_with_what_to_do(multimodal, mesh, tmp_path):
+    (tmp_path / "maxtext" / "0" / "items").mkdir(parents=True)
+    refused = "MaxText checkpoints of gemma4 models are not supported.*huggingFace"
+    with pytest.raises(weights.WeightsError, match=refused):
+        models.load_model("tiny-gemma4", tmp_path / "maxtext", mesh=mesh, dtype=jnp.float32, format="maxtext", config_dir=multimodal)
+
+
 def test_language_model_of_a_multimodal_checkpoint_matches_transformers(multimodal, mesh):
     model, spec = models.load_model("tiny-gemma4", multimodal, mesh=mesh, dtype=jnp.float32)
     assert spec.family.name == "gemma4"

@@ -96,7 +96,7 @@ def differences(name: str, hf_dir: Path, mesh: Mesh) -> list[str]:
 
 def test_fixtures_cover_every_family_and_layout():
     layouts = {(r["family"], r["scan_layers"], r["ocdbt_zarr3"]) for r in map(record, NAMES)}
-    for family in ("qwen3", "llama3", "gemma3"):
+    for family in ("qwen3", "qwen3-moe", "llama3", "gemma3"):
         assert {(family, True, False), (family, False, False)} <= layouts
     assert any(ocdbt for _, _, ocdbt in layouts)
 
@@ -142,6 +142,10 @@ MUTATIONS = {
     ),
     "llama key kept interleaved": ("llama3-unscanned", lambda maps: _without_convert(maps, "k_proj.w")),
     "gate and up swapped": ("qwen3-scanned", lambda maps: _swap_sources(maps, "mlp.wi_0.kernel", "mlp.wi_1.kernel")),
+    "expert gate and up swapped": (
+        "qwen3-moe-unscanned",
+        lambda maps: _swap_sources(maps, "moe_block.wi_0", "moe_block.wi_1"),
+    ),
     "key and value swapped": (
         "gemma3-scanned",
         lambda maps: _swap_sources(maps, "self_attention.key.kernel", "self_attention.value.kernel"),

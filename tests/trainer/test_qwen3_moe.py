@@ -160,16 +160,6 @@ def test_training_moves_every_expert_adapter_and_lowers_the_loss(tmp_path):
     assert np.mean(losses[-3:]) < np.mean(losses[:3]), losses
 
 
-def test_maxtext_checkpoint_is_refused_with_what_to_do(checkpoint, mesh, tmp_path):
-    (tmp_path / "maxtext" / "0" / "items").mkdir(parents=True)
-    refused = "MaxText checkpoints of qwen3-moe models are not supported.*huggingFace"
-    with pytest.raises(weights.WeightsError, match=refused):
-        models.load_model(
-            f"tiny-{FAMILY}", tmp_path / "maxtext", mesh=mesh, dtype=jnp.float32, format="maxtext",
-            config_dir=checkpoint,
-        )
-
-
 def test_orbax_base_checkpoint_loads_the_same_model(checkpoint, mesh, tmp_path):
     from lorajob_trainer import convert
 

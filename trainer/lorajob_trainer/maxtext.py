@@ -1,4 +1,4 @@
-"""MaxText checkpoints (`<dir>/0/items`) -> Tunix parameters of the Qwen3, Llama 3 and Gemma 3 families.
+"""MaxText checkpoints (`<dir>/0/items`) -> Tunix parameters of the Qwen3, Qwen3 MoE, Llama 3 and Gemma 3 families.
 
 A MaxText checkpoint, as MaxText's `to_maxtext` converter and its trainer write it (0.2.5), is an
 Orbax PyTree (OCDBT and zarr3 on or off) `{"params": {"params": TREE}, "step": ...}` where TREE has
@@ -14,6 +14,9 @@ Orbax PyTree (OCDBT and zarr3 on or off) `{"params": {"params": TREE}, "step": .
 - Gemma 3 scanned: grouped by its 6-layer attention pattern, `layers/layers_{b}` stacks layers
   b, b+6, b+12, ... of the complete periods, and `layers_remainder/layers_{r}` (unstacked) is layer
   6·⌊L/6⌋ + r.
+
+Qwen3 MoE's routed experts are `moe_block/{wi_0,wi_1,wo}` [experts, in, out] (scanned: the layer axis
+second, [experts, layers, in, out]) and its router `moe_block/gate/kernel` [embed, experts].
 
 The per-layer tensors differ from Tunix's as `MaxTextMap`s say: axis order, and value transforms
 undoing what MaxText's converter applied (Gemma norms stored as 1 + w, Gemma's embedding stored
@@ -64,10 +67,10 @@ class MaxTextMap:
 
     `ours` is the dotted NNX path with `{i}` for the layer index. `maxtext` holds dotted MaxText
     paths, relative to the layer subtree for per-layer parameters, else to the parameter tree; with
-    two paths the tensors are stacked along the first axis of `ours_axes`. `maxtext_axes` /
-    `ours_axes` name the axes of one layer's tensor (None: same order). `convert` undoes a value
-    transform of MaxText's converter; it gets one layer's tensor in float32, in MaxText's axis
-    order, and the Tunix config.
+    two paths the tensors are stacked along the first axis of `ours_axes` (or interleaved on it, see
+    `interleaved`). `maxtext_axes` / `ours_axes` name the axes of one layer's tensor (None: same
+    order). `convert` undoes a value transform of MaxText's converter; it gets one layer's tensor in
+    float32, in MaxText's axis order, and the Tunix config.
     """
 
     ours: str
@@ -79,6 +82,10 @@ class MaxTextMap:
     """Axis 0 counts vocabulary entries, which MaxText's converter pads with zeros or cuts to MaxText's
     vocab_size (Gemma 3: 262144 of the HF config's 262208); rows the checkpoint lacks load as zeros,
     rows beyond the config's vocab_size are dropped."""
+    interleaved: bool = False
+    """The paths' tensors alternate on the shared first axis instead of stacking on a new one: row k·e + j
+    is row e of path j (Qwen3 MoE: Tunix's gate_up_proj [2·E, in, out] holds expert e's gate, MaxText's
+    wi_0 [E, in, out], at row 2e and its up projection, wi_1, at 2e + 1)."""
 
     @property
     def per_layer(self) -> bool:
@@ -86,8 +93,16 @@ class MaxTextMap:
 
     @property
     def stacked(self) -> int:
-        """1 when the Tunix parameter stacks several MaxText tensors on its first axis, else 0."""
-        return int(len(self.maxtext) > 1)
+        """1 when the Tunix parameter stacks several MaxText tensors on a new first axis, else 0."""
+        return int(len(self.maxtext) > 1 and not self.interleaved)
+
+    def combine(self, parts: list[jax.Array]) -> jax.Array:
+        """The Tunix tensor from one layer's MaxText tensors (each already in Tunix's axis order)."""
+        if len(parts) == 1:
+            return parts[0]
+        if self.interleaved:
+            return jnp.stack(parts, axis=1).reshape((-1, *parts[0].shape[1:]))
+        return jnp.stack(parts)
 
 
 # --- value transforms ------------------------------------------------------------------------
@@ -149,6 +164,16 @@ def _decoder_maps(config: Any, *, qk_norm: bool, tied: bool, rope_interleaved: b
     return maps
 
 
+def _qwen3_moe_maps(config: Any) -> list[MaxTextMap]:
+    """Qwen3's attention, norms and embeddings; MaxText's expert tensors already have Tunix's axis order."""
+    dense = _decoder_maps(config, qk_norm=True, tied=config.use_tied_embedding, rope_interleaved=False)
+    return [m for m in dense if ".mlp." not in m.ours] + [
+        MaxTextMap("layers.{i}.mlp.router.kernel", ("moe_block.gate.kernel",)),
+        MaxTextMap("layers.{i}.mlp.experts.gate_up_proj.w", ("moe_block.wi_0", "moe_block.wi_1"), interleaved=True),
+        MaxTextMap("layers.{i}.mlp.experts.down_proj.w", ("moe_block.wo",)),
+    ]
+
+
 def _gemma3_maps(config: gemma3_lib.ModelConfig) -> list[MaxTextMap]:
     norms = [
         ("attn._query_norm.scale", "self_attention.query_norm.scale"),
@@ -185,6 +210,7 @@ LAYOUTS: dict[str, FamilyLayout] = {
     "qwen3": FamilyLayout(
         lambda c: _decoder_maps(c, qk_norm=True, tied=c.use_tied_embedding, rope_interleaved=False)
     ),
+    "qwen3-moe": FamilyLayout(_qwen3_moe_maps),
     "llama3": FamilyLayout(lambda c: _decoder_maps(c, qk_norm=False, tied=c.weight_tying, rope_interleaved=True)),
     "gemma3": FamilyLayout(_gemma3_maps, scan_period=GEMMA3_SCAN_PERIOD),
 }
@@ -263,7 +289,9 @@ def _layer_order(tmap: MaxTextMap) -> tuple[list[str] | None, list[str] | None]:
 def layer_shape(tmap: MaxTextMap, ours_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of one layer's MaxText tensor for a Tunix parameter of `ours_shape`."""
     theirs, ours = _layer_order(tmap)
-    shape = ours_shape[tmap.stacked :]
+    shape = list(ours_shape[tmap.stacked :])
+    if tmap.interleaved:
+        shape[0] //= len(tmap.maxtext)
     if theirs is None:
         return tuple(shape)
     sizes = dict(zip(ours, shape))
@@ -408,7 +436,7 @@ def _to_tunix(
     values = {}
     for read in reads:
         parts = [_layer_tensor(arrays, source, axes, read.tmap, tunix_config) for source in read.sources]
-        value = jnp.stack(parts) if len(parts) > 1 else parts[0]
+        value = read.tmap.combine(parts)
         if read.tmap.vocab_rows:
             value = _resize_rows(value, shapes[read.ours][0])
         values[read.ours] = value.astype(dtype)
