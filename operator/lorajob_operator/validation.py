@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import threading
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from typing import Any
@@ -155,10 +156,15 @@ def _check_rules(value: Any, schema: dict, path: str, errors: list[FieldError]) 
         errors.append(FieldError(field, "Invalid value", f'"object": {message}'))
 
 
+_RULES_LOCK = threading.Lock()
+
+
 def spec_rule_errors(spec: dict) -> tuple[str, ...]:
     """What the CRD's CEL rules under `spec` say of a spec that already parsed (its types are right): the
     operator checks them again, so that an object that bypassed or predates the CRD's rules never runs."""
-    return _spec_rule_errors(json.dumps(spec, sort_keys=True))
+    key = json.dumps(spec, sort_keys=True)
+    with _RULES_LOCK:  # one evaluation per spec: the operator's workers would otherwise all compile the rules at once
+        return _spec_rule_errors(key)
 
 
 @lru_cache(maxsize=4096)
