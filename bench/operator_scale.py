@@ -4,6 +4,8 @@
 
 For each N, on a fresh simulated cluster whose pods complete at once (kwok, no delays) and with room for
 many single-host trainings at a time (BENCH_POOLS):
+- cold first: one warm-up LoRAJob's create -> first JobSet (the cluster's first JobSet create and the operator's
+  first pass: one-off costs the direct creates below never pay); it is deleted before the burst;
 - burst: N LoRAJobs created at once (16 client threads; "LoRAJobs created": until the last create returned); the time
   until each one's first JobSet exists (p50, p99, last),
   against one client creating N JobSets directly in another namespace of the same cluster (ratio: last
