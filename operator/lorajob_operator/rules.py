@@ -29,6 +29,9 @@ an 11-character Kueue hash and a 9-character node-pool hash: 63 - 8 - 7 - 11 - 9
 
 LABEL_VALUE_MAX = 63
 """Kubernetes label values are at most 63 characters."""
+OBJECT_NAME_PATTERN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+"""metadata.name of a LoRAJob, as the API server checks every custom object's name (an RFC 1123 subdomain; the
+CRD's schema bounds its length)."""
 DNS_LABEL_MAX = 63
 """Kubernetes object names that must be DNS labels (RFC 1123) are at most 63 characters."""
 

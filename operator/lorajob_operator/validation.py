@@ -17,7 +17,7 @@ from typing import Any
 
 import celpy
 
-from lorajob_operator import api, crd
+from lorajob_operator import api, crd, rules
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,10 @@ def validate(obj: dict) -> list[FieldError]:
     if obj.get("apiVersion") != f"{api.GROUP}/{api.VERSION}" or obj.get("kind") != api.KIND:
         return [FieldError("", "Invalid value", f"not a {api.KIND} of {api.GROUP}/{api.VERSION}")]
     schema = _schema()
+    name = (obj.get("metadata") or {}).get("name")
+    if isinstance(name, str) and not re.fullmatch(rules.OBJECT_NAME_PATTERN, name):
+        errors.append(FieldError("metadata.name", "Invalid value", f'"{name}": a lowercase RFC 1123 subdomain must consist of '
+                                 "lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"))
     defaulted = apply_defaults(obj, schema)
     _check_schema(defaulted, schema, "", errors)
     if any(error.detail.endswith(tuple(f"must be of type {t}" for t in _TYPE_NAMES)) for error in errors):
