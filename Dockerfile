@@ -31,7 +31,8 @@ RUN /opt/venv/bin/pip install ".[trainer]" \
     && if [ "${JAX_PLATFORM}" != "cpu" ]; then \
          jax_version="$(/opt/venv/bin/python -c 'import importlib.metadata as m; print(m.version("jax"))')"; \
          /opt/venv/bin/pip install "jax[${JAX_PLATFORM}]==${jax_version}"; \
-       fi
+       fi \
+    && if /opt/venv/bin/python -c "import torch" 2>/dev/null; then echo "the trainer image must not contain torch" >&2; exit 1; fi
 
 # --- runtime stages
 FROM ${PYTHON_IMAGE} AS runtime

@@ -1,7 +1,7 @@
 """Memory and time of the loss at real vocabularies: full logits + log-softmax (before) vs the chunked loss (now).
 
     python bench/loss_memory.py [--vocabs 151936,262144] [--batch 1] [--seq 1024] [--hidden 512] [--layers 2]
-                                [--trained 0.5] [--chunk 256] [--steps 3] [--single-thread]
+                                [--trained 0.5] [--chunk N] [--steps 3] [--single-thread]
 
 A Qwen3 of `--layers` layers, `--hidden` wide, with an untied LM head of each vocabulary size (random
 weights, LoRA r16 on all seven projections). One row of the batch trains on its last `--trained`
@@ -22,6 +22,7 @@ import time
 
 from trainer_bench import QWEN3, bench_dtype, random_lora_model, run_child
 
+from lorajob_trainer.config import TrainConfig
 from lorajob_trainer.metrics import peak_device_memory_bytes, peak_host_memory_bytes
 
 LOSSES = ("full-logits", "chunked")
@@ -118,7 +119,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--trained", type=float, default=0.5, help="fraction of each row with loss weight 1")
-    parser.add_argument("--chunk", type=int, default=256, help="loss_chunk_length")
+    parser.add_argument("--chunk", type=int, default=TrainConfig.model_fields["loss_chunk_length"].default,
+                        help="loss_chunk_length (default: the trainer's)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--losses", default=",".join(LOSSES))
     parser.add_argument("--single-thread", action="store_true", help="CPU: one XLA thread")

@@ -1,6 +1,6 @@
 """LoRA training throughput: our JAX trainer step vs HF transformers + PEFT (PyTorch), same shape and device.
 
-    python bench/trainer_bench.py --shape tiny [--steps 10] [--batch 8] [--seq 128] [--rank 16] [--loss-chunk 256] [--remat minimal]
+    python bench/trainer_bench.py --shape tiny [--steps 10] [--batch 8] [--seq 128] [--rank 16] [--loss-chunk N] [--remat minimal]
                                   [--peak-tflops 989] [--frameworks jax,torch]
 
 Shapes are model configurations with random weights made on the device (no files, no network).
@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from lorajob_trainer.config import TrainConfig
 from lorajob_trainer.metrics import peak_host_memory_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -299,8 +300,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--loss-chunk", type=int, default=256, help="loss_chunk_length: positions per LM-head chunk")
-    parser.add_argument("--remat", choices=["none", "minimal", "full"], default="minimal", help="remat_policy")
+    parser.add_argument("--loss-chunk", type=int, default=TrainConfig.model_fields["loss_chunk_length"].default,
+                        help="loss_chunk_length: positions per LM-head chunk (default: the trainer's)")
+    parser.add_argument("--remat", choices=["none", "minimal", "full"],
+                        default=TrainConfig.model_fields["remat_policy"].default, help="remat_policy")
     parser.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (needed on CPU)")
     parser.add_argument("--frameworks", default="jax,torch")
     parser.add_argument("--single-thread", action="store_true", help="CPU: one thread for each framework")

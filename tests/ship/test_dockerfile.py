@@ -5,6 +5,7 @@ checked, and the operator image's install resolved by pip against the real packa
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import re
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 import dockerfile
 import pytest
 import yaml
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
@@ -124,6 +126,35 @@ def test_images_install_the_project_extras():
 def test_operator_extra_pulls_no_jax():
     names = {re.split(r"[<>=\[ ;]", requirement)[0].lower() for requirement in EXTRAS["operator"]}
     assert not names & JAX_FAMILY
+
+
+def installed_closure(requirements: list[str]) -> set[str]:
+    """Every distribution the requirements pull in, walked through the installed packages' metadata
+    (with the extras each one is asked for; markers evaluated here)."""
+    seen: set[str] = set()
+    pending = [Requirement(text) for text in requirements]
+    while pending:
+        requirement = pending.pop()
+        name = requirement.name.lower().replace("_", "-")
+        if name in seen:
+            continue
+        seen.add(name)
+        for text in importlib.metadata.requires(requirement.name) or []:
+            child = Requirement(text)
+            wanted = [{"extra": extra} for extra in requirement.extras] or [{"extra": ""}]
+            if child.marker is None or any(child.marker.evaluate(env) for env in wanted):
+                pending.append(child)
+    return seen
+
+
+def test_trainer_extra_pulls_no_torch():
+    """The trainer image has no PyTorch, so transformers (the tokenizer) never imports it there: the
+    trainer's host memory is JAX's and the data pipeline's, not torch's ~0.7 GB."""
+    closure = installed_closure(EXTRAS["trainer"])
+    assert {"jax", "transformers", "google-tunix"} <= closure
+    assert not closure & {"torch", "peft", "tensorflow"}, closure & {"torch", "peft", "tensorflow"}
+    assert "torch" in installed_closure(EXTRAS["dev"]), "the walk is live: the dev extra's PEFT pulls torch"
+    assert "import torch" in run_text("trainer")
 
 
 def test_trainer_accelerator_is_a_build_arg_defaulting_to_cpu():

@@ -120,3 +120,17 @@ def test_chunks_without_trained_tokens_are_skipped_in_both_passes():
     value, gradient = jax.jit(jax.value_and_grad(total))(hidden)
     np.testing.assert_allclose(float(value), 5 * np.log(8), rtol=1e-6)
     assert np.isfinite(np.asarray(gradient)[np.asarray(weights) != 0]).all()
+    # Not differentiated (the eval step), the loss takes its own path: it skips the same chunks.
+    np.testing.assert_allclose(float(jax.jit(total)(hidden)), float(value), rtol=1e-6)
+
+
+def test_the_chunked_loss_refuses_to_differentiate_the_head():
+    """Its gradient is computed for the hidden states only: a head that is differentiated is an error, not a zero."""
+    hidden = jnp.ones((1, 4, 4), jnp.float32)
+    targets, weights = jnp.zeros((1, 4), jnp.int32), jnp.ones((1, 4), jnp.float32)
+
+    def total(head):
+        return loss_lib.chunked_cross_entropy(hidden, head, targets, weights, chunk_length=2)[0]
+
+    with pytest.raises(ValueError, match="does not differentiate the LM head"):
+        jax.grad(total)(jnp.ones((4, 8), jnp.float32))

@@ -1,13 +1,15 @@
 """Next-token cross-entropy that never materialises the `[batch, length, vocab]` logits.
 
 The model runs up to its final norm; the LM head and the log-softmax then run on chunks of
-`chunk_length` positions per row, one chunk at a time (a `lax.scan` whose body is rematerialised,
-so the backward pass recomputes a chunk's logits instead of keeping them). Within each row the
-trained positions (loss weight != 0) are moved to the front first, so a chunk holding no trained
-token of any row is skipped in both passes: the LM head runs only where SFT trains. The batch axis
-is never reordered or flattened, so its data-parallel sharding is kept. The head weight is frozen
-(LoRA never trains it): only the hidden states' gradient flows back. `losses_with_load_balancing`
-adds the MoE load-balancing loss of the same forward (experts.py).
+`chunk_length` positions per row, one chunk at a time (a `lax.scan`). Within each row the trained
+positions (loss weight != 0) are moved to the front first, so a chunk holding no trained token of any
+row is skipped: the LM head runs only where SFT trains. The batch axis is never reordered or
+flattened, so its data-parallel sharding is kept. The head weight is frozen (LoRA never trains it),
+so only the hidden states' gradient is needed, and it is computed in the forward pass, from the same
+chunk of logits (`softmax - onehot` times the head): a differentiated step runs the LM head's matmul
+twice per trained chunk (logits, then their gradient), as a full-logits loss does, and keeps only a
+`[batch, length, hidden]` gradient for the backward pass. `losses_with_load_balancing` adds the MoE
+load-balancing loss of the same forward (experts.py).
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ def chunked_cross_entropy(
 ) -> tuple[jax.Array, jax.Array]:
     """(sum of weights * NLL(targets), sum of weights) for hidden [B, L, D], head [D, V], targets/weights [B, L].
 
-    The matmul runs in the head's dtype (the compute dtype) and accumulates in float32."""
+    The matmuls run in the head's dtype (the compute dtype) and accumulate in float32. The head must not be
+    differentiated."""
     length = hidden.shape[1]
     chunk = min(chunk_length, length)
     chunks = -(-length // chunk)
@@ -92,16 +95,64 @@ def chunked_cross_entropy(
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         return jnp.moveaxis(x.reshape(x.shape[0], chunks, chunk, *x.shape[2:]), 1, 0)
 
-    def chunk_loss(h: jax.Array, t: jax.Array, w: jax.Array) -> jax.Array:
-        logits = jnp.dot(h.astype(head.dtype), head, preferred_element_type=jnp.float32)
-        picked = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
-        return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - picked) * w)
+    total = _trained_chunks_nll(split(hidden), head, split(targets), split(ordered_weights))
+    return total, jnp.sum(weights)
 
-    @functools.partial(jax.checkpoint, prevent_cse=False)
+
+@jax.custom_vjp
+def _trained_chunks_nll(hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
+    """Sum of weights * NLL over chunks [C, B, chunk, D] / [C, B, chunk], skipping chunks without a trained token."""
+
     def body(total: jax.Array, xs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, None]:
         h, t, w = xs
-        trained = jnp.any(w != 0)
-        return total + jax.lax.cond(trained, chunk_loss, lambda *_: jnp.zeros((), jnp.float32), h, t, w), None
+        skipped = lambda *_: jnp.zeros((), jnp.float32)  # noqa: E731
+        return total + jax.lax.cond(jnp.any(w != 0), _chunk_nll, skipped, h, head, t, w), None
 
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(hidden), split(targets), split(ordered_weights)))
-    return total, jnp.sum(weights)
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hidden, targets, weights))
+    return total
+
+
+def _trained_chunks_nll_forward(hidden, head, targets, weights):
+    if head.perturbed:
+        raise ValueError("the chunked loss does not differentiate the LM head (LoRA keeps it frozen)")
+    hidden, head, targets, weights = hidden.value, head.value, targets.value, weights.value
+
+    def skipped(h, *_):
+        return jnp.zeros((), jnp.float32), jnp.zeros_like(h)
+
+    def body(total, xs):
+        h, t, w = xs
+        nll, hidden_grad = jax.lax.cond(jnp.any(w != 0), _chunk_nll_and_hidden_grad, skipped, h, head, t, w)
+        return total + nll, hidden_grad
+
+    total, hidden_grads = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hidden, targets, weights))
+    return total, hidden_grads
+
+
+def _trained_chunks_nll_backward(hidden_grads, cotangent):
+    return (hidden_grads * cotangent.astype(hidden_grads.dtype), None, None, None)
+
+
+_trained_chunks_nll.defvjp(_trained_chunks_nll_forward, _trained_chunks_nll_backward, symbolic_zeros=True)
+
+
+def _chunk_logits(h: jax.Array, head: jax.Array) -> jax.Array:
+    return jnp.dot(h.astype(head.dtype), head, preferred_element_type=jnp.float32)
+
+
+def _chunk_nll(h: jax.Array, head: jax.Array, t: jax.Array, w: jax.Array) -> jax.Array:
+    logits = _chunk_logits(h, head)
+    picked = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+    return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - picked) * w)
+
+
+def _chunk_nll_and_hidden_grad(h: jax.Array, head: jax.Array, t: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The chunk's NLL sum and its gradient w.r.t. h: (w * softmax) @ head.T - w * head[:, t].T."""
+    logits = _chunk_logits(h, head)
+    log_normaliser = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+    nll = jnp.sum((log_normaliser - picked) * w)
+    weighted_softmax = jnp.exp(logits - log_normaliser[..., None]) * w[..., None]
+    spread = jnp.dot(weighted_softmax.astype(head.dtype), head.T, preferred_element_type=jnp.float32)
+    target_rows = jnp.moveaxis(jnp.take(head, t, axis=1), 0, -1).astype(jnp.float32)
+    return nll, (spread - w[..., None] * target_rows).astype(h.dtype)
