@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import sys
 import threading
 import time
 from typing import Callable, Iterator
@@ -49,6 +50,11 @@ def _ours(label: str) -> bool:
 
 def _without_managed_fields(obj: dict) -> dict:
     return obj | {"metadata": {k: v for k, v in obj["metadata"].items() if k != "managedFields"}}
+
+
+def _slim_lorajob(obj: dict) -> dict:
+    """All but managedFields and annotations (no pass reads them; `kubectl apply` keeps a copy of the spec there)."""
+    return obj | {"metadata": {k: v for k, v in obj["metadata"].items() if k not in ("managedFields", "annotations")}}
 
 
 def _slim_jobset(obj: dict) -> dict:
@@ -94,6 +100,22 @@ def _slim_secret(obj: dict) -> dict:
     return {"metadata": _metadata(obj), "keys": sorted(set(obj.get("data") or {}) | set(obj.get("stringData") or {}))}
 
 
+INTERNED_STRING_LENGTH = 36
+"""Cached strings up to this length (every key; values such as condition types, reasons, names, timestamps,
+uids) are interned: thousands of cached objects then share one copy of each."""
+
+
+def _interned(value):
+    """`value` (a decoded JSON object) with its keys and short strings interned."""
+    if isinstance(value, dict):
+        return {sys.intern(key): _interned(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_interned(item) for item in value]
+    if isinstance(value, str) and len(value) <= INTERNED_STRING_LENGTH:
+        return sys.intern(value)
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Resource:
     name: str
@@ -108,7 +130,7 @@ class Resource:
         return f"{prefix}/namespaces/{namespace}/{self.plural}" if namespace else f"{prefix}/{self.plural}"
 
 
-LORAJOBS = Resource("lorajobs", f"{api.GROUP}/{api.VERSION}", api.PLURAL, True, _without_managed_fields)
+LORAJOBS = Resource("lorajobs", f"{api.GROUP}/{api.VERSION}", api.PLURAL, True, _slim_lorajob)
 JOBSETS = Resource("jobsets", render.JOBSET_API_VERSION, render.JOBSET_PLURAL, True, _slim_jobset)
 WORKLOADS = Resource("workloads", render.KUEUE_API_VERSION, "workloads", True, _slim_workload)
 LOCAL_QUEUES = Resource("localqueues", render.KUEUE_API_VERSION, "localqueues", True, _slim_local_queue)
@@ -176,7 +198,7 @@ class Store:
 
         A new resourceVersion whose slimmed object is otherwise the same is stored but is no change (None): an
         update of fields no pass reads (a LocalQueue's counts, a JobSet's replicated-job counts) queues nothing."""
-        obj = self.resource.slim(obj)
+        obj = _interned(self.resource.slim(obj))
         key = key_of(obj)
         with self._lock:
             current = self._objects.get(key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from datetime import datetime, timezone
 
@@ -83,6 +84,25 @@ def test_a_secret_is_cached_as_its_key_names_without_any_value():
     })
     assert stored == {"metadata": {"name": "hf-token", "namespace": NAMESPACE, "resourceVersion": "3"}, "keys": ["HF_TOKEN", "OTHER"]}
     assert "aGZfeA==" not in repr(store.items())
+
+
+def test_cached_objects_share_their_field_names_and_short_values_and_drop_what_no_pass_reads():
+    """Thousands of cached LoRAJobs, JobSets and Workloads hold one copy of each key and repeated value."""
+    store = caches.Store(caches.WORKLOADS)
+    first, second = (  # each decoded on its own, as watch events are: no strings shared yet
+        store.upsert(json.loads(json.dumps(workload(condition("QuotaReserved", reason="QuotaReserved", message="m" * 80), name=name))))
+        for name in ("w-1", "w-2")
+    )
+    (a,), (b,) = first["status"]["conditions"], second["status"]["conditions"]
+    for key in ("type", "status", "reason", "lastTransitionTime"):
+        (key_a,), (key_b,) = [k for k in a if k == key], [k for k in b if k == key]
+        assert key_a is key_b and a[key] is b[key], key
+    assert a["message"] == b["message"]  # a long message is kept as it is, not interned
+    applied = lorajob() | {"metadata": lorajob()["metadata"] | {
+        "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{...}"}, "managedFields": [{}]}}
+    cached = caches.Store(caches.LORAJOBS).upsert(applied)
+    assert "annotations" not in cached["metadata"] and "managedFields" not in cached["metadata"]
+    assert cached["spec"] == applied["spec"]
 
 
 def test_an_older_version_never_replaces_a_newer_one_and_a_relist_drops_what_is_gone():
