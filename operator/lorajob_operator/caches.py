@@ -48,13 +48,17 @@ def _ours(label: str) -> bool:
     return label.startswith(render.LABEL_PREFIX)
 
 
+def _without_metadata(obj: dict, dropped: tuple[str, ...]) -> dict:
+    return obj | {"metadata": {k: v for k, v in obj["metadata"].items() if k not in dropped}}
+
+
 def _without_managed_fields(obj: dict) -> dict:
-    return obj | {"metadata": {k: v for k, v in obj["metadata"].items() if k != "managedFields"}}
+    return _without_metadata(obj, ("managedFields",))
 
 
 def _slim_lorajob(obj: dict) -> dict:
     """All but managedFields and annotations (no pass reads them; `kubectl apply` keeps a copy of the spec there)."""
-    return obj | {"metadata": {k: v for k, v in obj["metadata"].items() if k not in ("managedFields", "annotations")}}
+    return _without_metadata(obj, ("managedFields", "annotations"))
 
 
 def _slim_jobset(obj: dict) -> dict:

@@ -139,9 +139,9 @@ def installed_closure(requirements: list[str]) -> set[str]:
         if name in seen:
             continue
         seen.add(name)
+        wanted = [{"extra": extra} for extra in requirement.extras] or [{"extra": ""}]
         for text in importlib.metadata.requires(requirement.name) or []:
             child = Requirement(text)
-            wanted = [{"extra": extra} for extra in requirement.extras] or [{"extra": ""}]
             if child.marker is None or any(child.marker.evaluate(env) for env in wanted):
                 pending.append(child)
     return seen

@@ -102,30 +102,20 @@ def chunked_cross_entropy(
 @jax.custom_vjp
 def _trained_chunks_nll(hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
     """Sum of weights * NLL over chunks [C, B, chunk, D] / [C, B, chunk], skipping chunks without a trained token."""
-
-    def body(total: jax.Array, xs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, None]:
-        h, t, w = xs
-        skipped = lambda *_: jnp.zeros((), jnp.float32)  # noqa: E731
-        return total + jax.lax.cond(jnp.any(w != 0), _chunk_nll, skipped, h, head, t, w), None
-
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hidden, targets, weights))
+    total, _ = _over_trained_chunks(_chunk_nll, lambda *_: (jnp.zeros((), jnp.float32),), hidden, head, targets, weights)
     return total
 
 
 def _trained_chunks_nll_forward(hidden, head, targets, weights):
     if head.perturbed:
         raise ValueError("the chunked loss does not differentiate the LM head (LoRA keeps it frozen)")
-    hidden, head, targets, weights = hidden.value, head.value, targets.value, weights.value
 
     def skipped(h, *_):
         return jnp.zeros((), jnp.float32), jnp.zeros_like(h)
 
-    def body(total, xs):
-        h, t, w = xs
-        nll, hidden_grad = jax.lax.cond(jnp.any(w != 0), _chunk_nll_and_hidden_grad, skipped, h, head, t, w)
-        return total + nll, hidden_grad
-
-    total, hidden_grads = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hidden, targets, weights))
+    total, (hidden_grads,) = _over_trained_chunks(
+        _chunk_nll_and_hidden_grad, skipped, hidden.value, head.value, targets.value, weights.value
+    )
     return total, hidden_grads
 
 
@@ -136,22 +126,33 @@ def _trained_chunks_nll_backward(hidden_grads, cotangent):
 _trained_chunks_nll.defvjp(_trained_chunks_nll_forward, _trained_chunks_nll_backward, symbolic_zeros=True)
 
 
-def _chunk_logits(h: jax.Array, head: jax.Array) -> jax.Array:
-    return jnp.dot(h.astype(head.dtype), head, preferred_element_type=jnp.float32)
+def _over_trained_chunks(chunk_fn, skipped_fn, hidden, head, targets, weights) -> tuple[jax.Array, tuple]:
+    """Scans the chunks: `chunk_fn(h, head, t, w)` -> (NLL sum, *per-chunk outputs) where a chunk has a trained
+    token, else `skipped_fn` (same shapes); the summed NLL and the stacked per-chunk outputs."""
+
+    def body(total: jax.Array, xs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, tuple]:
+        h, t, w = xs
+        nll, *outputs = jax.lax.cond(jnp.any(w != 0), chunk_fn, skipped_fn, h, head, t, w)
+        return total + nll, tuple(outputs)
+
+    return jax.lax.scan(body, jnp.zeros((), jnp.float32), (hidden, targets, weights))
 
 
-def _chunk_nll(h: jax.Array, head: jax.Array, t: jax.Array, w: jax.Array) -> jax.Array:
-    logits = _chunk_logits(h, head)
+def _chunk_nll_terms(h: jax.Array, head: jax.Array, t: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(the chunk's weighted NLL sum, its float32 logits, their log-normaliser)."""
+    logits = jnp.dot(h.astype(head.dtype), head, preferred_element_type=jnp.float32)
+    log_normaliser = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
-    return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - picked) * w)
+    return jnp.sum((log_normaliser - picked) * w), logits, log_normaliser
+
+
+def _chunk_nll(h: jax.Array, head: jax.Array, t: jax.Array, w: jax.Array) -> tuple[jax.Array]:
+    return (_chunk_nll_terms(h, head, t, w)[0],)
 
 
 def _chunk_nll_and_hidden_grad(h: jax.Array, head: jax.Array, t: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The chunk's NLL sum and its gradient w.r.t. h: (w * softmax) @ head.T - w * head[:, t].T."""
-    logits = _chunk_logits(h, head)
-    log_normaliser = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
-    nll = jnp.sum((log_normaliser - picked) * w)
+    nll, logits, log_normaliser = _chunk_nll_terms(h, head, t, w)
     weighted_softmax = jnp.exp(logits - log_normaliser[..., None]) * w[..., None]
     spread = jnp.dot(weighted_softmax.astype(head.dtype), head.T, preferred_element_type=jnp.float32)
     target_rows = jnp.moveaxis(jnp.take(head, t, axis=1), 0, -1).astype(jnp.float32)
