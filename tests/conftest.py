@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The dev extra installs libtpu (the deviceless TPU compiler); JAX must not probe for TPU chips on this machine.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 try:
     import lorajob_devcluster  # noqa: F401  (installed with `pip install -e .`)
 except ImportError:

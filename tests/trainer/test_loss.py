@@ -3,6 +3,7 @@ log-softmax, in float32."""
 
 from __future__ import annotations
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from trainer_testkit import tiny_checkpoint
 
-from lorajob_trainer import lora, models, remat
+from lorajob_trainer import lora, models, remat, train
 from lorajob_trainer import loss as loss_lib
 
 LENGTH = 24
@@ -47,13 +48,24 @@ def batch_with_gaps(vocab: int) -> dict[str, jax.Array]:
     }
 
 
+DEPTHS = {
+    "qwen3": {"num_hidden_layers": 3},
+    "llama3": {"num_hidden_layers": 3},
+    # Two repeats of Gemma 3's six-layer pattern and one layer after them.
+    "gemma3": {"num_hidden_layers": 13,
+               "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 2 + ["sliding_attention"]},
+}
+"""Depths at which the step scans at least two repeats of each family's layer period and, for Gemma 3, runs a
+layer after the scan."""
+
+
 @pytest.fixture(scope="module", params=["qwen3", "llama3", "gemma3"])
 def lora_model(request, tmp_path_factory):
     """A tiny model of each family (qwen3 has an lm_head, llama3 and gemma3 tie it) with random, non-zero adapters."""
     family = request.param
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
-    directory = tiny_checkpoint(tmp_path_factory.mktemp(family), family, tokenizer=False)
-    model, _ = models.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
+    directory = tiny_checkpoint(tmp_path_factory.mktemp(family), family, tokenizer=False, **DEPTHS[family])
+    model, spec = models.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
     model = lora.apply_lora(model, rank=4, alpha=8.0, target_regex=lora.module_path_regex(family), mesh=mesh,
                             rngs=nnx.Rngs(0))
     params = lora.get_lora_params(model)
@@ -61,50 +73,80 @@ def lora_model(request, tmp_path_factory):
     lora.set_lora_params(model, {
         name: 0.1 * jax.random.normal(key, value.shape, value.dtype) for key, (name, value) in zip(keys, params.items())
     })
-    return model
+    return LoraModel(model, spec.family.layer_period(spec.tunix_config))
+
+
+@dataclasses.dataclass
+class LoraModel:
+    model: nnx.Module
+    layer_period: int
 
 
 def chunked_losses(chunk_length: int, policy: remat.RematPolicy = "none"):
     def losses(model, batch):
-        with remat.rematerialised_layers(model, policy):
-            return loss_lib.token_losses(model, batch, chunk_length)
+        return loss_lib.token_losses(model, batch, chunk_length, policy)
 
     return losses
 
 
-@pytest.mark.parametrize(("chunk_length", "policy"), [(5, "none"), (64, "minimal"), (5, "full")])
-def test_chunked_loss_and_gradients_equal_full_logits(lora_model, chunk_length, policy):
-    graphdef, adapters, base = nnx.split(lora_model, nnx.LoRAParam, ...)
-    batch = batch_with_gaps(lora_model.embedder.input_embedding.get_value().shape[0])
+def step_parts(lora_model: LoraModel, stacked: bool):
+    """(graphdef, adapters keyed per layer, base, LoraLayout) as the train step has them: the layers stacked for
+    the scan (on a copy of the model) or unrolled."""
+    period = lora_model.layer_period if stacked else None
+    model = nnx.clone(lora_model.model)
+    nnx.update(model, jax.tree.map(jnp.copy, nnx.state(model)))  # stacking donates the layers' arrays
+    graphdef, layout, lora_state, base = train.split_for_step(model, period)
+    assert (layout.stacking is not None) == stacked
+    return graphdef, layout.flat(lora_state), base, layout
 
-    def value_and_grad(loss_fn):
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "scanned"])
+@pytest.mark.parametrize(("chunk_length", "policy"), [(5, "none"), (64, "minimal"), (5, "full")])
+def test_chunked_loss_and_gradients_equal_full_logits(lora_model, chunk_length, policy, stacked):
+    """Also with the layers scanned as the train step runs them: the same loss and per-layer gradients."""
+    reference_parts = step_parts(lora_model, stacked=False)
+    batch = batch_with_gaps(lora_model.model.embedder.input_embedding.get_value().shape[0])
+
+    def value_and_grad(loss_fn, parts):
+        graphdef, adapters, base, layout = parts
+
         def total(adapters):
-            return loss_fn(nnx.merge(graphdef, adapters, base), batch)
+            return loss_fn(nnx.merge(graphdef, layout.state(adapters), base), batch)
 
         return jax.jit(jax.value_and_grad(total, has_aux=True))(adapters)
 
-    (reference, reference_weight), reference_grads = value_and_grad(full_logits_losses)
-    (chunked, chunked_weight), chunked_grads = value_and_grad(chunked_losses(chunk_length, policy))
+    (reference, reference_weight), reference_grads = value_and_grad(full_logits_losses, reference_parts)
+    parts = step_parts(lora_model, stacked)
+    (chunked, chunked_weight), chunked_grads = value_and_grad(chunked_losses(chunk_length, policy), parts)
     assert float(chunked_weight) == float(reference_weight) == 15.0
-    # Recomputed layers fuse differently: float32 rounding, not a different gradient.
-    tolerance = 1e-6 if policy == "none" else 1e-5
+    # Recomputed or scanned layers fuse differently: float32 rounding, not a different gradient.
+    tolerance = 1e-6 if policy == "none" and not stacked else 1e-5
     np.testing.assert_allclose(chunked, reference, rtol=tolerance)
-    for (path, expected), (_, actual) in zip(nnx.to_flat_state(reference_grads), nnx.to_flat_state(chunked_grads)):
-        scale = float(jnp.max(jnp.abs(expected.get_value())))
-        assert scale > 0, path
-        np.testing.assert_allclose(actual.get_value(), expected.get_value(), rtol=tolerance, atol=tolerance * scale,
-                                   err_msg=str(path))
+    assert set(chunked_grads) == set(reference_grads)
+    for name, expected in reference_grads.items():
+        scale = float(jnp.max(jnp.abs(expected)))
+        assert scale > 0, name
+        np.testing.assert_allclose(chunked_grads[name], expected, rtol=tolerance, atol=tolerance * scale, err_msg=name)
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize(("policy", "saved"), [("none", None), ("minimal", "DotsSaveable"), ("full", "nothing_saveable")])
-def test_remat_policy_checkpoints_every_decoder_layer(lora_model, policy, saved):
-    graphdef, adapters, base = nnx.split(lora_model, nnx.LoRAParam, ...)
-    batch = batch_with_gaps(lora_model.embedder.input_embedding.get_value().shape[0])
+def test_remat_policy_checkpoints_every_decoder_layer(lora_model, policy, saved, stacked):
+    """Each layer runs under its own checkpoint: unrolled, one per layer; scanned, one per layer of the scanned
+    period (the scan body) plus one per layer after the scan."""
+    graphdef, adapters, base, layout = step_parts(lora_model, stacked)
+    batch = batch_with_gaps(lora_model.model.embedder.input_embedding.get_value().shape[0])
     losses = chunked_losses(8, policy)
-    jaxpr = str(jax.make_jaxpr(jax.grad(lambda a: losses(nnx.merge(graphdef, a, base), batch)[0]))(adapters))
+    jaxpr = str(jax.make_jaxpr(
+        jax.grad(lambda a: losses(nnx.merge(graphdef, layout.state(a), base), batch)[0])
+    )(adapters))
     checkpointed = sum(jaxpr.count(name) for name in ("DotsSaveable", "nothing_saveable"))
     assert checkpointed == (0 if saved is None else jaxpr.count(saved)), jaxpr.count("policy=")
-    assert checkpointed == (0 if saved is None else len(lora_model.layers))
+    layers = len(lora_model.model.layers)
+    if stacked:
+        stacking = layout.stacking
+        layers -= stacking.period * (stacking.repeats - 1)
+    assert checkpointed == (0 if saved is None else layers)
 
 
 def test_chunks_without_trained_tokens_are_skipped_in_both_passes():

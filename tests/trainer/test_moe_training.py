@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from lorajob_trainer import metrics, models, remat, tiny
+from lorajob_trainer import metrics, models, tiny
 from lorajob_trainer import loss as loss_lib
 from lorajob_trainer import train as train_lib
 from lorajob_trainer.config import TrainConfig
@@ -62,8 +62,7 @@ def test_load_balancing_loss_matches_transformers(checkpoint, mesh, policy):
     @jax.jit
     def ours(state, batch):
         model = nnx.merge(graphdef, state)
-        with remat.rematerialised_layers(model, policy):
-            return loss_lib.losses_with_load_balancing(model, batch, chunk_length=8)
+        return loss_lib.losses_with_load_balancing(model, batch, chunk_length=8, remat=policy)
 
     loss_sum, weight_sum, aux = ours(state, batch)
     hf = load_hf(checkpoint)
@@ -144,8 +143,9 @@ def test_step_minimises_lm_loss_plus_weighted_aux_loss(tmp_path):
         for m in range(2):
             micro = {name: value[m] for name, value in batch.items()}
             model = nnx.merge(graphdef, state, trainer.base)
-            with remat.rematerialised_layers(model, config.remat_policy):
-                loss_sum, _, aux = loss_lib.losses_with_load_balancing(model, micro, config.loss_chunk_length)
+            loss_sum, _, aux = loss_lib.losses_with_load_balancing(
+                model, micro, config.loss_chunk_length, config.remat_policy
+            )
             lm_sum, aux_sum = lm_sum + loss_sum, aux_sum + aux
         return lm_sum / jnp.sum(batch["weights"]), aux_sum / 2
 

@@ -6,7 +6,11 @@ One place for the name -> family mapping that the LoRAJob API (its enum), the op
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
+from importlib import resources
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -52,3 +56,17 @@ def family_of(model_name: str) -> str:
         return MODELS[model_name].family
     except KeyError:
         raise ValueError(f"unknown model {model_name!r}; known models: {', '.join(MODELS)}") from None
+
+
+@functools.cache
+def _released_configs() -> dict[str, dict[str, Any]]:
+    return json.loads(resources.files("lorajob_trainer").joinpath("released_configs.json").read_text())
+
+
+def released_config(model_name: str) -> dict[str, Any]:
+    """The facts of the model's released config.json (what a plan needs without the network); KeyError naming
+    the models that have them."""
+    configs = _released_configs()
+    if model_name not in configs:
+        raise KeyError(f"no released config.json facts for {model_name!r}; known: {', '.join(configs)}")
+    return dict(configs[model_name])

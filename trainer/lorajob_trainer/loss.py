@@ -24,30 +24,41 @@ from flax import nnx
 
 from lorajob_trainer import models
 from lorajob_trainer.models import experts
+from lorajob_trainer.models.decoder import Decoder
+from lorajob_trainer.remat import RematPolicy, rematerialised_layers
 
 
-def token_losses(model: nnx.Module, micro_batch: dict[str, jax.Array], chunk_length: int) -> tuple[jax.Array, jax.Array]:
-    """(sum of weighted next-token NLL, sum of loss weights) of one micro-batch."""
-    hidden = hidden_states(model, micro_batch["inputs"], micro_batch["positions"], micro_batch["segment_ids"])
+def token_losses(
+    model: nnx.Module, micro_batch: dict[str, jax.Array], chunk_length: int, remat: RematPolicy = "none"
+) -> tuple[jax.Array, jax.Array]:
+    """(sum of weighted next-token NLL, sum of loss weights) of one micro-batch; the layers rematerialised
+    under `remat` (remat.py)."""
+    hidden = hidden_states(model, micro_batch["inputs"], micro_batch["positions"], micro_batch["segment_ids"], remat)
     return chunked_cross_entropy(
         hidden, output_head(model), micro_batch["targets"], micro_batch["weights"], chunk_length
     )
 
 
 def losses_with_load_balancing(
-    model: nnx.Module, micro_batch: dict[str, jax.Array], chunk_length: int
+    model: nnx.Module, micro_batch: dict[str, jax.Array], chunk_length: int, remat: RematPolicy = "none"
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`token_losses` and the load-balancing loss of the same forward over the micro-batch's real tokens
     (transformers' `load_balancing_loss_func`; 0 for a model without load-balanced MoE blocks)."""
     with experts.router_logits_recorded(model) as routing:
-        loss_sum, weight_sum = token_losses(model, micro_batch, chunk_length)
+        loss_sum, weight_sum = token_losses(model, micro_batch, chunk_length, remat)
     return loss_sum, weight_sum, routing.load_balancing_loss(micro_batch["segment_ids"] != 0)
 
 
-def hidden_states(model: nnx.Module, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """The final-norm output [B, L, D]: the model's forward with its LM head replaced by the identity."""
-    with _head_bypassed(model):
-        hidden, _ = model(tokens, positions, None, models.attention_mask(segment_ids))
+def hidden_states(
+    model: nnx.Module, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, remat: RematPolicy = "none"
+) -> jax.Array:
+    """The final-norm output [B, L, D]: the model's forward without its LM head."""
+    mask = models.attention_mask(segment_ids)
+    if isinstance(model, Decoder):
+        hidden, _ = model(tokens, positions, None, mask, hidden=True, remat=remat)
+        return hidden
+    with _head_bypassed(model), rematerialised_layers(model, remat):
+        hidden, _ = model(tokens, positions, None, mask)
     return hidden
 
 
@@ -60,7 +71,7 @@ def output_head(model: nnx.Module) -> jax.Array:
 
 @contextlib.contextmanager
 def _head_bypassed(model: nnx.Module) -> Iterator[None]:
-    # Every supported family ends its forward with `lm_head(x)` or `embedder.decode(x)`.
+    # Gemma 4 (not a Decoder) ends its forward with `embedder.decode(x)`.
     module, method = (model.lm_head, "__call__") if hasattr(model, "lm_head") else (model.embedder, "decode")
     original = type(module)
     module.__class__ = _passthrough_class(original, method)

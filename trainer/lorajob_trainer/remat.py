@@ -25,6 +25,11 @@ _SAVEABLE = {
 }
 
 
+def saveable(policy: RematPolicy):
+    """The `jax.checkpoint` policy of a remat policy other than "none"."""
+    return _SAVEABLE[policy]
+
+
 @contextlib.contextmanager
 def rematerialised_layers(model: nnx.Module, policy: RematPolicy) -> Iterator[None]:
     """While active, each of `model.layers` runs under `nnx.remat` with `policy` (none: unchanged)."""

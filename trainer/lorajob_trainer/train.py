@@ -37,7 +37,7 @@ from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import metrics as metrics_lib
 from lorajob_trainer import remat as remat_lib
 from lorajob_trainer import models, weights
-from lorajob_trainer.models import experts
+from lorajob_trainer.models import decoder, experts
 from lorajob_trainer.config import ConfigError, TrainConfig, describe_keys, resolve_target_modules
 from lorajob_trainer.console import ConsoleProgress, configure_logging
 from lorajob_trainer.contract import STOPPED_EARLY, CheckpointRecord
@@ -74,11 +74,15 @@ class LoraModel:
     """Routed experts' module paths (with a trailing ".") -> share a token uses (for the FLOPs model)."""
     aux_loss_coef: float | None = None
     """Weight of the MoE load-balancing loss in the training loss; None: the model has none."""
+    layer_period: int | None = None
+    """The family's layer period (Family.layer_period): the step scans over its repeats; None: unrolled."""
 
 
-def compute_dtype(config: TrainConfig) -> jnp.dtype:
+def compute_dtype(config: TrainConfig, platform: str | None = None) -> jnp.dtype:
+    """The dtype of the base weights and activations; "auto": float32 on CPU, else bfloat16. `platform`: the
+    devices the step is for (default: JAX's default backend)."""
     if config.dtype == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+        return jnp.float32 if (platform or jax.default_backend()) == "cpu" else jnp.bfloat16
     return jnp.dtype(config.dtype)
 
 
@@ -101,6 +105,7 @@ def load_lora_model(config: TrainConfig, mesh: Mesh, dtype: jnp.dtype) -> LoraMo
     return LoraModel(
         model, targets, attention_width(spec.tunix_config), experts.active_shares(model),
         aux_loss_coef(config.router_aux_loss_coef, spec.hf_config, model),
+        spec.family.layer_period(spec.tunix_config),
     )
 
 
@@ -118,18 +123,47 @@ def attention_width(tunix_config: Any) -> int:
 
 
 class LoraLayout:
-    """Converts between the trainer's flat `{NNX path: array}` adapters and the NNX state the model merges."""
+    """Converts between the trainer's flat `{NNX path: array}` adapters, keyed per layer as checkpoints hold
+    them (`layers.3.attn.q_proj.w_lora_a`), and the NNX state the model merges, whose layers may be stacked
+    for the scan (models/decoder.py: `stacking`)."""
 
-    def __init__(self, state: nnx.State):
+    def __init__(self, state: nnx.State, stacking: decoder.Stacking | None = None):
         self._template = list(nnx.to_flat_state(state))
+        self._stacking = stacking
+
+    @property
+    def stacking(self) -> decoder.Stacking | None:
+        return self._stacking
+
+    def _keys(self, path: tuple) -> list[str]:
+        paths = self._stacking.layer_paths(path) if self._stacking else [path]
+        return [weights.path_key(layer_path) for layer_path in paths]
+
+    def _stacked(self, path: tuple) -> bool:
+        return self._stacking is not None and self._stacking.is_stacked(path)
 
     def flat(self, state: nnx.State) -> dict[str, jax.Array]:
-        return {weights.path_key(path): variable.get_value() for path, variable in nnx.to_flat_state(state)}
+        flat = {}
+        for path, variable in nnx.to_flat_state(state):
+            value = variable.get_value()
+            rows = decoder.unstacked_rows(value) if self._stacked(path) else [value]
+            flat.update(zip(self._keys(path), rows, strict=True))
+        return flat
 
     def state(self, flat: dict[str, jax.Array]) -> nnx.State:
-        return nnx.from_flat_state(
-            [(path, variable.replace(flat[weights.path_key(path)])) for path, variable in self._template]
-        )
+        def value(path: tuple) -> jax.Array:
+            rows = [flat[key] for key in self._keys(path)]
+            return jnp.stack(rows) if self._stacked(path) else rows[0]
+
+        return nnx.from_flat_state([(path, variable.replace(value(path))) for path, variable in self._template])
+
+
+def split_for_step(model: nnx.Module, layer_period: int | None) -> tuple[nnx.GraphDef, LoraLayout, nnx.State, nnx.State]:
+    """(graphdef, LoraLayout, LoRA state, base state) of the model as the step runs it: its layers stacked for
+    the scan when `layer_period` is given (in place: `model` is changed; models/decoder.py)."""
+    stacking = decoder.stack_layers(model, layer_period) if layer_period else None
+    graphdef, lora, base = nnx.split(model, nnx.LoRAParam, ...)
+    return graphdef, LoraLayout(lora, stacking), lora, base
 
 
 # ---------------------------------------------------------------- loss and steps
@@ -163,8 +197,7 @@ def build_step_functions(
         """(objective: weighted NLL sum + aux_weight * load-balancing loss, (NLL sum, weight sum, that loss))."""
         adapters = layout.state({name: value.astype(dtype) for name, value in lora.items()})
         model = nnx.merge(graphdef, adapters, base)
-        with remat_lib.rematerialised_layers(model, remat_policy):
-            loss_sum, weight_sum, aux = loss_lib.losses_with_load_balancing(model, micro_batch, loss_chunk_length)
+        loss_sum, weight_sum, aux = loss_lib.losses_with_load_balancing(model, micro_batch, loss_chunk_length, remat_policy)
         trained_aux = aux if aux_loss_coef else jax.lax.stop_gradient(aux)
         return loss_sum + aux_weight * trained_aux, (loss_sum, weight_sum, aux)
 
@@ -222,8 +255,8 @@ def build_step_functions(
     return StepFunctions(train, evaluate, traces)
 
 
-def init_optimizer_state(optimizer: optax.GradientTransformation, lora: dict[str, jax.Array], mesh: Mesh) -> Any:
-    """Optimizer state on the mesh: per-parameter moments sharded like their parameter, scalars replicated."""
+def optimizer_state_shardings(optimizer: optax.GradientTransformation, lora: dict[str, Any], mesh: Mesh) -> Any:
+    """Per-parameter moments sharded like their parameter, scalars replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def sharding(path, leaf):
@@ -233,8 +266,12 @@ def init_optimizer_state(optimizer: optax.GradientTransformation, lora: dict[str
                 return lora[name].sharding
         return replicated
 
-    abstract = jax.eval_shape(optimizer.init, lora)
-    return jax.jit(optimizer.init, out_shardings=jax.tree_util.tree_map_with_path(sharding, abstract))(lora)
+    return jax.tree_util.tree_map_with_path(sharding, jax.eval_shape(optimizer.init, lora))
+
+
+def init_optimizer_state(optimizer: optax.GradientTransformation, lora: dict[str, jax.Array], mesh: Mesh) -> Any:
+    """Optimizer state on the mesh (`optimizer_state_shardings`)."""
+    return jax.jit(optimizer.init, out_shardings=optimizer_state_shardings(optimizer, lora, mesh))(lora)
 
 
 def step_shardings(lora: dict[str, jax.Array], opt_state: Any, base: nnx.State, mesh: Mesh) -> dict[str, Any]:
@@ -374,8 +411,12 @@ class Trainer:
         self.mesh = mesh
         self.dtype = compute_dtype(config)
         self.lora_model = lora_model
-        graphdef, lora, base = nnx.split(lora_model.model, nnx.LoRAParam, ...)
-        self.layout = LoraLayout(lora)
+        _, unstacked_lora, unstacked_base = nnx.split(lora_model.model, nnx.LoRAParam, ...)
+        self.flops = lora_flops(
+            unstacked_base, LoraLayout(unstacked_lora).flat(unstacked_lora), lora_model.attention_width,
+            config.max_target_length, lora_model.active,
+        )
+        graphdef, self.layout, lora, base = split_for_step(lora_model.model, lora_model.layer_period)
         self.lora = trainable_adapters(self.layout, lora)
         self.base = base
         self.optimizer = build_optimizer(config)
@@ -395,9 +436,6 @@ class Trainer:
         self.writer = metrics_lib.MetricsWriter(
             config.layout, config.steps, enabled=self.is_lead, tensorboard=config.enable_tensorboard,
             progress_lines=config.progress_lines,
-        )
-        self.flops = lora_flops(
-            base, self.lora, lora_model.attention_width, config.max_target_length, lora_model.active
         )
         self.peak_flops = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind, config.peak_tflops_per_device)
         self.checkpointer = self._checkpointer()

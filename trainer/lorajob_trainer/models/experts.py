@@ -93,7 +93,9 @@ def router_logits_recorded(model: nnx.Module) -> Iterator[RecordedRouting]:
         for block in blocks:
             block.recording = False
             if isinstance(getattr(block, "router_logits", None), RouterLogits):
-                recorded.logits.append(block.router_logits.get_value())
+                logits = block.router_logits.get_value()
+                # A scanned block (models/decoder.py) recorded one [tokens, experts] array per repeat.
+                recorded.logits.extend(logits.reshape(-1, *logits.shape[-2:]))
                 del block.router_logits
 
 

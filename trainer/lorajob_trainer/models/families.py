@@ -17,6 +17,7 @@ from tunix.models.gemma3 import model as gemma3_lib
 from tunix.models.llama3 import model as llama3_lib
 from tunix.models.qwen3 import model as qwen3_lib
 
+from lorajob_trainer.models.decoder import Decoder
 from lorajob_trainer.models.kv_split import split_kv_einsum
 from lorajob_trainer.models.rope import RopeSpec, patch_attention
 
@@ -56,6 +57,9 @@ class Family:
     """Tunix ignores this family's rope_theta / rope scaling (0.1.7): swap in `rope.patch_attention`."""
     split_kv: bool = False
     """Tunix fuses key and value in one einsum: split it (`kv_split`) so each has its own LoRA, as in PEFT."""
+    layer_period: Callable[[Any], int | None] = lambda config: 1
+    """The number of layers after which the layer structure repeats (the step scans over the repeats:
+    models/decoder.py); None: the model's layers are not scanned."""
 
     def build(self, config: Any, hf_config: dict[str, Any], rngs: Any) -> Any:
         """The Tunix model for `config` (made from `hf_config`), with RoPE fixed where needed."""
@@ -99,6 +103,14 @@ def _reject(hf: dict[str, Any], **unsupported: Any) -> None:
 
 
 # --- Qwen3 / Llama 3 ---------------------------------------------------------------------------
+
+
+class Qwen3(Decoder, qwen3_lib.Qwen3):
+    """Tunix's Qwen3 with our forward (models/decoder.py)."""
+
+
+class Llama3(Decoder, llama3_lib.Llama3):
+    """Tunix's Llama 3 with our forward (models/decoder.py)."""
 
 
 def _decoder_maps(num_layers: int, *, qk_norm: bool, tied: bool, head: str) -> list[TensorMap]:
@@ -171,7 +183,7 @@ def _llama3_config(hf: dict[str, Any], dtype: Any) -> llama3_lib.ModelConfig:
 QWEN3 = Family(
     name="qwen3",
     hf_model_types=("qwen3",),
-    model_class=qwen3_lib.Qwen3,
+    model_class=Qwen3,
     config_from_hf=_qwen3_config,
     tensor_maps=lambda c: _decoder_maps(c.num_layers, qk_norm=True, tied=c.use_tied_embedding, head="lm_head.w"),
     patch_rope=True,
@@ -179,7 +191,7 @@ QWEN3 = Family(
 LLAMA3 = Family(
     name="llama3",
     hf_model_types=("llama",),
-    model_class=llama3_lib.Llama3,
+    model_class=Llama3,
     config_from_hf=_llama3_config,
     tensor_maps=lambda c: _decoder_maps(c.num_layers, qk_norm=False, tied=c.weight_tying, head="lm_head.w"),
     patch_rope=True,
@@ -192,6 +204,10 @@ _GEMMA3_LAYER_TYPES = {
     gemma3_lib.AttentionType.LOCAL_SLIDING: "sliding_attention",
     gemma3_lib.AttentionType.GLOBAL: "full_attention",
 }
+
+
+class Gemma3(Decoder, gemma3_lib.Gemma3):
+    """Tunix's Gemma 3 with our forward (models/decoder.py); its text embedding is `embedder.encode`."""
 
 
 def _gemma3_config(hf: dict[str, Any], dtype: Any) -> gemma3_lib.ModelConfig:
@@ -276,10 +292,11 @@ def _gemma3_maps(config: gemma3_lib.ModelConfig) -> list[TensorMap]:
 GEMMA3 = Family(
     name="gemma3",
     hf_model_types=("gemma3_text", "gemma3"),
-    model_class=gemma3_lib.Gemma3,
+    model_class=Gemma3,
     config_from_hf=_gemma3_config,
     tensor_maps=_gemma3_maps,
     split_kv=True,
+    layer_period=lambda config: len(gemma3_lib.GEMMA3_ATTENTION_PATTERN),
 )
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (QWEN3, LLAMA3, GEMMA3)}

@@ -299,5 +299,6 @@ GEMMA4 = Gemma4Family(
     model_class=gemma4_lib.Gemma4,
     config_from_hf=gemma4_config,
     tensor_maps=gemma4_maps,
+    layer_period=lambda config: None,
 )
 

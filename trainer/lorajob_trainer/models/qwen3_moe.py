@@ -29,6 +29,7 @@ from lorajob_trainer.models import experts
 from lorajob_trainer.models.families import (
     Family,
     ModelConfigError,
+    Qwen3,
     TensorMap,
     _decoder_dims,
     _decoder_maps,
@@ -144,7 +145,7 @@ class Qwen3MoeFamily(Family):
 QWEN3_MOE = Qwen3MoeFamily(
     name="qwen3-moe",
     hf_model_types=("qwen3_moe",),
-    model_class=qwen3_lib.Qwen3,
+    model_class=Qwen3,
     config_from_hf=_config,
     tensor_maps=_maps,
     patch_rope=True,

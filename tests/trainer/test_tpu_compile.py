@@ -1,0 +1,69 @@
+"""The trainer's own train step compiled by the real TPU compiler for a v6e slice, without a TPU (libtpu's
+deviceless compile, lorajob_trainer.plan): what it needs per chip stays within what one layer at a time needs.
+
+Four layers of Llama 3.1 8B's width: the step's temporaries per chip must stay under a bound computed from the
+config for a step that gathers one layer's weights at a time and keeps only each layer's input between the
+passes. The unscanned step without batch-sharded activations needed about 1.2 GB more per layer at this width
+(39 GB at 32 layers on v6e-8), which this bound cannot hold.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lorajob_trainer import catalog, plan
+from lorajob_trainer.config import TrainConfig
+
+TOPOLOGY = "v6e:2x2"
+LAYERS = 4
+SEQ = 1024
+MARGIN = 1.5
+"""Headroom over the bound for the compiler's own buffers (fusion outputs, collectives' staging, padding)."""
+
+
+def config(remat: str) -> TrainConfig:
+    return TrainConfig.from_dict({
+        "run_name": "plan", "base_output_directory": "/tmp/plan", "model_name": "llama3.1-8b",
+        "load_parameters_path": "unused", "hf_train_files": ["unused"], "steps": 1,
+        "max_target_length": SEQ, "per_device_batch_size": 1, "remat_policy": remat,
+        "lora": {"lora_rank": 16, "lora_alpha": 32},
+    })
+
+
+def one_layer_at_a_time_bytes(hf: dict, layers: int, seq: int) -> int:
+    """Per chip, bf16 weights and activations, one row of `seq` tokens per chip: each layer's input kept for the
+    backward pass, plus one layer's gathered weights, its attention scores and probabilities in float32, its MLP
+    activations, and the LM head gathered for the chunked loss."""
+    d, f, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
+    heads, kv_heads, head_dim = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    bf16, f32 = 2, 4
+    layer_weights = (2 * d * heads * head_dim + 2 * d * kv_heads * head_dim + 3 * d * f) * bf16
+    attention = 2 * heads * seq * seq * f32
+    mlp = 3 * seq * f * bf16
+    kept_inputs = layers * seq * d * bf16
+    head = d * v * bf16
+    return kept_inputs + layer_weights + attention + mlp + head
+
+
+@pytest.fixture(scope="module")
+def devices():
+    return plan.topology_devices(TOPOLOGY)
+
+
+def test_step_needs_one_layer_at_a_time_on_v6e(devices):
+    hf = dict(catalog.released_config("llama3.1-8b"), num_hidden_layers=LAYERS)
+    compiled = plan.compile_train_step(config("full"), hf, devices)
+    bound = one_layer_at_a_time_bytes(hf, LAYERS, SEQ)
+    assert compiled.layers_scanned == LAYERS
+    assert compiled.memory.temporaries < MARGIN * bound, (
+        f"temporaries {compiled.memory.temporaries / 1e9:.2f} GB per chip, bound {bound / 1e9:.2f} GB x {MARGIN}"
+    )
+
+
+def test_argument_bytes_are_the_abstract_arrays(devices):
+    """The compiler's argument bytes per chip are the inputs' shards: base, adapters, optimizer state, batch."""
+    hf = dict(catalog.released_config("qwen3-0.6b"), num_hidden_layers=2)
+    memory = plan.compile_train_step(config("minimal"), hf, devices).memory
+    expected = memory.base_weights + memory.adapters + memory.optimizer_state + memory.batch
+    assert memory.base_weights > 0 and memory.adapters > 0 and memory.optimizer_state > 0
+    assert memory.arguments == pytest.approx(expected, rel=0.01)

@@ -1,0 +1,223 @@
+"""The decoder forward the trainer runs: Tunix's layer modules, our loop over them.
+
+`Decoder` goes before a Tunix causal-LM class in a subclass (families.py): its `__call__` embeds,
+runs the layers, applies the final norm and, unless `hidden=True`, the LM head. The layers run
+
+- **scanned** once `stack_layers` has replaced `model.layers` by `StackedLayers`: the variables of
+  layer `r * period + j` are stacked on a leading axis in `blocks[j]`, and one `lax.scan` over the
+  repeats runs the period's layers in turn. The compiled step holds one layer's gathered weights
+  and one layer's attention at a time, and compiles one layer body however deep the model is;
+- **rematerialised per layer** under the policy of remat.py (`remat=`), inside the scan;
+- with the residual stream **sharded on the batch axes** at every layer boundary (mesh.BATCH_AXES,
+  when a mesh with those axes is set), so the compiler never replicates a layer's activations.
+
+Without `stack_layers` (conversion, export, parity tests, generation with a KV cache) the same
+layers run unrolled, one after another; both orders compute the same function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lorajob_trainer.mesh import BATCH_AXES
+from lorajob_trainer.remat import RematPolicy, saveable
+
+LayerFn = Callable[[nnx.Module, jax.Array], jax.Array]
+
+
+class StackedLayers(nnx.Module):
+    """Decoder layers laid out for `lax.scan`: `blocks[j]` is layer j with each variable holding the values
+    of layers j, period + j, 2 * period + j, ... stacked on axis 0 (`repeats` of them); `rest` holds the
+    layers after the last whole period, as they were."""
+
+    def __init__(self, blocks: list[nnx.Module], rest: list[nnx.Module], repeats: int):
+        self.blocks = nnx.List(blocks)
+        self.rest = nnx.List(rest)
+        self.repeats = repeats
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacking:
+    """How `StackedLayers` paths map to the per-layer paths of the checkpoint layout (`layers.<i>....`)."""
+
+    period: int
+    repeats: int
+
+    def layer_paths(self, path: tuple) -> list[tuple]:
+        """The per-layer paths a stacked variable's rows hold (one per repeat), or `[path]` for one that is
+        not stacked (a `rest` layer's variable maps to its own layer index)."""
+        if len(path) < 3 or path[0] != "layers" or path[1] not in ("blocks", "rest"):
+            return [path]
+        position, tail = int(path[2]), path[3:]
+        if path[1] == "rest":
+            return [("layers", self.repeats * self.period + position, *tail)]
+        return [("layers", r * self.period + position, *tail) for r in range(self.repeats)]
+
+    def is_stacked(self, path: tuple) -> bool:
+        return len(path) > 1 and path[0] == "layers" and path[1] == "blocks"
+
+
+def stacking(model: nnx.Module) -> Stacking | None:
+    """The model's `Stacking`, or None when its layers are not stacked."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, StackedLayers):
+        return None
+    return Stacking(period=len(layers.blocks), repeats=layers.repeats)
+
+
+def stack_layers(model: nnx.Module, period: int) -> Stacking | None:
+    """Replace `model.layers` by `StackedLayers` of `period` (in place; the unstacked layers' arrays are
+    donated to the stacked ones, so device memory does not double). Values are concrete arrays or
+    `jax.ShapeDtypeStruct`s with shardings (a model built for planning); stacked ones get the sharding of
+    their layer with the new leading axis unsplit. None (nothing changed) when fewer than two repeats fit,
+    or when layers `period` apart differ in structure."""
+    layers = list(model.layers)
+    repeats = len(layers) // period
+    if repeats < 2:
+        return None
+    groups = [[layers[r * period + j] for r in range(repeats)] for j in range(period)]
+    states = [[nnx.state(layer) for layer in group] for group in groups]
+    if any(len({_signature(state) for state in group}) > 1 for group in states):
+        return None
+    for group, group_states in zip(groups, states):
+        nnx.update(group[0], _stack_states(group_states))
+    model.layers = StackedLayers([group[0] for group in groups], layers[repeats * period :], repeats)
+    return Stacking(period, repeats)
+
+
+def _signature(state: nnx.State) -> tuple:
+    leaves, treedef = jax.tree.flatten(state)
+    return treedef, tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves)
+
+
+def _stack_states(states: list[nnx.State]) -> nnx.State:
+    leaves = [jax.tree.leaves(state) for state in states]
+    treedef = jax.tree.structure(states[0])
+    if isinstance(leaves[0][0], jax.ShapeDtypeStruct):
+        stacked = [_stacked_struct(column) for column in zip(*leaves)]
+    else:
+        shardings = [_stacked_sharding(x.sharding) for x in leaves[0]]
+        stack = jax.jit(
+            lambda columns: [jnp.stack(column) for column in columns], out_shardings=shardings, donate_argnums=0
+        )
+        with warnings.catch_warnings():
+            # The layers' buffers cannot hold the stacked array; donating them still frees them.
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            stacked = stack([list(column) for column in zip(*leaves)])
+    return jax.tree.unflatten(treedef, stacked)
+
+
+def _stacked_struct(column: tuple[jax.ShapeDtypeStruct, ...]) -> jax.ShapeDtypeStruct:
+    first = column[0]
+    sharding = None if first.sharding is None else _stacked_sharding(first.sharding)
+    return jax.ShapeDtypeStruct((len(column), *first.shape), first.dtype, sharding=sharding)
+
+
+def _stacked_sharding(sharding: Any) -> Any:
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+    return sharding
+
+
+def unstacked_rows(value: jax.Array | jax.ShapeDtypeStruct) -> list[jax.Array | jax.ShapeDtypeStruct]:
+    """The rows of a stacked value (axis 0), each with its layer's sharding (the stacked one less axis 0)."""
+    sharding = getattr(value, "sharding", None)
+    row_sharding = None
+    if isinstance(sharding, NamedSharding):
+        row_sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+    if isinstance(value, jax.ShapeDtypeStruct):
+        row = jax.ShapeDtypeStruct(value.shape[1:], value.dtype, sharding=row_sharding)
+        return [row] * value.shape[0]
+    return [value[r] if row_sharding is None else jax.device_put(value[r], row_sharding) for r in range(value.shape[0])]
+
+
+def batch_sharded(x: jax.Array) -> jax.Array:
+    """`x` [batch, ...] constrained to split its batch over the mesh's data-parallel axes (when a mesh with
+    them is set and divides the batch)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
+        return x
+    if x.shape[0] % mesh_size(mesh, BATCH_AXES):
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
+
+
+def mesh_size(mesh: Any, axes: tuple[str, ...]) -> int:
+    size = 1
+    for axis in axes:
+        size *= mesh.shape[axis]
+    return size
+
+
+def call_layer(layer: nnx.Module, x: jax.Array, policy: RematPolicy, fn: LayerFn) -> jax.Array:
+    """`fn(layer, x)`, under `jax.checkpoint` with `policy` unless it is "none". The layer runs as a pure
+    function of its state (nnx.remat would write the Qwix adapters back across trace levels, which NNX
+    refuses); intermediates it records (experts.RouterLogits) leave it as outputs and are set on it again."""
+    if policy == "none":
+        return batch_sharded(fn(layer, x))
+    graphdef, state = nnx.split(layer)
+
+    def pure(state: nnx.State, x: jax.Array):
+        module = nnx.merge(graphdef, state)
+        return batch_sharded(fn(module, x)), nnx.pop(module, nnx.Intermediate)
+
+    out, recorded = jax.checkpoint(pure, policy=saveable(policy))(state, x)
+    nnx.update(layer, recorded)
+    return out
+
+
+def run_layers(layers: Any, x: jax.Array, policy: RematPolicy, fn: LayerFn) -> jax.Array:
+    """Every layer of `layers` (a StackedLayers or a sequence) on `x` in order, each through `call_layer`."""
+    rest = layers
+    if isinstance(layers, StackedLayers):
+        graphdef, state = nnx.split(layers.blocks)
+
+        def body(carry: jax.Array, rows: nnx.State):
+            blocks = nnx.merge(graphdef, rows)
+            for block in blocks:
+                carry = call_layer(block, carry, policy, fn)
+            return carry, nnx.pop(blocks, nnx.Intermediate)
+
+        x, recorded = jax.lax.scan(body, x, state)
+        nnx.update(layers.blocks, recorded)
+        rest = layers.rest
+    for layer in rest:
+        x = call_layer(layer, x, policy, fn)
+    return x
+
+
+class Decoder:
+    """Mixin for a Tunix causal LM whose forward is embed -> layers -> final norm -> LM head (Qwen3, Llama 3,
+    Gemma 3): the forward of the module docstring. With a KV cache, the Tunix class's own forward runs."""
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: Any = None,
+        attention_mask: jax.Array | None = None,
+        *,
+        hidden: bool = False,
+        remat: RematPolicy = "none",
+    ) -> tuple[jax.Array, Any]:
+        """(logits [B, L, vocab], or with `hidden` the final norm's output [B, L, D]; None)."""
+        if cache is not None:
+            return super().__call__(tokens, positions, cache, attention_mask)
+
+        def layer_fn(layer: nnx.Module, x: jax.Array) -> jax.Array:
+            _, out = layer(x, positions, None, attention_mask)
+            return out
+
+        x = batch_sharded(self.embedder.encode(tokens))
+        x = self.final_norm(run_layers(self.layers, x, remat, layer_fn))
+        if hidden:
+            return x, None
+        return (self.lm_head(x) if hasattr(self, "lm_head") else self.embedder.decode(x)), None

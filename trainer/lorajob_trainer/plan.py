@@ -1,0 +1,168 @@
+"""The trainer's own train step, compiled for devices it does not run on (a TPU topology, without a TPU).
+
+`compile_train_step(config, hf_config, devices)` builds what `train.Trainer` builds, from config.json
+alone: the model and its LoRA adapters as abstract arrays (`nnx.eval_shape`, nothing read or allocated)
+with the shardings of the run's mesh over `devices`, the layers stacked for the scan, the float32
+adapters, the optimizer state and a batch of the run's shape, and compiles the same jitted step
+(`train.build_step_functions`). The compiler's memory and cost analyses are per chip.
+
+TPU devices come from `jax.experimental.topologies` (libtpu installed; no TPU needed):
+`topology_devices("v6e:2x4")`, multi-slice with `num_slices`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lorajob_trainer import lora as lora_lib
+from lorajob_trainer import mesh as mesh_lib
+from lorajob_trainer import models, train
+from lorajob_trainer.config import TrainConfig, resolve_target_modules
+from lorajob_trainer.optim import build_optimizer
+
+
+class PlanError(RuntimeError):
+    """The step cannot be compiled for the target (no libtpu, an unknown topology)."""
+
+
+def topology_devices(topology: str, num_slices: int = 1) -> list[jax.Device]:
+    """The devices of a TPU topology such as `v6e:2x4` or `v5p:2x2x1` (`num_slices` > 1: multi-slice)."""
+    from jax.experimental import topologies
+
+    try:
+        description = topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=num_slices)
+    except Exception as error:  # the plugin's own errors: missing libtpu, unknown topology names
+        raise PlanError(f"cannot describe TPU topology {topology!r} ({num_slices} slice(s)): {error}") from error
+    return list(description.devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """Bytes per chip: what the compiler assigns, and the inputs' parts from their shapes and shardings."""
+
+    arguments: int
+    outputs: int
+    aliased: int
+    """Output bytes that reuse donated argument buffers (counted once in `total`)."""
+    temporaries: int
+    base_weights: int
+    adapters: int
+    optimizer_state: int
+    batch: int
+
+    @property
+    def total(self) -> int:
+        """Peak HBM the step needs: arguments + outputs not aliased to them + temporaries."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    memory: StepMemory
+    flops: float | None
+    """The compiler's cost analysis (a scanned loop's body counted once)."""
+    compile_seconds: float
+    chips: int
+    layers_scanned: int
+    """Decoder layers inside the scan (0: unrolled)."""
+
+
+def per_chip_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of arrays or ShapeDtypeStructs with shardings."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _abstract(variable: nnx.Variable, mesh: jax.sharding.Mesh, dtype: Any) -> jax.ShapeDtypeStruct:
+    value = variable.get_value()
+    value_dtype = dtype if jnp.issubdtype(value.dtype, jnp.floating) else value.dtype
+    return jax.ShapeDtypeStruct(value.shape, value_dtype, sharding=mesh_lib.variable_sharding(mesh, variable))
+
+
+def abstract_lora_model(config: TrainConfig, hf_config: dict[str, Any], mesh: jax.sharding.Mesh, dtype: Any):
+    """(model, family, tunix_config): the base model with LoRA applied as `train.load_lora_model` builds it,
+    every value a ShapeDtypeStruct placed on `mesh`, the base weights in `dtype` as the trainer loads them."""
+    family = models.family_for_hf_config(hf_config)
+    tunix_config = family.config_from_hf(hf_config, dtype)
+    targets = resolve_target_modules(config, lora_lib.default_targets(family.name))
+    regex = lora_lib.target_regex(family.name, targets, config.lora.lora_module_path)
+
+    def build() -> nnx.Module:
+        model = family.build(tunix_config, hf_config, nnx.Rngs(0))
+        return lora_lib.apply_lora(
+            model, rank=config.lora.lora_rank, alpha=config.lora.lora_alpha, target_regex=regex, mesh=mesh,
+            rngs=nnx.Rngs(config.seed),
+        )
+
+    model = nnx.eval_shape(build)
+    for _, variable in nnx.to_flat_state(nnx.state(model)):
+        variable.set_value(_abstract(variable, mesh, dtype))
+    return model, family, tunix_config
+
+
+def compile_train_step(config: TrainConfig, hf_config: dict[str, Any], devices: Sequence[jax.Device]) -> CompiledStep:
+    """Compile the trainer's train step for `config` on `devices` (see module docstring); the compiler's
+    errors (RESOURCE_EXHAUSTED when it does not fit) propagate."""
+    started = time.perf_counter()
+    mesh = mesh_lib.build_mesh(config.mesh, devices)
+    dtype = train.compute_dtype(config, devices[0].platform)
+    model, family, tunix_config = abstract_lora_model(config, hf_config, mesh, dtype)
+    period = family.layer_period(tunix_config)
+    graphdef, layout, _, base = train.split_for_step(model, period)
+    stacking = layout.stacking
+    adapters = {
+        name: jax.ShapeDtypeStruct(value.shape, jnp.float32, sharding=value.sharding)
+        for name, value in layout.flat(nnx.state(model, nnx.LoRAParam)).items()
+    }
+    optimizer = build_optimizer(config)
+    opt_state = jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        jax.eval_shape(optimizer.init, adapters),
+        train.optimizer_state_shardings(optimizer, adapters, mesh),
+    )
+    shardings = train.step_shardings(adapters, opt_state, base, mesh)
+    steps = train.build_step_functions(
+        graphdef, layout, optimizer, dtype, shardings, config.loss_chunk_length, config.remat_policy,
+        train.aux_loss_coef(config.router_aux_loss_coef, hf_config, model),
+    )
+    rows = config.per_device_batch_size * mesh_lib.data_parallel_size(mesh)
+    shape = (config.gradient_accumulation_steps, rows, config.max_target_length)
+    batch = {
+        name: jax.ShapeDtypeStruct(shape, jnp.float32 if name == "weights" else jnp.int32, sharding=shardings["batch"])
+        for name in ("inputs", "targets", "weights", "segment_ids", "positions")
+    }
+    with jax.set_mesh(mesh):
+        compiled = steps.train.lower(adapters, opt_state, base, batch).compile()
+    analysis = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):
+        cost = cost[0] if cost else {}
+    memory = StepMemory(
+        arguments=analysis.argument_size_in_bytes,
+        outputs=analysis.output_size_in_bytes,
+        aliased=analysis.alias_size_in_bytes,
+        temporaries=analysis.temp_size_in_bytes,
+        base_weights=per_chip_bytes(base),
+        adapters=per_chip_bytes(adapters),
+        optimizer_state=per_chip_bytes(opt_state),
+        batch=per_chip_bytes(batch),
+    )
+    return CompiledStep(
+        memory=memory,
+        flops=cost.get("flops"),
+        compile_seconds=time.perf_counter() - started,
+        chips=len(devices),
+        layers_scanned=stacking.period * stacking.repeats if stacking else 0,
+    )
+
