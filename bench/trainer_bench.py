@@ -134,6 +134,7 @@ def bench_jax(args) -> dict:
 
     from lorajob_trainer import mesh as mesh_lib
     from lorajob_trainer import metrics
+    from lorajob_trainer import models
     from lorajob_trainer import train as train_lib
     from lorajob_trainer.config import MeshConfig, TrainConfig
     from lorajob_trainer.models import experts
@@ -150,8 +151,8 @@ def bench_jax(args) -> dict:
         "warmup_steps_fraction": 0.0,
     })
     optimizer = build_optimizer(config)
-    graphdef, lora_state, base = nnx.split(model, nnx.LoRAParam, ...)
-    layout = train_lib.LoraLayout(lora_state)
+    period = models.family_for_hf_config(hf).layer_period(tunix_config)
+    graphdef, layout, lora_state, base = train_lib.split_for_step(model, period)
     adapters = train_lib.trainable_adapters(layout, lora_state)
     opt_state = train_lib.init_optimizer_state(optimizer, adapters, mesh)
     steps = train_lib.build_step_functions(

@@ -183,8 +183,8 @@ def shards(array):
     return {"spec": [list(a) if isinstance(a, tuple) else a for a in array.sharding.spec],
             "shapes": sorted({tuple(s.data.shape) for s in array.addressable_shards}), "shape": list(array.shape)}
 base = {"/".join(map(str, p)): v for p, v in trainer.base.flat_state()}
-report = {"mesh": dict(trainer.mesh.shape),
-          "base": {k: shards(v.get_value()) for k, v in base.items() if k.startswith("layers/0/mlp/experts/")},
+report = {"mesh": dict(trainer.mesh.shape), "repeats": trainer.layout.stacking.repeats,
+          "base": {k: shards(v.get_value()) for k, v in base.items() if k.startswith("layers/blocks/0/mlp/experts/")},
           "lora": {k: shards(v) for k, v in trainer.lora.items() if k.startswith("layers.0.mlp.experts.")}}
 trainer.run()
 trainer.close()
@@ -194,8 +194,8 @@ print("REPORT " + json.dumps(report))
 
 def test_expert_axis_shards_experts_and_their_adapters_and_keeps_the_losses(tmp_path):
     """4 CPU devices as mesh expert=2 x fsdp=2: each expert stack and adapter holds a quarter of the experts
-    per device (split over (expert, fsdp)); 3 steps give the losses, aux losses and grad norms of one device
-    with the same global batch."""
+    per device (split over (expert, fsdp); the base's layers stacked for the scan on an unsplit leading axis);
+    3 steps give the losses, aux losses and grad norms of one device with the same global batch."""
     targets = "lora.target_modules=['q_proj','mlp.experts.gate_up_proj','mlp.experts.down_proj']"
     sharded_args = moe_run_args(tmp_path, "steps=3", "per_device_batch_size=1", "mesh.expert=2", targets,
                                 "run_name=sharded", f"router_aux_loss_coef={COEF}")
@@ -206,11 +206,13 @@ def test_expert_axis_shards_experts_and_their_adapters_and_keeps_the_losses(tmp_
     assert report["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "tp": 1}
     hf = tiny.tiny_config(FAMILY)
     num_experts, dim, hidden = hf["num_experts"], hf["hidden_size"], hf["moe_intermediate_size"]
-    gate_up = report["base"]["layers/0/mlp/experts/gate_up_proj/w"]
-    down = report["base"]["layers/0/mlp/experts/down_proj/w"]
-    assert gate_up["spec"][0] == down["spec"][0] == ["expert", "fsdp"]
-    assert gate_up["shapes"] == [[2 * num_experts // 4, dim, hidden]]
-    assert down["shapes"] == [[num_experts // 4, hidden, dim]]
+    gate_up = report["base"]["layers/blocks/0/mlp/experts/gate_up_proj/w"]
+    down = report["base"]["layers/blocks/0/mlp/experts/down_proj/w"]
+    repeats = report["repeats"]
+    assert repeats == hf["num_hidden_layers"]
+    assert gate_up["spec"][:2] == down["spec"][:2] == [None, ["expert", "fsdp"]]
+    assert gate_up["shapes"] == [[repeats, 2 * num_experts // 4, dim, hidden]]
+    assert down["shapes"] == [[repeats, num_experts // 4, hidden, dim]]
     adapters = report["lora"]
     assert set(adapters) == {
         f"layers.0.mlp.experts.{part}.w_lora_{x}" for part in ("gate_up_proj", "down_proj") for x in "ab"
