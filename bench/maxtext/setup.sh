@@ -4,6 +4,7 @@
 # - ours as the trainer image installs it: the `trainer` extra's packages, pinned by scripts/constraints.txt,
 #   without the dev extra's torch and PEFT, so both peak RSS figures are the trainers' own (compare.py puts
 #   the work tree's trainer on PYTHONPATH).
+# Then libtpu, apart from MaxText's venv, for deviceless TPU compiles (train_compile.py).
 # Idempotent: a finished install is recorded in a stamp file holding what it installed, and a second run
 # with the same spec does nothing.
 set -euo pipefail
@@ -61,10 +62,35 @@ PY
   echo "our trainer's environment ready in $venv"
 }
 
+install_libtpu_for_compile() {
+  # Deviceless TPU compiles (train_compile.py) need libtpu, which the venv above drops where there is no TPU
+  # so that JAX runs on CPU. It goes into a folder of its own, which train_compile.py puts on PYTHONPATH for
+  # its compile runs only; the version is the one the venv's jax pins in its `tpu` extra (maxtext[tpu]
+  # alone pulls a newer libtpu than that jax was built against).
+  local jax_version spec dir
+  jax_version="$("$VENV/bin/python" -c 'from importlib.metadata import version; print(version("jax"))')" || return 1
+  spec="$("$VENV/bin/python" - <<'PY'
+from importlib.metadata import requires
+print(next(r.split(";")[0].strip() for r in requires("jax") if r.startswith("libtpu") and "tpu" in r.split(";")[-1]))
+PY
+)" || return 1
+  dir="$MAXTEXT_HOME/libtpu-jax$jax_version"
+  if [ -f "$dir/.lorajob-installed" ] && [ "$(cat "$dir/.lorajob-installed")" = "$spec" ]; then
+    echo "libtpu for deviceless compiles already installed in $dir"
+    return 0
+  fi
+  rm -rf "$dir"
+  nice -n 19 "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off --quiet \
+    --no-deps --target "$dir" "$spec" || return 1
+  echo "$spec" > "$dir/.lorajob-installed"
+  echo "libtpu for deviceless compiles ($spec) ready in $dir"
+}
+
 started=$(date +%s)
 install_ours
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANTED" ]; then
   echo "MaxText environment already installed in $VENV"
+  install_libtpu_for_compile || echo "setup.sh: libtpu not installed; bench/maxtext/train_compile.py cannot run" >&2
   exit 0
 fi
 
@@ -97,4 +123,5 @@ if ! ls /dev/accel* /dev/vfio/[0-9]* >/dev/null 2>&1; then
 fi
 
 echo "$WANTED" > "$STAMP"
+install_libtpu_for_compile || echo "setup.sh: libtpu not installed; bench/maxtext/train_compile.py cannot run" >&2
 echo "MaxText environment ready in $VENV; install took $(( $(date +%s) - started )) s"
