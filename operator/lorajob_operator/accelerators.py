@@ -99,6 +99,31 @@ GPU_ACCELERATORS: tuple[str, ...] = (
 A4, A3 Ultra, A3 Mega, A3 High, A2 Ultra, A2 and G2 machine families)."""
 
 
+@dataclass(frozen=True)
+class TpuChip:
+    """Per-chip facts of a TPU generation, from the Cloud TPU documentation's system-architecture pages
+    (cloud.google.com/tpu/docs/v4, v5e, v5p, v6e, tpu7x), for planning a step before it holds a TPU."""
+
+    hbm_bytes: int
+    peak_bf16_flops: float
+    hbm_bandwidth: float
+    """Bytes per second."""
+    ici_bandwidth: float
+    """Inter-chip interconnect, bytes per second per chip (the docs' Gbps / 8)."""
+    compiler_name: str
+    """The generation's name in libtpu topology names (`v6e:2x4`)."""
+
+
+GIB = 2**30
+TPU_CHIPS: dict[str, TpuChip] = {
+    "v4": TpuChip(32 * GIB, 275e12, 1228e9, 2400e9 / 8, "v4"),
+    "v5e": TpuChip(16 * GIB, 197e12, 819e9, 1600e9 / 8, "v5e"),
+    "v5p": TpuChip(95 * GIB, 459e12, 2765e9, 4800e9 / 8, "v5p"),
+    "v6e": TpuChip(32 * GIB, 918e12, 1640e9, 3584e9 / 8, "v6e"),
+    "v7x": TpuChip(192 * GIB, 4614e12, 7380e9, 9600e9 / 8, "tpu7x"),
+}
+
+
 def chips_in(topology: str) -> int:
     return math.prod(int(d) for d in topology.split("x"))
 

@@ -76,6 +76,36 @@ def render_files(paths: list[Path], namespace: str) -> int:
     return 1 if failed else 0
 
 
+def plan_files(paths: list[Path], as_json: bool) -> int:
+    """Print each LoRAJob's plan (lorajob_operator.planning); 0 when every one fits, 1 when one does not, 2
+    when a plan cannot be made."""
+    import dataclasses
+    import json
+
+    from lorajob_operator import planning
+
+    status, results = 0, []
+    for path in paths:
+        for doc in _documents(path):
+            try:
+                result = planning.plan_lorajob(doc)
+            except planning.PlanUnavailable as error:
+                print(f"{path}: {error}", file=sys.stderr)
+                status = 2
+                continue
+            results.append(result)
+            status = max(status, 0 if result["plan"].fits else 1)
+            if not as_json:
+                print(planning.format_plan(result), flush=True)
+    if as_json:
+        print(json.dumps([
+            {"name": r["name"], "model": r["model"], "plan": dataclasses.asdict(r["plan"]),
+             "suggestion": dataclasses.asdict(r["suggestion"]) if "suggestion" in r else None}
+            for r in results
+        ], indent=2))
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     # Installed twice: as `lorajob` and as the kubectl plugin `kubectl-lorajob` (run as `kubectl lorajob`).
     prog = "kubectl lorajob" if Path(sys.argv[0]).name == "kubectl-lorajob" else "lorajob"
@@ -88,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     render = commands.add_parser("render", help="print the JobSets the operator would create, for review")
     render.add_argument("files", nargs="+", type=Path, metavar="FILE", help="YAML files holding LoRAJob documents")
     render.add_argument("--namespace", default="default", help="namespace of LoRAJobs that do not set one")
+    plan = commands.add_parser(
+        "plan", help="compile each LoRAJob's train step for its TPU chips (no TPU needed): does it fit, how fast")
+    plan.add_argument("files", nargs="+", type=Path, metavar="FILE", help="YAML files holding LoRAJob documents")
+    plan.add_argument("--json", action="store_true", help="print the plans as JSON")
     from lorajob_operator import runview
 
     runview.add_commands(commands)
@@ -98,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         return validate_files(args.files)
     if args.command == "render":
         return render_files(args.files, args.namespace)
+    if args.command == "plan":
+        return plan_files(args.files, args.json)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +26,7 @@ from flax import nnx
 from lorajob_trainer import lora as lora_lib
 from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import models, train
+from lorajob_trainer.models import experts
 from lorajob_trainer.config import TrainConfig, resolve_target_modules
 from lorajob_trainer.optim import build_optimizer
 
@@ -33,12 +35,22 @@ class PlanError(RuntimeError):
     """The step cannot be compiled for the target (no libtpu, an unknown topology)."""
 
 
-def topology_devices(topology: str, num_slices: int = 1) -> list[jax.Device]:
-    """The devices of a TPU topology such as `v6e:2x4` or `v5p:2x2x1` (`num_slices` > 1: multi-slice)."""
+CHIPS_PER_HOST_BOUNDS = {1: (1, 1, 1), 4: (2, 2, 1), 8: (2, 4, 1)}
+"""libtpu's host shape for a machine with this many chips (a 1-chip VM's slice is not a 2x2 host's)."""
+
+
+def topology_devices(topology: str, num_slices: int = 1, chips_per_host: int = 4) -> list[jax.Device]:
+    """The devices of a TPU topology such as `v6e:2x4` or `v5p:2x2x1` (`num_slices` > 1: multi-slice) on
+    hosts of `chips_per_host` chips."""
     from jax.experimental import topologies
 
+    # libtpu otherwise takes a machine-wide lock, and a second planning process (or a test worker) would fail.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
-        description = topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=num_slices)
+        description = topologies.get_topology_desc(
+            topology_name=topology, platform="tpu", num_slices=num_slices,
+            chips_per_host_bounds=CHIPS_PER_HOST_BOUNDS[chips_per_host],
+        )
     except Exception as error:  # the plugin's own errors: missing libtpu, unknown topology names
         raise PlanError(f"cannot describe TPU topology {topology!r} ({num_slices} slice(s)): {error}") from error
     return list(description.devices)
@@ -68,7 +80,11 @@ class StepMemory:
 class CompiledStep:
     memory: StepMemory
     flops: float | None
-    """The compiler's cost analysis (a scanned loop's body counted once)."""
+    """The compiler's cost analysis (a scanned loop's body counted once, so not the step's total)."""
+    flops_per_token: float
+    """The 4N LoRA cost model (metrics.LoraFlops) of one trained token."""
+    tokens_per_chip: int
+    """Tokens one chip runs per step (batch rows x length x accumulation)."""
     compile_seconds: float
     chips: int
     layers_scanned: int
@@ -118,6 +134,11 @@ def compile_train_step(config: TrainConfig, hf_config: dict[str, Any], devices: 
     mesh = mesh_lib.build_mesh(config.mesh, devices)
     dtype = train.compute_dtype(config, devices[0].platform)
     model, family, tunix_config = abstract_lora_model(config, hf_config, mesh, dtype)
+    _, unstacked_lora, unstacked_base = nnx.split(model, nnx.LoRAParam, ...)
+    flops = train.lora_flops(
+        unstacked_base, train.LoraLayout(unstacked_lora).flat(unstacked_lora), train.attention_width(tunix_config),
+        config.max_target_length, experts.active_shares(model),
+    )
     period = family.layer_period(tunix_config)
     graphdef, layout, _, base = train.split_for_step(model, period)
     stacking = layout.stacking
@@ -161,6 +182,8 @@ def compile_train_step(config: TrainConfig, hf_config: dict[str, Any], devices: 
     return CompiledStep(
         memory=memory,
         flops=cost.get("flops"),
+        flops_per_token=flops.per_token,
+        tokens_per_chip=config.per_device_batch_size * config.max_target_length * config.gradient_accumulation_steps,
         compile_seconds=time.perf_counter() - started,
         chips=len(devices),
         layers_scanned=stacking.period * stacking.repeats if stacking else 0,

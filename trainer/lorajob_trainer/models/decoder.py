@@ -18,7 +18,7 @@ layers run unrolled, one after another; both orders compute the same function.
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -75,7 +75,7 @@ def stacking(model: nnx.Module) -> Stacking | None:
 
 def stack_layers(model: nnx.Module, period: int) -> Stacking | None:
     """Replace `model.layers` by `StackedLayers` of `period` (in place; the unstacked layers' arrays are
-    donated to the stacked ones, so device memory does not double). Values are concrete arrays or
+    deleted as their stacked copies are made, so device memory does not double: nothing else may hold them). Values are concrete arrays or
     `jax.ShapeDtypeStruct`s with shardings (a model built for planning); stacked ones get the sharding of
     their layer with the new leading axis unsplit. None (nothing changed) when fewer than two repeats fit,
     or when layers `period` apart differ in structure."""
@@ -104,15 +104,19 @@ def _stack_states(states: list[nnx.State]) -> nnx.State:
     if isinstance(leaves[0][0], jax.ShapeDtypeStruct):
         stacked = [_stacked_struct(column) for column in zip(*leaves)]
     else:
-        shardings = [_stacked_sharding(x.sharding) for x in leaves[0]]
-        stack = jax.jit(
-            lambda columns: [jnp.stack(column) for column in columns], out_shardings=shardings, donate_argnums=0
-        )
-        with warnings.catch_warnings():
-            # The layers' buffers cannot hold the stacked array; donating them still frees them.
-            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-            stacked = stack([list(column) for column in zip(*leaves)])
+        # One variable at a time, its layers' arrays deleted as soon as it is stacked: the memory held at once is
+        # the model plus one stacked variable.
+        stacked = []
+        for column in zip(*leaves):
+            stacked.append(_stacker(_stacked_sharding(column[0].sharding))(list(column)))
+            for array in column:
+                array.delete()
     return jax.tree.unflatten(treedef, stacked)
+
+
+@functools.cache
+def _stacker(sharding: Any) -> Callable[[list[jax.Array]], jax.Array]:
+    return jax.jit(jnp.stack, out_shardings=sharding)
 
 
 def _stacked_struct(column: tuple[jax.ShapeDtypeStruct, ...]) -> jax.ShapeDtypeStruct:

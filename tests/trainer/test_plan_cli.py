@@ -1,0 +1,60 @@
+"""`lorajob plan`: a LoRAJob whose step does not fit its TPU chip is refused, with the smallest change that fits,
+each judged by compiling the trainer's step for the chip (libtpu, no TPU).
+
+The model is Qwen3 0.6B's width at two layers (the catalogue's config.json facts, depth cut so that each
+compile takes seconds), on one v5e chip (16 GiB): a per-device batch of 8 rows of 4,096 tokens holds its
+attention scores for every row and does not fit; the planner offers 4 rows x 2 accumulation steps or
+smaller, the same global batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from lorajob_operator import planning
+from lorajob_trainer import catalog
+
+LORAJOB = """
+apiVersion: lorajob.dev/v1alpha1
+kind: LoRAJob
+metadata: {name: too-wide}
+spec:
+  model: {name: qwen3-0.6b, huggingFace: Qwen/Qwen3-0.6B}
+  dataset: {name: openai/gsm8k, dataDir: main, columns: [question, answer]}
+  training: {steps: 10, perDeviceBatchSize: 8, maxTargetLength: 4096}
+  compute: {backend: mcjax, tpu: {machineType: ct5lp-hightpu-1t, topology: 1x1}}
+  output: {baseOutputDirectory: gs://bucket/out}
+"""
+
+
+@pytest.fixture
+def two_layer_catalogue(monkeypatch):
+    released = catalog.released_config
+
+    def two_layers(name: str) -> dict:
+        return dict(released(name), num_hidden_layers=2)
+
+    monkeypatch.setattr(catalog, "released_config", two_layers)
+
+
+def test_a_step_that_does_not_fit_gets_the_smallest_change_that_does(two_layer_catalogue):
+    result = planning.plan_lorajob(yaml.safe_load(LORAJOB))
+    refused = result["plan"]
+    assert not refused.fits
+    assert refused.error or refused.total_bytes > refused.capacity_bytes
+    suggestion = result["suggestion"]
+    assert suggestion.fits and suggestion.total_bytes <= suggestion.capacity_bytes
+    target = suggestion.target
+    assert target.per_device_batch_size < 8
+    assert target.per_device_batch_size * target.gradient_accumulation_steps == 8
+    assert result["tried"][-1] is suggestion
+    report = planning.format_plan(result)
+    assert "smallest change that fits" in report and "does NOT fit" not in report.split("smallest")[1]
+
+
+def test_a_gpu_lorajob_is_refused_with_the_reason():
+    doc = yaml.safe_load(LORAJOB)
+    doc["spec"]["compute"] = {"backend": "gpu", "gpu": {"accelerator": "nvidia-h200-141gb", "gpusPerNode": 8}}
+    with pytest.raises(planning.PlanUnavailable, match="GPUs"):
+        planning.plan_lorajob(doc)
