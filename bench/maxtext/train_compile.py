@@ -160,7 +160,13 @@ def run(model, topology, num_slices=1, batch=1, seq=1024, rank=16, alpha=32.0, w
     memory = measured.get("memory")
     if memory is None or process.returncode != 0:
         result["returncode"] = process.returncode
-        result["reason"] = _failure_reason(output, measured.get("error"))
+        if process.returncode < 0 and not measured.get("error"):
+            result["reason"] = (
+                f"killed by signal {-process.returncode} after {result['wall_s']} s"
+                + (" (SIGKILL: usually the host's OOM killer, see dmesg)" if process.returncode == -9 else "")
+            )
+        else:
+            result["reason"] = _failure_reason(output, measured.get("error"))
         return result
 
     result["ok"] = True
