@@ -6,6 +6,7 @@ Everything is generated locally; nothing comes from the Hugging Face Hub.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from lorajob_trainer.demo import arithmetic_rows, write_jsonl
 
@@ -125,9 +126,11 @@ GEMMA4_SHAPES = {
 }
 
 
-def gemma4_checkpoint(directory: Path, shape: str, *, multimodal: bool = False, seed: int = 0) -> Path:
-    """A tiny random Gemma 4 checkpoint written by transformers from its own config classes (GEMMA4_SHAPES);
-    `multimodal`: the Gemma4ForConditionalGeneration layout with a tiny vision tower. Every weight is
+def gemma4_checkpoint(
+    directory: Path, shape: str, *, multimodal: bool = False, seed: int = 0, **overrides: Any
+) -> Path:
+    """A tiny random Gemma 4 checkpoint written by transformers from its own config classes (GEMMA4_SHAPES,
+    `overrides` on top); `multimodal`: the Gemma4ForConditionalGeneration layout with a tiny vision tower. Every weight is
     drawn at random (norm scales near 1) so that each takes part in the logits; query and key norm
     scales near 1/2, as Gemma 4 attends without 1/sqrt(head_dim) and full-scale ones make the
     softmax so sharp that float32 rounding alone moves logits by ~1e-4."""
@@ -136,7 +139,7 @@ def gemma4_checkpoint(directory: Path, shape: str, *, multimodal: bool = False, 
 
     if (directory / "config.json").is_file():
         return directory
-    text = transformers.Gemma4TextConfig(**GEMMA4_SHAPES[shape])
+    text = transformers.Gemma4TextConfig(**{**GEMMA4_SHAPES[shape], **overrides})
     if multimodal:
         vision = transformers.Gemma4VisionConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,

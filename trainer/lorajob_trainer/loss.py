@@ -14,9 +14,7 @@ load-balancing loss of the same forward (experts.py).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +23,7 @@ from flax import nnx
 from lorajob_trainer import models
 from lorajob_trainer.models import experts
 from lorajob_trainer.models.decoder import Decoder
-from lorajob_trainer.remat import RematPolicy, rematerialised_layers
+from lorajob_trainer.remat import RematPolicy
 
 
 def token_losses(
@@ -35,7 +33,8 @@ def token_losses(
     under `remat` (remat.py)."""
     hidden = hidden_states(model, micro_batch["inputs"], micro_batch["positions"], micro_batch["segment_ids"], remat)
     return chunked_cross_entropy(
-        hidden, output_head(model), micro_batch["targets"], micro_batch["weights"], chunk_length
+        hidden, output_head(model), micro_batch["targets"], micro_batch["weights"], chunk_length,
+        model.final_logit_softcap,
     )
 
 
@@ -50,15 +49,10 @@ def losses_with_load_balancing(
 
 
 def hidden_states(
-    model: nnx.Module, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, remat: RematPolicy = "none"
+    model: Decoder, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, remat: RematPolicy = "none"
 ) -> jax.Array:
     """The final-norm output [B, L, D]: the model's forward without its LM head."""
-    mask = models.attention_mask(segment_ids)
-    if isinstance(model, Decoder):
-        hidden, _ = model(tokens, positions, None, mask, hidden=True, remat=remat)
-        return hidden
-    with _head_bypassed(model), rematerialised_layers(model, remat):
-        hidden, _ = model(tokens, positions, None, mask)
+    hidden, _ = model(tokens, positions, None, models.attention_mask(segment_ids), hidden=True, remat=remat)
     return hidden
 
 
@@ -69,27 +63,16 @@ def output_head(model: nnx.Module) -> jax.Array:
     return model.embedder.input_embedding.get_value().T
 
 
-@contextlib.contextmanager
-def _head_bypassed(model: nnx.Module) -> Iterator[None]:
-    # Gemma 4 (not a Decoder) ends its forward with `embedder.decode(x)`.
-    module, method = (model.lm_head, "__call__") if hasattr(model, "lm_head") else (model.embedder, "decode")
-    original = type(module)
-    module.__class__ = _passthrough_class(original, method)
-    try:
-        yield
-    finally:
-        module.__class__ = original
-
-
-@functools.cache
-def _passthrough_class(cls: type, method: str) -> type:
-    return type(cls.__name__, (cls,), {method: lambda self, x: x})
-
-
 def chunked_cross_entropy(
-    hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array, chunk_length: int
+    hidden: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    chunk_length: int,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """(sum of weights * NLL(targets), sum of weights) for hidden [B, L, D], head [D, V], targets/weights [B, L].
+    """(sum of weights * NLL(targets), sum of weights) for hidden [B, L, D], head [D, V], targets/weights [B, L];
+    with `softcap`, the logits are `softcap * tanh(hidden @ head / softcap)` (Gemma 4's final logit capping).
 
     The matmuls run in the head's dtype (the compute dtype) and accumulate in float32. The head must not be
     differentiated."""
@@ -106,18 +89,21 @@ def chunked_cross_entropy(
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         return jnp.moveaxis(x.reshape(x.shape[0], chunks, chunk, *x.shape[2:]), 1, 0)
 
-    total = _trained_chunks_nll(split(hidden), head, split(targets), split(ordered_weights))
+    total = _trained_chunks_nll(softcap, split(hidden), head, split(targets), split(ordered_weights))
     return total, jnp.sum(weights)
 
 
-@jax.custom_vjp
-def _trained_chunks_nll(hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _trained_chunks_nll(
+    softcap: float | None, hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array
+) -> jax.Array:
     """Sum of weights * NLL over chunks [C, B, chunk, D] / [C, B, chunk], skipping chunks without a trained token."""
-    total, _ = _over_trained_chunks(_chunk_nll, lambda *_: (jnp.zeros((), jnp.float32),), hidden, head, targets, weights)
+    chunk_nll = functools.partial(_chunk_nll, softcap)
+    total, _ = _over_trained_chunks(chunk_nll, lambda *_: (jnp.zeros((), jnp.float32),), hidden, head, targets, weights)
     return total
 
 
-def _trained_chunks_nll_forward(hidden, head, targets, weights):
+def _trained_chunks_nll_forward(softcap, hidden, head, targets, weights):
     if head.perturbed:
         raise ValueError("the chunked loss does not differentiate the LM head (LoRA keeps it frozen)")
 
@@ -125,12 +111,13 @@ def _trained_chunks_nll_forward(hidden, head, targets, weights):
         return jnp.zeros((), jnp.float32), jnp.zeros_like(h)
 
     total, (hidden_grads,) = _over_trained_chunks(
-        _chunk_nll_and_hidden_grad, skipped, hidden.value, head.value, targets.value, weights.value
+        functools.partial(_chunk_nll_and_hidden_grad, softcap), skipped, hidden.value, head.value, targets.value,
+        weights.value,
     )
     return total, hidden_grads
 
 
-def _trained_chunks_nll_backward(hidden_grads, cotangent):
+def _trained_chunks_nll_backward(softcap, hidden_grads, cotangent):
     return (hidden_grads * cotangent.astype(hidden_grads.dtype), None, None, None)
 
 
@@ -149,22 +136,34 @@ def _over_trained_chunks(chunk_fn, skipped_fn, hidden, head, targets, weights) -
     return jax.lax.scan(body, jnp.zeros((), jnp.float32), (hidden, targets, weights))
 
 
-def _chunk_nll_terms(h: jax.Array, head: jax.Array, t: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _chunk_nll_terms(
+    softcap: float | None, h: jax.Array, head: jax.Array, t: jax.Array, w: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(the chunk's weighted NLL sum, its float32 logits, their log-normaliser)."""
     logits = jnp.dot(h.astype(head.dtype), head, preferred_element_type=jnp.float32)
+    if softcap is not None:
+        logits = jnp.tanh(logits / softcap) * softcap
     log_normaliser = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
     return jnp.sum((log_normaliser - picked) * w), logits, log_normaliser
 
 
-def _chunk_nll(h: jax.Array, head: jax.Array, t: jax.Array, w: jax.Array) -> tuple[jax.Array]:
-    return (_chunk_nll_terms(h, head, t, w)[0],)
+def _chunk_nll(softcap: float | None, h: jax.Array, head: jax.Array, t: jax.Array, w: jax.Array) -> tuple[jax.Array]:
+    return (_chunk_nll_terms(softcap, h, head, t, w)[0],)
 
 
-def _chunk_nll_and_hidden_grad(h: jax.Array, head: jax.Array, t: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The chunk's NLL sum and its gradient w.r.t. h: (w * softmax) @ head.T - w * head[:, t].T."""
-    nll, logits, log_normaliser = _chunk_nll_terms(h, head, t, w)
-    weighted_softmax = jnp.exp(logits - log_normaliser[..., None]) * w[..., None]
-    spread = jnp.dot(weighted_softmax.astype(head.dtype), head.T, preferred_element_type=jnp.float32)
+def _chunk_nll_and_hidden_grad(
+    softcap: float | None, h: jax.Array, head: jax.Array, t: jax.Array, w: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The chunk's NLL sum and its gradient w.r.t. h: (w * (softmax - onehot(t)) * capping') @ head.T, where
+    capping' = 1 - (logits / softcap)^2 is the derivative of the capping (1 without one)."""
+    nll, logits, log_normaliser = _chunk_nll_terms(softcap, h, head, t, w)
+    logit_grads = jnp.exp(logits - log_normaliser[..., None]) * w[..., None]
+    target_scale = w
+    if softcap is not None:
+        capping_slope = 1.0 - jnp.square(logits / softcap)
+        logit_grads = logit_grads * capping_slope
+        target_scale = w * jnp.take_along_axis(capping_slope, t[..., None], axis=-1)[..., 0]
+    spread = jnp.dot(logit_grads.astype(head.dtype), head.T, preferred_element_type=jnp.float32)
     target_rows = jnp.moveaxis(jnp.take(head, t, axis=1), 0, -1).astype(jnp.float32)
-    return nll, (spread - w[..., None] * target_rows).astype(h.dtype)
+    return nll, (spread - target_scale[..., None] * target_rows).astype(h.dtype)

@@ -161,17 +161,17 @@ def mesh_size(mesh: Any, axes: tuple[str, ...]) -> int:
     return size
 
 
-def call_layer(layer: nnx.Module, x: jax.Array, policy: RematPolicy, fn: LayerFn) -> jax.Array:
+def call_layer(layer: nnx.Module, x: jax.Array, policy: RematPolicy, fn: Callable[[nnx.Module, jax.Array], Any]) -> Any:
     """`fn(layer, x)`, under `jax.checkpoint` with `policy` unless it is "none". The layer runs as a pure
     function of its state (nnx.remat would write the Qwix adapters back across trace levels, which NNX
     refuses); intermediates it records (experts.RouterLogits) leave it as outputs and are set on it again."""
     if policy == "none":
-        return batch_sharded(fn(layer, x))
+        return fn(layer, x)
     graphdef, state = nnx.split(layer)
 
     def pure(state: nnx.State, x: jax.Array):
         module = nnx.merge(graphdef, state)
-        return batch_sharded(fn(module, x)), nnx.pop(module, nnx.Intermediate)
+        return fn(module, x), nnx.pop(module, nnx.Intermediate)
 
     out, recorded = jax.checkpoint(pure, policy=saveable(policy))(state, x)
     nnx.update(layer, recorded)
@@ -200,7 +200,10 @@ def run_layers(layers: Any, x: jax.Array, policy: RematPolicy, fn: LayerFn) -> j
 
 class Decoder:
     """Mixin for a Tunix causal LM whose forward is embed -> layers -> final norm -> LM head (Qwen3, Llama 3,
-    Gemma 3): the forward of the module docstring. With a KV cache, the Tunix class's own forward runs."""
+    Gemma 3, Gemma 4): the forward of the module docstring. With a KV cache, the Tunix class's own forward runs."""
+
+    final_logit_softcap: float | None = None
+    """Logits are `cap * tanh(logits / cap)` (Gemma 4); None: no capping."""
 
     def __call__(
         self,
@@ -215,13 +218,23 @@ class Decoder:
         """(logits [B, L, vocab], or with `hidden` the final norm's output [B, L, D]; None)."""
         if cache is not None:
             return super().__call__(tokens, positions, cache, attention_mask)
-
-        def layer_fn(layer: nnx.Module, x: jax.Array) -> jax.Array:
-            _, out = layer(x, positions, None, attention_mask)
-            return out
-
         x = batch_sharded(self.embedder.encode(tokens))
-        x = self.final_norm(run_layers(self.layers, x, remat, layer_fn))
+        x = self.final_norm(self.run_decoder_layers(x, tokens, positions, attention_mask, remat))
         if hidden:
             return x, None
-        return (self.lm_head(x) if hasattr(self, "lm_head") else self.embedder.decode(x)), None
+        return self.logits(x), None
+
+    def run_decoder_layers(
+        self, x: jax.Array, tokens: jax.Array, positions: jax.Array, mask: jax.Array | None, remat: RematPolicy
+    ) -> jax.Array:
+        def layer_fn(layer: nnx.Module, x: jax.Array) -> jax.Array:
+            return batch_sharded(layer(x, positions, None, mask)[1])
+
+        return run_layers(self.layers, x, remat, layer_fn)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        logits = self.lm_head(x) if hasattr(self, "lm_head") else self.embedder.decode(x)
+        if self.final_logit_softcap is None:
+            return logits
+        cap = self.final_logit_softcap
+        return jnp.tanh(logits.astype(jnp.float32) / cap) * cap

@@ -28,6 +28,7 @@ from flax import nnx
 from tunix.models.gemma4 import model as gemma4_lib
 
 from lorajob_trainer.models import experts
+from lorajob_trainer.models.decoder import Decoder, batch_sharded, call_layer
 from lorajob_trainer.models.families import GEMMA_MLP_AND_NORMS, Family, ModelConfigError, TensorMap, _expand, _head_dim, _reject, _required
 from lorajob_trainer.models.kv_split import KeyValueEinsums
 
@@ -286,6 +287,51 @@ def gemma4_maps(config: gemma4_lib.ModelConfig) -> list[TensorMap]:
     return maps + attention + _expand(per_layer, config.num_layers)
 
 
+class Gemma4(Decoder, gemma4_lib.Gemma4):
+    """Tunix's Gemma 4 with our forward (models/decoder.py): capped logits; with per-layer inputs or KV-shared
+    layers (E2B/E4B) the layers run unrolled, each given its per-layer input and the keys and values of the
+    layer it shares them with, as Tunix's forward does."""
+
+    @property
+    def final_logit_softcap(self) -> float | None:
+        return self.config.final_logit_softcap
+
+    def run_decoder_layers(self, x, tokens, positions, mask, remat):
+        if not _needs_cross_layer_inputs(self.config):
+            return super().run_decoder_layers(x, tokens, positions, mask, remat)
+        per_layer = self.embedder.encode_per_layer_input(x, tokens) if self.config.per_layer_input_dim else None
+        sources = self.kv_cache_sharing_patterns
+        shared_kvs: dict[int, dict[str, jax.Array]] = {}
+        for i, layer in enumerate(self.layers):
+            inputs = dict(
+                per_layer_input=None if per_layer is None else per_layer[:, :, i, :],
+                kv_shared_cache=shared_kvs[sources[i]] if sources[i] != i else None,
+            )
+
+            def layer_fn(module, x, inputs=inputs):
+                _, out, kvs = module(x, positions, None, mask, **inputs)
+                return batch_sharded(out), kvs
+
+            x, kvs = call_layer(layer, x, remat, layer_fn)
+            if i in self.shared_layer_origins:
+                shared_kvs[i] = {"k": kvs[0], "v": kvs[1]}
+        return x
+
+
+def _needs_cross_layer_inputs(config: gemma4_lib.ModelConfig) -> bool:
+    """Per-layer inputs or KV-shared layers: a layer needs more than the previous layer's output."""
+    return bool(config.per_layer_input_dim) or any(_shares_kv(config))
+
+
+def layer_period(config: gemma4_lib.ModelConfig) -> int | None:
+    """The period of the attention pattern (layers of one period differ in shape: sliding vs global); None
+    for a model whose layers take inputs from other layers than the previous one."""
+    if _needs_cross_layer_inputs(config):
+        return None
+    pattern = config.attention_pattern
+    return next(p for p in range(1, len(pattern) + 1) if all(pattern[i] == pattern[i + p] for i in range(len(pattern) - p)))
+
+
 class Gemma4Family(Family):
     def build(self, config: Any, hf_config: dict[str, Any], rngs: Any) -> Any:
         model = super().build(config, hf_config, rngs)
@@ -296,9 +342,9 @@ class Gemma4Family(Family):
 GEMMA4 = Gemma4Family(
     name="gemma4",
     hf_model_types=("gemma4_text", "gemma4"),
-    model_class=gemma4_lib.Gemma4,
+    model_class=Gemma4,
     config_from_hf=gemma4_config,
     tensor_maps=gemma4_maps,
-    layer_period=lambda config: None,
+    layer_period=layer_period,
 )
 
