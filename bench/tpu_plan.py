@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "maxtext"))
 
+from lorajob_operator.accelerators import TPU_CHIPS  # noqa: E402  (JAX-free)
+
 TOPOLOGIES = {"v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4", "v6e-16": "v6e:4x4", "v6e-32": "v6e:4x8", "v6e-64": "v6e:8x8"}
 """MaxText's compile_topology names -> libtpu's topology names."""
-HBM_GB = {"v6e": 32 * 2**30 / 1e9}
-"""HBM per chip (Cloud TPU docs: v6e 32 GiB); the compiler itself refuses above 31.25 GB on v6e."""
 DEFAULT_CASES = ["qwen3-0.6b:v6e-4:1024", "qwen3-0.6b:v6e-4:2048", "llama3.1-8b:v6e-8:1024",
                  "llama3.1-8b:v6e-8:2048", "qwen3-30b-a3b:v6e-16:1024"]
 
@@ -78,7 +78,7 @@ def _line(row: dict) -> str:
     if "error" in ours_row:
         mine = [ours_row["error"], "", "", "no", ""]
     else:
-        hbm = HBM_GB[row["topology"].split("-")[0]]
+        hbm = TPU_CHIPS[row["topology"].split("-")[0]].hbm_bytes / 1e9
         mine = [f"{ours_row['arguments_gb']:.2f}", f"{ours_row['temporaries_gb']:.2f}", f"{ours_row['total_gb']:.2f}",
                 "yes" if ours_row["total_gb"] <= hbm else "no", f"{ours_row['compile_s']:.0f}"]
     their_total = theirs.get("total_per_chip_bytes")

@@ -151,6 +151,8 @@ def bench_jax(args) -> dict:
         "warmup_steps_fraction": 0.0,
     })
     optimizer = build_optimizer(config)
+    flops = train_lib.model_flops(model, train_lib.attention_width(tunix_config), args.seq,
+                                  experts.active_shares(model))
     period = models.family_for_hf_config(hf).layer_period(tunix_config)
     graphdef, layout, lora_state, base = train_lib.split_for_step(model, period)
     adapters = train_lib.trainable_adapters(layout, lora_state)
@@ -181,8 +183,6 @@ def bench_jax(args) -> dict:
         loss = float(out["loss"])
         elapsed = time.perf_counter() - start
     tokens_per_s = rows * args.seq * args.steps / elapsed
-    flops = train_lib.lora_flops(base, adapters, train_lib.attention_width(tunix_config), args.seq,
-                                 experts.active_shares(model))
     peak = metrics.peak_flops_per_device(jax.devices()[0].device_kind, args.peak_tflops)
     device_peak = metrics.peak_device_memory_bytes(jax.local_devices())
     return {

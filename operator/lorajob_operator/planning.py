@@ -64,22 +64,18 @@ class Attempt:
     error: str | None = None
 
 
-def _chip(machine_type: str) -> accelerators.TpuChip:
-    return accelerators.TPU_CHIPS[accelerators.TPU_MACHINES[machine_type].generation]
-
-
 def _compile(spec: api.LoRAJobSpec, run: str, target: Target, hf_config: dict[str, Any]) -> Attempt:
     from lorajob_trainer import plan
 
-    chip = _chip(target.machine_type)
+    machine = accelerators.TPU_MACHINES[target.machine_type]
+    chip = accelerators.TPU_CHIPS[machine.generation]
     capacity = int(chip.hbm_bytes * (1 - SAFETY_MARGIN))
     config = render.train_config(spec, run).model_copy(update={
         "per_device_batch_size": target.per_device_batch_size,
         "gradient_accumulation_steps": target.gradient_accumulation_steps,
     })
     try:
-        devices = plan.topology_devices(f"{chip.compiler_name}:{target.topology}", target.slices,
-                                        accelerators.TPU_MACHINES[target.machine_type].chips_per_vm)
+        devices = plan.topology_devices(f"{chip.compiler_name}:{target.topology}", target.slices, machine.chips_per_vm)
     except plan.PlanError as error:
         raise PlanUnavailable(str(error)) from None
     try:

@@ -134,17 +134,14 @@ def compile_train_step(config: TrainConfig, hf_config: dict[str, Any], devices: 
     mesh = mesh_lib.build_mesh(config.mesh, devices)
     dtype = train.compute_dtype(config, devices[0].platform)
     model, family, tunix_config = abstract_lora_model(config, hf_config, mesh, dtype)
-    _, unstacked_lora, unstacked_base = nnx.split(model, nnx.LoRAParam, ...)
-    flops = train.lora_flops(
-        unstacked_base, train.LoraLayout(unstacked_lora).flat(unstacked_lora), train.attention_width(tunix_config),
-        config.max_target_length, experts.active_shares(model),
+    flops = train.model_flops(
+        model, train.attention_width(tunix_config), config.max_target_length, experts.active_shares(model)
     )
-    period = family.layer_period(tunix_config)
-    graphdef, layout, _, base = train.split_for_step(model, period)
+    graphdef, layout, lora, base = train.split_for_step(model, family.layer_period(tunix_config))
     stacking = layout.stacking
     adapters = {
         name: jax.ShapeDtypeStruct(value.shape, jnp.float32, sharding=value.sharding)
-        for name, value in layout.flat(nnx.state(model, nnx.LoRAParam)).items()
+        for name, value in layout.flat(lora).items()
     }
     optimizer = build_optimizer(config)
     opt_state = jax.tree.map(

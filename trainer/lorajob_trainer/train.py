@@ -289,6 +289,14 @@ def trainable_adapters(layout: LoraLayout, lora: nnx.State) -> dict[str, jax.Arr
     return {name: jnp.copy(value).astype(jnp.float32) for name, value in layout.flat(lora).items()}
 
 
+def model_flops(
+    model: nnx.Module, attention_width_sum: int, seq_len: int, active: dict[str, float] | None = None
+) -> metrics_lib.LoraFlops:
+    """`lora_flops` of a model whose layers are not stacked yet (its paths are the ones `active` names)."""
+    _, lora, base = nnx.split(model, nnx.LoRAParam, ...)
+    return lora_flops(base, LoraLayout(lora).flat(lora), attention_width_sum, seq_len, active)
+
+
 def lora_flops(
     base: nnx.State,
     lora: dict[str, jax.Array],
@@ -411,11 +419,8 @@ class Trainer:
         self.mesh = mesh
         self.dtype = compute_dtype(config)
         self.lora_model = lora_model
-        _, unstacked_lora, unstacked_base = nnx.split(lora_model.model, nnx.LoRAParam, ...)
-        self.flops = lora_flops(
-            unstacked_base, LoraLayout(unstacked_lora).flat(unstacked_lora), lora_model.attention_width,
-            config.max_target_length, lora_model.active,
-        )
+        self.flops = model_flops(lora_model.model, lora_model.attention_width, config.max_target_length,
+                                 lora_model.active)
         graphdef, self.layout, lora, base = split_for_step(lora_model.model, lora_model.layer_period)
         self.lora = trainable_adapters(self.layout, lora)
         self.base = base

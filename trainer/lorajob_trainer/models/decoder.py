@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lorajob_trainer.mesh import BATCH_AXES
+from lorajob_trainer.mesh import BATCH_AXES, data_parallel_size
 from lorajob_trainer.remat import RematPolicy, saveable
 
 LayerFn = Callable[[nnx.Module, jax.Array], jax.Array]
@@ -65,19 +65,11 @@ class Stacking:
         return len(path) > 1 and path[0] == "layers" and path[1] == "blocks"
 
 
-def stacking(model: nnx.Module) -> Stacking | None:
-    """The model's `Stacking`, or None when its layers are not stacked."""
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, StackedLayers):
-        return None
-    return Stacking(period=len(layers.blocks), repeats=layers.repeats)
-
-
 def stack_layers(model: nnx.Module, period: int) -> Stacking | None:
     """Replace `model.layers` by `StackedLayers` of `period` (in place; the unstacked layers' arrays are
-    deleted as their stacked copies are made, so device memory does not double: nothing else may hold them). Values are concrete arrays or
-    `jax.ShapeDtypeStruct`s with shardings (a model built for planning); stacked ones get the sharding of
-    their layer with the new leading axis unsplit. None (nothing changed) when fewer than two repeats fit,
+    deleted as their stacked copies are made, so device memory does not double: nothing else may hold them).
+    Values are concrete arrays or `jax.ShapeDtypeStruct`s with shardings (a model built for planning); stacked
+    ones get the sharding of their layer with the new leading axis unsplit. None (nothing changed) when fewer than two repeats fit,
     or when layers `period` apart differ in structure."""
     layers = list(model.layers)
     repeats = len(layers) // period
@@ -149,16 +141,9 @@ def batch_sharded(x: jax.Array) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
         return x
-    if x.shape[0] % mesh_size(mesh, BATCH_AXES):
+    if x.shape[0] % data_parallel_size(mesh):
         return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
-
-
-def mesh_size(mesh: Any, axes: tuple[str, ...]) -> int:
-    size = 1
-    for axis in axes:
-        size *= mesh.shape[axis]
-    return size
 
 
 def call_layer(layer: nnx.Module, x: jax.Array, policy: RematPolicy, fn: Callable[[nnx.Module, jax.Array], Any]) -> Any:
