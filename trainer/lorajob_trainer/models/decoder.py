@@ -137,9 +137,10 @@ def unstacked_rows(value: jax.Array | jax.ShapeDtypeStruct) -> list[jax.Array | 
 
 def batch_sharded(x: jax.Array) -> jax.Array:
     """`x` [batch, ...] constrained to split its batch over the mesh's data-parallel axes (when a mesh with
-    them is set and divides the batch)."""
+    them is set and divides the batch). Only while tracing: eagerly (Qwix's adapter-creating pass at set-up)
+    a constraint would be a cross-process reshard of host-local inputs that the processes need not agree on."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
+    if not isinstance(x, jax.core.Tracer) or mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
         return x
     if x.shape[0] % data_parallel_size(mesh):
         return x
