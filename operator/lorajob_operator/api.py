@@ -509,6 +509,28 @@ class DataStatus(_Model):
     """truncatedShare is the share (0 to 1) of the trained tokens training.maxTargetLength cuts off."""
 
 
+class PlanStatus(_Model):
+    """The fit check's figures: the train step compiled for the LoRAJob's TPU chips by the TPU compiler, before any
+    was held (the CPU step before the train step runs it; `lorajob plan` prints the same)."""
+
+    target: str | None = None
+    """target is the machine type, topology, chips and batch the step was compiled for."""
+    hbm_bytes_per_chip: int | None = None
+    """hbmBytesPerChip is the HBM the compiler assigns per chip (arguments, outputs, temporaries)."""
+    capacity_bytes: int | None = None
+    """capacityBytes is the chip's HBM less the plan's safety margin."""
+    step_seconds: float | None = None
+    """stepSeconds is the roofline's step time (compute, HBM and ICI bounds; activations' traffic left out)."""
+    tokens_per_second: float | None = None
+    """tokensPerSecond is the roofline's prediction for the whole train step (all chips), to set beside progress.tokensPerSecond."""
+    mfu: float | None = None
+    """mfu is the roofline's model-FLOPs-utilisation ceiling (0 to 1)."""
+    bound: str | None = None
+    """bound says what bounds the roofline: compute, HBM bandwidth or ICI all-gathers."""
+    compile_seconds: float | None = None
+    """compileSeconds is how long the compile took on the CPU step's pod."""
+
+
 class ResolvedImages(_Model):
     """The images the steps run with."""
 
@@ -560,6 +582,8 @@ class LoRAJobStatus(_Model):
     """progress of training."""
     data: DataStatus | None = None
     """data holds the data check's figures, once the convert step has run it."""
+    plan: PlanStatus | None = None
+    """plan holds the fit check's figures (TPU backends), once the convert step has run it."""
     checkpoints: list[CheckpointStatus] = Field(default_factory=list, max_length=CHECKPOINTS_LISTED)
     """checkpoints are the complete checkpoints the run keeps (the newest few and the best by eval loss), oldest first."""
     resolved: Resolved | None = None

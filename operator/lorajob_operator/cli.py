@@ -79,7 +79,6 @@ def render_files(paths: list[Path], namespace: str) -> int:
 def plan_files(paths: list[Path], as_json: bool) -> int:
     """Print each LoRAJob's plan (lorajob_operator.planning); 0 when every one fits, 1 when one does not, 2
     when a plan cannot be made."""
-    import dataclasses
     import json
 
     from lorajob_operator import planning
@@ -94,15 +93,11 @@ def plan_files(paths: list[Path], as_json: bool) -> int:
                 status = 2
                 continue
             results.append(result)
-            status = max(status, 0 if result["plan"].fits else 1)
+            status = max(status, 0 if result.plan.attempt.fits else 1)
             if not as_json:
-                print(planning.format_plan(result), flush=True)
+                print(result.format(), flush=True)
     if as_json:
-        print(json.dumps([
-            {"name": r["name"], "model": r["model"], "plan": dataclasses.asdict(r["plan"]),
-             "suggestion": dataclasses.asdict(r["suggestion"]) if "suggestion" in r else None}
-            for r in results
-        ], indent=2))
+        print(json.dumps([r.to_dict() for r in results], indent=2))
     return status
 
 

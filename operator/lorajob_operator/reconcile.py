@@ -39,8 +39,9 @@ Mechanisms, in one place:
   of its pod's log (read by kube.py while the train step runs, and once after it finished) is lifted
   into status.progress. Best effort: it never changes the phase, and a log that is missing or holds
   no readable line keeps the progress already recorded.
-* Data figures: the data check (first in the convert step) prints one data line; the completed convert
-  pod's log is read once (on a resync pass, while status.data is unset) and the line lifted into status.data.
+* Data and plan figures: the data check and the fit check (first in the convert step) print one data line and
+  (TPU backends) one plan line; the completed convert pod's log is read once (on a resync pass, while
+  status.data is unset) and the lines lifted into status.data and status.plan.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from lorajob_operator.settings import ReconcileSettings, RenderSettings
 from lorajob_trainer import exit_codes
 from lorajob_trainer.contract import (
     FINISHED_STATES, STOPPED_EARLY, CheckpointRecord, ProgressRecord, RunLayout, choose_checkpoint, last_data,
-    last_progress,
+    last_plan, last_progress,
 )
 
 RUNNING_PHASE = {step: api.Phase(phase) for step, phase in rules.PHASE_WHILE_RUNNING.items()}
@@ -143,6 +144,8 @@ class ChildState:
     uid: str = ""
     lead_pod_selector: str | None = None
     """Label selector of the pod whose trainer is process 0 (None: no pod runs the trainer)."""
+    created: str | None = None
+    """metadata.creationTimestamp."""
 
     @property
     def active(self) -> bool:
@@ -361,6 +364,7 @@ def observe_child(
         disruption=observe_disruption(failed_pods or []),
         uid=metadata.get("uid", ""),
         lead_pod_selector=lead_pod_selector(jobset),
+        created=metadata.get("creationTimestamp"),
     )
 
 
@@ -437,6 +441,19 @@ def _data(o: Observed) -> dict | None:
     if record is None:
         return o.status.get("data")
     return api.DataStatus(**dataclasses.asdict(record)).model_dump(by_alias=True, exclude_none=True)
+
+
+def _plan(o: Observed) -> dict | None:
+    """status.plan: the fit check's line in this pass's convert log (read with the data check's), else kept."""
+    record = last_plan(o.convert_log) if o.convert_log else None
+    if record is None:
+        return o.status.get("plan")
+    tokens = None if record.tokens_per_second_per_chip is None else record.tokens_per_second_per_chip * record.chips
+    return api.PlanStatus(
+        target=record.target, hbm_bytes_per_chip=record.hbm_bytes_per_chip, capacity_bytes=record.capacity_bytes,
+        step_seconds=record.step_seconds, tokens_per_second=tokens, mfu=record.mfu, bound=record.bound,
+        compile_seconds=record.compile_seconds,
+    ).model_dump(by_alias=True, exclude_none=True)
 
 
 def _progress(o: Observed, record: ProgressRecord | None) -> dict | None:
@@ -574,9 +591,9 @@ class _Draft:
         progress = _watched(_progress(o, record), self.advanced_time)
         if progress:
             status["progress"] = progress
-        data = _data(o)
-        if data:
-            status["data"] = data
+        for key, lifted in (("data", _data(o)), ("plan", _plan(o))):
+            if lifted:
+                status[key] = lifted
         if o.spec is not None:
             step = exported_step(o.spec, progress, status["checkpoints"])
             if step is not None:
@@ -607,9 +624,16 @@ def _new_draft(o: Observed) -> _Draft:
         infrastructure_restarts={
             phase: int((status.get("infrastructureRestarts") or {}).get(phase, 0)) for phase in rules.PHASES
         },
-        start_time=status.get("startTime"),
+        start_time=status.get("startTime") or _first_created(o),
         completion_time=status.get("completionTime"),
     )
+
+
+def _first_created(o: Observed) -> str | None:
+    """When the first step was created, from the children: the pass that creates a LoRAJob's first JobSet may skip
+    its status write (kube.Reconciler._apply), so status.startTime can be missing while the step runs."""
+    times = [child.created for child in o.children.values() if child.owned and child.created]
+    return min(times, key=_parse_time) if times else None
 
 
 def backoff_seconds(retry: int, settings: ReconcileSettings) -> float:

@@ -24,7 +24,7 @@ import pydantic
 
 from lorajob_operator import accelerators, api, rules, validation
 from lorajob_operator.settings import RenderSettings, Resources
-from lorajob_trainer import catalog, distributed
+from lorajob_trainer import catalog, distributed, fit
 from lorajob_trainer.config import ConfigError, TrainConfig
 from lorajob_trainer.contract import RunLayout
 
@@ -200,12 +200,54 @@ def data_check_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
             *train_config(spec, run).to_args()]
 
 
+LARGER_TOPOLOGIES_TRIED = 2
+"""How many next larger topologies of the machine type a plan tries when the LoRAJob's own does not fit."""
+
+
+def plan_request(spec: api.LoRAJobSpec) -> fit.Request:
+    """What `lorajob_trainer.fit` compiles the train step for (TPU backends): the chip's facts, the LoRAJob's own
+    target, then the smallest changes, cheapest first: smaller per-device batches (the global batch kept by
+    accumulation), then the next larger topologies of the machine type."""
+    tpu, training = spec.compute.tpu, spec.training
+    machine = accelerators.TPU_MACHINES[tpu.machine_type]
+    chip = accelerators.TPU_CHIPS[machine.generation]
+
+    def target(topology: str, batch: int, accumulation: int) -> fit.Target:
+        return fit.Target(tpu.machine_type, topology, tpu.slices, accelerators.chips_in(topology) * tpu.slices,
+                          batch, accumulation)
+
+    batch, accumulation = training.per_device_batch_size, training.gradient_accumulation_steps
+    targets = [target(tpu.topology, batch, accumulation)]
+    while batch > 1 and batch % 2 == 0:
+        batch, accumulation = batch // 2, accumulation * 2
+        targets.append(target(tpu.topology, batch, accumulation))
+    larger = sorted(
+        (t for t in machine.topologies if accelerators.chips_in(t) > accelerators.chips_in(tpu.topology)),
+        key=accelerators.chips_in,
+    )[:LARGER_TOPOLOGIES_TRIED]
+    targets += [target(t, training.per_device_batch_size, training.gradient_accumulation_steps) for t in larger]
+    facts = fit.Chip(chip.compiler_name, machine.chips_per_vm, chip.hbm_bytes, chip.peak_bf16_flops,
+                     chip.hbm_bandwidth, chip.ici_bandwidth)
+    return fit.Request(facts, tuple(targets))
+
+
+def plan_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
+    """The fit check of the train step's own config (`lorajob_trainer.fit`), run on a CPU first."""
+    return ["python", "-m", "lorajob_trainer.fit", "--request", plan_request(spec).to_json(),
+            "--model-config", spec.model.hugging_face or _tokenizer(spec), *train_config(spec, run).to_args()]
+
+
+def check_commands(spec: api.LoRAJobSpec, run: str) -> list[list[str]]:
+    """What the CPU step before the train step checks: the data, then (TPU backends) the fit."""
+    return [data_check_command(spec, run), *([plan_command(spec, run)] if spec.compute.tpu is not None else [])]
+
+
 def convert_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
-    """The data check, then `lorajob_trainer.convert base` and/or `adapter` (the adapter reads the base's
+    """The checks, then `lorajob_trainer.convert base` and/or `adapter` (the adapter reads the base's
     config.json)."""
     paths = run_paths(spec, run)
     convert = ["python", "-m", "lorajob_trainer.convert"]
-    commands = [data_check_command(spec, run)]
+    commands = check_commands(spec, run)
     if paths.converted_base:
         commands.append([*convert, "base", "--model-name", spec.model.name, "--hf", spec.model.hugging_face, "--out", paths.converted_base])
     if paths.converted_adapter:

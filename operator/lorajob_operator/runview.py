@@ -112,6 +112,10 @@ def _step_marks(obj: dict) -> list[str]:
     return marks
 
 
+def _gb(value: int | None) -> str:
+    return "?" if value is None else f"{value / 1e9:.2f} GB"
+
+
 def format_status(view: RunView, now: datetime | None = None) -> str:
     """What `lorajob status` prints."""
     now = now or datetime.now(timezone.utc)
@@ -131,6 +135,12 @@ def format_status(view: RunView, now: datetime | None = None) -> str:
     if started:
         lines[-1] += f"   ({_duration(((finished or now) - started).total_seconds())})"
 
+    plan = status.get("plan")
+    if plan:
+        lines.append(f"plan      {plan.get('target', '?')}: {_gb(plan.get('hbmBytesPerChip'))} of "
+                     f"{_gb(plan.get('capacityBytes'))} HBM per chip; roofline {plan.get('stepSeconds', 0):.3f} s/step, "
+                     f"{plan.get('tokensPerSecond', 0):,.0f} tok/s, MFU ceiling {plan.get('mfu', 0):.0%} "
+                     f"({plan.get('bound', '?')}-bound)")
     progress = status.get("progress") or {}
     if progress.get("step") is not None:
         total = progress.get("totalSteps")
@@ -138,7 +148,9 @@ def format_status(view: RunView, now: datetime | None = None) -> str:
         bar = progress_bar(progress["step"], total) + " " if total else ""
         extras = [f"loss {progress['loss']:.4f}"] if progress.get("loss") is not None else []
         if progress.get("tokensPerSecond") is not None:
-            extras.append(f"{progress['tokensPerSecond']:,.0f} tok/s")
+            predicted = (status.get("plan") or {}).get("tokensPerSecond")
+            against = f" (plan's roofline {predicted:,.0f})" if predicted is not None else ""
+            extras.append(f"{progress['tokensPerSecond']:,.0f} tok/s{against}")
         if progress.get("etaSeconds") is not None and status.get("phase") == api.Phase.Training.value:
             extras.append(f"ETA {_duration(progress['etaSeconds'])}")
         lines.append(f"progress  {bar}{text}  " + "  ".join(extras))

@@ -6,6 +6,7 @@ trainer's progress lines reach `status.progress`."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,30 @@ def test_a_broken_dataset_fails_the_lorajob_with_the_trainers_message(lorajobs, 
     assert f"exited with code {exit_codes.DATA}" in reason["message"]
     assert "answer" in reason["message"], reason["message"]
     assert failed["status"]["restarts"]["train"] == 0
+
+
+WIDER_THAN_A_V6E_2X4 = {"hidden_size": 16384, "intermediate_size": 131072, "num_attention_heads": 128,
+                        "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 16}
+"""56B parameters: 14 GB of bf16 weights per chip of a v6e 2x4 before any layer is gathered."""
+
+
+def test_a_lorajob_too_large_for_its_tpu_chips_ends_does_not_fit_before_a_tpu_jobset_exists(
+    lorajobs, operator, assets, tmp_path
+):
+    model = tmp_path / "wide"  # the tiny model's tokenizer with a config.json far wider: the fit check reads only that
+    shutil.copytree(assets.model, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | WIDER_THAN_A_V6E_2X4))
+    body = localjob.lorajob("too-wide", assets, steps=STEPS)
+    body["spec"]["model"]["huggingFace"] = str(model)
+    lorajobs.apply(body)
+    failed = lorajobs.wait_phase("too-wide", "Failed", timeout=TIMEOUT)
+
+    reason = condition(failed, "Failed")
+    assert reason["reason"] == "DoesNotFit", reason
+    assert f"exited with code {exit_codes.DOES_NOT_FIT}" in reason["message"], reason["message"]
+    assert f"the train step does not fit {localjob.MACHINE_TYPE} 2x4 (8 chips)" in reason["message"], reason["message"]
+    assert "of HBM per chip" in reason["message"] or "RESOURCE_EXHAUSTED" in reason["message"], reason["message"]
+    steps = {js["metadata"]["labels"]["lorajob.dev/phase"] for js in lorajobs.jobsets()
+             if js["metadata"]["labels"].get("lorajob.dev/run-name") == "too-wide"}
+    assert steps == {"convert"}, steps  # no TPU JobSet was ever created (a train JobSet is not deleted on failure)

@@ -125,6 +125,15 @@ def test_a_data_record_reads_back_as_written_and_a_garbled_one_not_at_all():
     assert contract.last_data("no data line") is None
 
 
+def test_a_plan_record_reads_back_as_written_and_a_garbled_one_not_at_all():
+    record = contract.PlanRecord(fits=False, target="v5e 1x1 (1 chips)", chips=1, hbm_bytes_per_chip=None,
+                                 capacity_bytes=15_461_882_265, compile_seconds=12.5, suggestion="v5e 2x2 (4 chips)")
+    assert contract.last_plan(f"data check passed\n{record.line()}\n") == record
+    assert contract.last_plan(record.line()[:-3]) is None
+    assert contract.PlanRecord.from_line(record.line().replace('"fits":false', '"fits":"no"')) is None
+    assert contract.PlanRecord.from_line(record.line().replace('"chips":1', '"chips":-1')) is None
+
+
 def test_non_finite_numbers_are_written_as_unknown():
     record = contract.ProgressRecord(step=1, total_steps=2, loss=float("nan"), eta_seconds=float("inf"))
     assert (record.loss, record.eta_seconds) == (None, None)

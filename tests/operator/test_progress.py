@@ -28,7 +28,7 @@ from lorajob_operator import api
 from lorajob_operator.kube import TrainLogs
 from lorajob_operator.render import export_command, parse_spec, train_command
 from lorajob_operator.settings import ReconcileSettings
-from lorajob_trainer.contract import PROGRESS_LINE_PREFIX, CheckpointRecord, DataRecord, ProgressRecord, RunLayout
+from lorajob_trainer.contract import PROGRESS_LINE_PREFIX, CheckpointRecord, DataRecord, PlanRecord, ProgressRecord, RunLayout
 from lorajob_trainer.metrics import MetricsWriter
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
@@ -307,9 +307,12 @@ def test_operator_imports_no_trainer_runtime():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-# --- status.data: the data check's figures, from the convert step's log -----------------------------------
+# --- status.data and status.plan: the data and fit checks' figures, from the convert step's log -------------
 
 DATA = DataRecord(examples=7473, tokens=1402116, trained_tokens=512330, epochs=4.28, truncated_examples=12, truncated_share=0.003)
+PLAN = PlanRecord(fits=True, target="tpu-v6e-slice 4x4 (16 chips), per-device batch 1 x 1 accumulation", chips=16,
+                  hbm_bytes_per_chip=14_630_000_000, capacity_bytes=30_923_764_531, step_seconds=0.25,
+                  tokens_per_second_per_chip=4096.0, mfu=0.08, bound="ICI all-gathers", compile_seconds=565.0)
 
 
 def _convert(body: dict, **jobset_args) -> object:
@@ -324,16 +327,19 @@ def test_the_convert_log_is_read_for_the_data_figures_once_the_step_completed_an
     assert not convert_log_wanted({}, None)
 
 
-def test_the_data_line_of_the_convert_log_is_lifted_into_status_and_kept():
+def test_the_data_and_plan_lines_of_the_convert_log_are_lifted_into_status_and_kept():
     body = lorajob(status={"phase": "Converting"})
     converted = _convert(body, conditions=[COMPLETED])
     observed = dataclasses.replace(_observed(body, None, None), children={"convert": converted},
-                                   convert_log=f"data check passed: ...\n{DATA.line()}\nconverting\n")
+                                   convert_log=f"data check passed: ...\n{DATA.line()}\n{PLAN.line()}\nconverting\n")
     status = decide(observed, SETTINGS).status
     assert status["data"] == {"examples": 7473, "tokens": 1402116, "trainedTokens": 512330, "epochs": 4.28,
                               "truncatedExamples": 12, "truncatedShare": 0.003}
+    assert status["plan"] == {"target": PLAN.target, "hbmBytesPerChip": 14_630_000_000, "capacityBytes": 30_923_764_531,
+                              "stepSeconds": 0.25, "tokensPerSecond": 16 * 4096.0, "mfu": 0.08,
+                              "bound": "ICI all-gathers", "compileSeconds": 565.0}
     later = dataclasses.replace(observed, status=status, convert_log=None)
-    assert decide(later, SETTINGS).status["data"] == status["data"]
+    assert {k: decide(later, SETTINGS).status[k] for k in ("data", "plan")} == {k: status[k] for k in ("data", "plan")}
 
 
 def test_the_convert_log_is_read_once_per_convert_jobset():

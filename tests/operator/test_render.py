@@ -272,9 +272,19 @@ def test_convert_and_export_arguments_are_accepted_by_the_trainer_entry_points(m
     convert = pytest.importorskip("lorajob_trainer.convert", reason="needs the trainer extra (JAX)")
     export = pytest.importorskip("lorajob_trainer.export", reason="needs the trainer extra (JAX)")
     datacheck = pytest.importorskip("lorajob_trainer.datacheck", reason="needs the trainer extra (JAX)")
+    from lorajob_trainer import fit
+
     calls = []
     monkeypatch.setattr(datacheck, "check", lambda config, devices: calls.append(("check", (config.hf_path, devices), {}))
                         or datacheck.DataReport(1, 10, 5, 0, 0, 1, 1))
+    monkeypatch.setattr(fit, "check", lambda config, model_config, request: calls.append(
+        ("fit", (model_config, request.targets[0].chips, config.per_device_batch_size), {}))
+        or fit.Plan(fit.Attempt(
+            request.targets[0], fits=True, capacity_bytes=2, total_bytes=1, flops_per_step=1.0, step_seconds=1.0,
+            tokens_per_second_per_chip=1.0, mfu=0.5, bound="compute", compile_seconds=1.0,
+            memory=dict.fromkeys(("arguments", "temporaries", "outputs_not_aliased", "base_weights",
+                                  "adapters_and_optimizer", "batch"), 0),
+        ), []))
     monkeypatch.setattr(convert, "convert_base", lambda *a, **k: calls.append(("base", a, k)))
     monkeypatch.setattr(convert, "convert_adapter", lambda *a, **k: calls.append(("adapter", a, k)))
     monkeypatch.setattr(export, "export_adapter", lambda *a, **k: calls.append(("export", a, k)))
@@ -284,14 +294,15 @@ def test_convert_and_export_arguments_are_accepted_by_the_trainer_entry_points(m
         output={"baseOutputDirectory": "/runs"},
     )
     jobsets = _rendered(lorajob(spec=spec))
-    for phase, modules in (("convert", (datacheck, convert, convert)), ("export", (export,))):
+    for phase, modules in (("convert", (datacheck, fit, convert, convert)), ("export", (export,))):
         (container,) = _pod_templates(jobsets[phase])[phase]["spec"]["containers"]
         for command, module in zip(_commands(container), modules, strict=True):
             assert command[:3] == ["python", "-m", module.__name__]
             assert module.main(command[3:]) in (None, 0)
-    assert [call[0] for call in calls] == ["check", "base", "adapter", "export", "merged"]
+    assert [call[0] for call in calls] == ["check", "fit", "base", "adapter", "export", "merged"]
     assert calls[0][1] == ("openai/gsm8k", 16)  # the dataset the train step reads; 16 chips of a 4x4 v6e slice
-    base, adapter, exported = (tuple(map(str, call[1])) for call in calls[1:4])
+    assert calls[1][1] == ("Qwen/Qwen3-0.6B", 16, 1)  # the model's config.json, the train step's chips and batch
+    base, adapter, exported = (tuple(map(str, call[1])) for call in calls[2:5])
     assert base == ("qwen3-0.6b", "Qwen/Qwen3-0.6B", "/runs/qwen3-gsm8k/base")
     assert adapter == ("qwen3-0.6b", "/runs/qwen3-gsm8k/base", "/data/old-adapter", "/runs/qwen3-gsm8k/restore-adapter")
     assert exported == ("/runs/qwen3-gsm8k/checkpoints", "/runs/qwen3-gsm8k/huggingface")

@@ -64,6 +64,16 @@ def test_status_text_shows_steps_progress_loss_outputs_and_events():
     assert lines[-1].split() == ["30s", "ago", "Normal", "Created", "created", "JobSet", "qwen3-gsm8k"]
 
 
+def test_status_text_shows_the_plan_and_measured_tokens_beside_its_prediction():
+    plan = {"target": "tpu-v6e-slice 2x4 (8 chips), per-device batch 1 x 1 accumulation", "hbmBytesPerChip": 4_450_000_000,
+            "capacityBytes": 30_923_764_531, "stepSeconds": 0.5, "tokensPerSecond": 16384.0, "mfu": 0.21,
+            "bound": "compute", "compileSeconds": 265.0}
+    lines = runview.format_status(runview.RunView(_training(plan=plan), [], []), now=NOW).splitlines()
+    assert lines[3] == ("plan      tpu-v6e-slice 2x4 (8 chips), per-device batch 1 x 1 accumulation: 4.45 GB of 30.92 GB "
+                        "HBM per chip; roofline 0.500 s/step, 16,384 tok/s, MFU ceiling 21% (compute-bound)")
+    assert lines[4].endswith("loss 0.4286  1,234 tok/s (plan's roofline 16,384)  ETA 2m05s")
+
+
 def test_a_failed_step_is_marked_where_it_failed():
     body = _training(phase="Failed", conditions=[condition("Failed", reason="TrainFailed", message="the train step failed")])
     assert "steps     ✓ convert   ✗ train (1 retries)   · export   (10m00s)" in runview.format_status(

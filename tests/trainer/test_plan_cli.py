@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from lorajob_operator import planning
-from lorajob_trainer import catalog
+from lorajob_trainer import catalog, contract, fit
 
 LORAJOB = """
 apiVersion: lorajob.dev/v1alpha1
@@ -39,18 +39,23 @@ def two_layer_catalogue(monkeypatch):
 
 
 def test_a_step_that_does_not_fit_gets_the_smallest_change_that_does(two_layer_catalogue):
-    result = planning.plan_lorajob(yaml.safe_load(LORAJOB))
-    refused = result["plan"]
+    result = planning.plan_lorajob(yaml.safe_load(LORAJOB)).plan
+    refused = result.attempt
     assert not refused.fits
     assert refused.error or refused.total_bytes > refused.capacity_bytes
-    suggestion = result["suggestion"]
+    suggestion = result.suggestion
     assert suggestion.fits and suggestion.total_bytes <= suggestion.capacity_bytes
     target = suggestion.target
     assert target.per_device_batch_size < 8
     assert target.per_device_batch_size * target.gradient_accumulation_steps == 8
-    assert result["tried"][-1] is suggestion
-    report = planning.format_plan(result)
+    assert result.tried[-1] is suggestion
+    report = "\n".join(fit.format_plan(result))
     assert "smallest change that fits" in report and "does NOT fit" not in report.split("smallest")[1]
+    # What the LoRAJob's CPU step says when it ends DoesNotFit, and the line status.plan is lifted from.
+    assert fit.refusal(result).endswith(f"the smallest change that fits (compiled): {target.describe()}, "
+                                        f"{suggestion.total_bytes / 1e9:.2f} GB per chip")
+    record = contract.PlanRecord.from_line(result.record().line())
+    assert record == result.record() and not record.fits and record.suggestion == target.describe()
 
 
 def test_a_gpu_lorajob_is_refused_with_the_reason():

@@ -127,6 +127,17 @@ def test_unsupported_configs_are_refused(overrides, message):
         models.family_for_hf_config(hf).config_from_hf(hf, jnp.float32)
 
 
+def test_a_config_saved_by_current_transformers_builds_the_same_model():
+    """transformers 5 saves the expert count as num_local_experts (Qwen3MoeConfig's attribute_map)."""
+    from transformers import Qwen3MoeConfig
+
+    released = tiny.tiny_config(FAMILY)
+    saved = Qwen3MoeConfig(**released).to_dict()
+    assert "num_local_experts" in saved and "num_experts" not in saved
+    family = models.family_for_hf_config(saved)
+    assert family.config_from_hf(saved, jnp.float32) == family.config_from_hf(released, jnp.float32)
+
+
 def test_training_moves_every_expert_adapter_and_lowers_the_loss(tmp_path):
     from lorajob_trainer import train as train_lib
     from lorajob_trainer.config import TrainConfig

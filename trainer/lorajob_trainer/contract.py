@@ -311,3 +311,53 @@ class DataRecord:
 def last_data(log: str) -> DataRecord | None:
     """The last readable data record in a log (None when it holds none)."""
     return _last_record(log, DataRecord.from_line)
+
+
+PLAN_LINE_PREFIX = "LORAJOB_PLAN "
+"""Starts the fit check's one machine-readable line (`PlanRecord.line`), which the operator lifts into status.plan."""
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    """The fit check's figures for the LoRAJob's own target (lorajob_trainer.fit), per chip."""
+
+    fits: bool
+    target: str
+    """Machine type, topology, chips and batch the step was compiled for."""
+    chips: int
+    hbm_bytes_per_chip: int | None
+    """What the TPU compiler assigns (arguments, outputs, temporaries); None when it refused the step."""
+    capacity_bytes: int
+    """The chip's HBM less the plan's safety margin."""
+    step_seconds: float | None = None
+    tokens_per_second_per_chip: float | None = None
+    mfu: float | None = None
+    """The roofline's MFU ceiling (0 to 1)."""
+    bound: str | None = None
+    """What bounds the roofline's step time: compute, HBM bandwidth or ICI all-gathers."""
+    compile_seconds: float | None = None
+    suggestion: str | None = None
+    """When it does not fit: the smallest change that fits, compiled."""
+
+    def line(self) -> str:
+        return PLAN_LINE_PREFIX + json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_line(cls, line: str) -> PlanRecord | None:
+        """The record of one plan line; None for any other line, or one cut short or garbled."""
+        values = _json_after(PLAN_LINE_PREFIX, line)
+        if values is None or not isinstance(values.get("fits"), bool) or not isinstance(values.get("target"), str):
+            return None
+        if not _count(values.get("capacity_bytes")) or not _count(values.get("chips")) or not (values.get("hbm_bytes_per_chip") is None
+                                                             or _count(values["hbm_bytes_per_chip"])):
+            return None
+        numbers = {name: _finite_or_none(values.get(name))
+                   for name in ("step_seconds", "tokens_per_second_per_chip", "mfu", "compile_seconds")}
+        texts = {name: values.get(name) if isinstance(values.get(name), str) else None for name in ("bound", "suggestion")}
+        return cls(fits=values["fits"], target=values["target"], chips=values["chips"], hbm_bytes_per_chip=values.get("hbm_bytes_per_chip"),
+                   capacity_bytes=values["capacity_bytes"], **numbers, **texts)
+
+
+def last_plan(log: str) -> PlanRecord | None:
+    """The last readable plan record in a log (None when it holds none)."""
+    return _last_record(log, PlanRecord.from_line)

@@ -36,6 +36,7 @@ OUTPUT = 5
 DIVERGED = 6
 CHECKPOINT_WRITE = 7
 PREEMPTED = 8
+DOES_NOT_FIT = 9
 
 TABLE = (
     ExitCode(SUCCEEDED, "Succeeded", Kind.unknown, "every requested step ran"),
@@ -55,6 +56,9 @@ TABLE = (
              "a checkpoint write failed mid-run (storage unavailable)"),
     ExitCode(PREEMPTED, "Preempted", Kind.infrastructure,
              "stopped by SIGTERM (preemption, node drain, suspend) after saving a checkpoint at the last step"),
+    ExitCode(DOES_NOT_FIT, "DoesNotFit", Kind.user,
+             "the train step, compiled for the LoRAJob's TPU chips before any is held, needs more HBM per chip "
+             "than they have (the message gives the figures and the smallest change that fits)"),
 )
 BY_CODE = {entry.code: entry for entry in TABLE}
 

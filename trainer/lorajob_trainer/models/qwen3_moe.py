@@ -88,6 +88,14 @@ class SparseMoeBlock(experts.LoadBalanced, nnx.Module):
         return out.reshape(batch, length, dim).astype(x.dtype)
 
 
+def _num_experts(hf: dict[str, Any]) -> int:
+    """The routed experts per layer: `num_experts` as the released checkpoints write it, `num_local_experts` as
+    current transformers (5.x) saves a Qwen3 MoE config."""
+    if hf.get("num_experts") is None and hf.get("num_local_experts") is not None:
+        return hf["num_local_experts"]
+    return _required(hf, "num_experts")
+
+
 def routing(hf: dict[str, Any]) -> Routing:
     return Routing(int(_required(hf, "num_experts_per_tok")), bool(hf.get("norm_topk_prob", False)))
 
@@ -101,7 +109,7 @@ def _config(hf: dict[str, Any], dtype: Any) -> qwen3_lib.ModelConfig:
         decoder_sparse_step=1,
         mlp_only_layers=[],
     )
-    num_experts, per_token = _required(hf, "num_experts"), routing(hf).num_experts_per_tok
+    num_experts, per_token = _num_experts(hf), routing(hf).num_experts_per_tok
     if not 0 < per_token <= num_experts:
         raise ModelConfigError(
             f"config.json num_experts_per_tok={per_token} is not within 1..num_experts={num_experts}"

@@ -1,0 +1,275 @@
+"""Whether a train step fits its TPU chips, judged by the TPU compiler without a TPU, and how fast it may go.
+
+    python -m lorajob_trainer.fit --request JSON --model-config DIR [config.yaml] KEY=VALUE...
+
+The request (`Request`, written by the operator) names the chip's facts and the targets to try in order:
+the LoRAJob's own first, then the smallest changes that may fit (a smaller per-device batch with the same
+global batch through accumulation, larger topologies of the machine type). The train step of the config
+(`lorajob_trainer.plan`) is compiled for the first target; when it does not fit, for the next ones until
+one fits. Per chip: the HBM the compiler assigns against the chip's capacity less `SAFETY_MARGIN`, the
+FLOPs of the 4N LoRA cost model, a roofline step time, tokens/s and MFU ceiling, the compile time.
+
+It prints one `LORAJOB_PLAN` line (`contract.PlanRecord`, lifted into status.plan) and exits 0 when the
+LoRAJob's own target fits; DoesNotFit (exit_codes) with the figures and the suggestion when it does not.
+The operator runs it in the CPU step before any TPU is held; `lorajob plan FILE` runs the same `plan`
+on a workstation. Without libtpu (a CPU or GPU image) it says so and exits 0: nothing is judged.
+This module imports without JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from typing import Any
+
+from lorajob_trainer import exit_codes
+from lorajob_trainer.config import ConfigError, TrainConfig
+from lorajob_trainer.contract import PlanRecord
+
+log = logging.getLogger("lorajob_trainer.fit")  # not __name__: run as __main__
+
+SAFETY_MARGIN = 0.10
+"""Share of a chip's HBM a plan leaves free (the runtime's own buffers, fragmentation)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """What a plan needs to know of the TPU chip (the operator's catalogue, accelerators.TPU_CHIPS)."""
+
+    compiler_name: str
+    """The generation's name in libtpu topology names (`v6e` in `v6e:2x4`)."""
+    chips_per_host: int
+    hbm_bytes: int
+    peak_bf16_flops: float
+    hbm_bandwidth: float
+    """Bytes per second."""
+    ici_bandwidth: float
+    """Bytes per second per chip."""
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.hbm_bytes * (1 - SAFETY_MARGIN))
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    machine_type: str
+    topology: str
+    slices: int
+    chips: int
+    per_device_batch_size: int
+    gradient_accumulation_steps: int
+
+    def describe(self) -> str:
+        slices = f" x {self.slices} slices" if self.slices > 1 else ""
+        return (f"{self.machine_type} {self.topology}{slices} ({self.chips} chips), per-device batch "
+                f"{self.per_device_batch_size} x {self.gradient_accumulation_steps} accumulation")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    chip: Chip
+    targets: tuple[Target, ...]
+    """The LoRAJob's own target first, then the alternatives in the order they are tried."""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Request:
+        values = json.loads(text)
+        return cls(Chip(**values["chip"]), tuple(Target(**t) for t in values["targets"]))
+
+
+@dataclasses.dataclass
+class Attempt:
+    """One compile of the step for one target: its figures, or the compiler's refusal."""
+
+    target: Target
+    fits: bool
+    capacity_bytes: int
+    total_bytes: int | None = None
+    memory: dict[str, int] = dataclasses.field(default_factory=dict)
+    flops_per_step: float | None = None
+    compiler_flops: float | None = None
+    step_seconds: float | None = None
+    tokens_per_second_per_chip: float | None = None
+    mfu: float | None = None
+    bound: str | None = None
+    compile_seconds: float | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class Plan:
+    attempt: Attempt
+    """The LoRAJob's own target."""
+    tried: list[Attempt]
+    """The alternatives compiled after it, in order (none when it fits)."""
+
+    @property
+    def suggestion(self) -> Attempt | None:
+        """The first alternative that fits (the last tried)."""
+        return self.tried[-1] if self.tried and self.tried[-1].fits else None
+
+    def record(self) -> PlanRecord:
+        a, s = self.attempt, self.suggestion
+        return PlanRecord(
+            fits=a.fits, target=a.target.describe(), chips=a.target.chips, hbm_bytes_per_chip=a.total_bytes, capacity_bytes=a.capacity_bytes,
+            step_seconds=a.step_seconds, tokens_per_second_per_chip=a.tokens_per_second_per_chip, mfu=a.mfu,
+            bound=a.bound, compile_seconds=a.compile_seconds, suggestion=s.target.describe() if s else None,
+        )
+
+
+def compile_attempt(config: TrainConfig, hf_config: dict[str, Any], chip: Chip, target: Target) -> Attempt:
+    """The step of `config` at `target`'s batch, compiled for its chips; PlanError without libtpu."""
+    from lorajob_trainer import plan
+
+    config = config.model_copy(update={
+        "per_device_batch_size": target.per_device_batch_size,
+        "gradient_accumulation_steps": target.gradient_accumulation_steps,
+    })
+    devices = plan.topology_devices(f"{chip.compiler_name}:{target.topology}", target.slices, chip.chips_per_host)
+    try:
+        step = plan.compile_train_step(config, hf_config, devices)
+    except Exception as error:  # the compiler's RESOURCE_EXHAUSTED: the message says by how much
+        return Attempt(target, fits=False, capacity_bytes=chip.capacity_bytes, error=str(error).strip().splitlines()[0])
+    memory = step.memory
+    attempt = Attempt(
+        target, fits=memory.total <= chip.capacity_bytes, capacity_bytes=chip.capacity_bytes, total_bytes=memory.total,
+        memory={"arguments": memory.arguments, "temporaries": memory.temporaries,
+                "outputs_not_aliased": memory.outputs - memory.aliased, "base_weights": memory.base_weights,
+                "adapters_and_optimizer": memory.adapters + memory.optimizer_state, "batch": memory.batch},
+        compiler_flops=step.flops, compile_seconds=step.compile_seconds,
+    )
+    _roofline(attempt, step, chip, config.remat_policy)
+    return attempt
+
+
+def _roofline(attempt: Attempt, step: Any, chip: Chip, remat_policy: str) -> None:
+    """Step time = the largest of: the 4N model's FLOPs at the chip's peak bf16 rate; every layer's gathered
+    weights read from HBM once per pass (forward, backward, and the recompute of remat "full"); the same
+    weights all-gathered over ICI once per pass (FSDP). Activations' traffic and overlap are left out, so the
+    MFU is a ceiling, not a forecast."""
+    flops = step.flops_per_token * step.tokens_per_chip
+    passes = 3 if remat_policy == "full" else 2
+    model_bytes = step.memory.base_weights * step.chips
+    times = {
+        "compute": flops / chip.peak_bf16_flops,
+        "HBM bandwidth": passes * model_bytes / chip.hbm_bandwidth,
+        "ICI all-gathers": passes * model_bytes * (1 - 1 / step.chips) / chip.ici_bandwidth,
+    }
+    attempt.bound = max(times, key=times.get)
+    attempt.flops_per_step = flops
+    attempt.step_seconds = times[attempt.bound]
+    attempt.tokens_per_second_per_chip = step.tokens_per_chip / attempt.step_seconds
+    attempt.mfu = times["compute"] / attempt.step_seconds
+
+
+def plan(config: TrainConfig, hf_config: dict[str, Any], request: Request) -> Plan:
+    """The first target compiled; when it does not fit, the others in order until one fits."""
+    first, *alternatives = request.targets
+    result = Plan(compile_attempt(config, hf_config, request.chip, first), [])
+    if not result.attempt.fits:
+        for target in alternatives:
+            result.tried.append(compile_attempt(config, hf_config, request.chip, target))
+            if result.tried[-1].fits:
+                break
+    return result
+
+
+def check(config: TrainConfig, model_config: str, request: Request) -> Plan:
+    """`plan` with the model's config.json from `model_config` (a local directory, gs:// URI or Hub repo id)."""
+    from lorajob_trainer import models
+
+    return plan(config, models.read_hf_config(models.local_config_directory(model_config)), request)
+
+
+def _gb(value: int | None) -> str:
+    return "-" if value is None else f"{value / 1e9:.2f} GB"
+
+
+def format_attempt(attempt: Attempt) -> list[str]:
+    lines = [f"  target: {attempt.target.describe()}"]
+    if attempt.error:
+        return lines + [f"  does not fit: {attempt.error}"]
+    m = attempt.memory
+    verdict = "fits" if attempt.fits else "does NOT fit"
+    return lines + [
+        f"  HBM per chip: {_gb(attempt.total_bytes)} of {_gb(attempt.capacity_bytes)} usable "
+        f"({int(SAFETY_MARGIN * 100)}% of the chip kept free): {verdict}",
+        f"    arguments {_gb(m['arguments'])} (base weights {_gb(m['base_weights'])}, adapters + optimizer "
+        f"{_gb(m['adapters_and_optimizer'])}, batch {_gb(m['batch'])}), temporaries {_gb(m['temporaries'])}, "
+        f"outputs {_gb(m['outputs_not_aliased'])}",
+        f"  FLOPs per step per chip: {attempt.flops_per_step:.3e} (4N LoRA cost model; the compiler's cost analysis "
+        f"counts the scanned layer body once: {attempt.compiler_flops or 0:.3e})",
+        f"  roofline: {attempt.step_seconds:.3f} s/step, {attempt.tokens_per_second_per_chip:,.0f} tokens/s per "
+        f"chip, MFU ceiling {attempt.mfu:.0%}, bound by {attempt.bound} (the chip's peak bf16 FLOP/s, HBM and "
+        f"ICI bandwidth from the catalogue; weights gathered and read once per pass, activations left out)",
+        f"  compiled in {attempt.compile_seconds:.0f} s",
+    ]
+
+
+def format_plan(result: Plan) -> list[str]:
+    lines = format_attempt(result.attempt)
+    if not result.attempt.fits:
+        if result.suggestion:
+            lines += ["  smallest change that fits (compiled):", *format_attempt(result.suggestion)]
+        else:
+            lines.append(f"  none of {len(result.tried)} smaller batches or larger topologies tried fits")
+    return lines
+
+
+def refusal(result: Plan) -> str:
+    """One line saying why the step does not fit and what would."""
+    a = result.attempt
+    why = a.error.rstrip(".") if a.error else f"it needs {_gb(a.total_bytes)} of HBM per chip, {_gb(a.capacity_bytes)} usable"
+    s = result.suggestion
+    change = (f"the smallest change that fits (compiled): {s.target.describe()}, {_gb(s.total_bytes)} per chip"
+              if s else f"none of {len(result.tried)} smaller batches or larger topologies tried fits")
+    return f"the train step does not fit {a.target.describe()}: {why}; {change}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lorajob_trainer import models, weights
+    from lorajob_trainer.console import configure_logging
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--request", required=True, help="the chip and targets to try, as JSON (fit.Request)")
+    parser.add_argument("--model-config", required=True,
+                        help="where the model's config.json is: a local directory, gs:// URI or Hugging Face repo id")
+    parser.add_argument("config", nargs="*", help="the train step's [config.yaml] KEY=VALUE... (see train --help)")
+    args = parser.parse_args(argv)
+    configure_logging()
+    try:
+        config = TrainConfig.from_args(args.config)
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return exit_codes.CONFIG
+    try:
+        from lorajob_trainer import plan as plan_lib
+    except ImportError as error:
+        log.warning("plan skipped: the trainer's packages are missing (%s)", error)
+        return 0
+    try:
+        result = check(config, args.model_config, Request.from_json(args.request))
+    except plan_lib.PlanError as error:
+        log.warning("plan skipped: %s", error)
+        return 0
+    except (models.ModelConfigError, weights.WeightsError) as error:
+        print(f"plan failed: {error}", file=sys.stderr)
+        return exit_codes.MODEL
+    for line in format_plan(result):
+        log.info("%s", line)
+    print(result.record().line(), flush=True)
+    if not result.attempt.fits:
+        print(refusal(result), file=sys.stderr)
+        return exit_codes.DOES_NOT_FIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
