@@ -85,16 +85,32 @@ TPU_MACHINES: dict[str, TpuMachine] = {
     "ct5lp-hightpu-1t": _v5e(1, ("1x1",)),
 }
 
-GPU_ACCELERATORS: tuple[str, ...] = (
-    "nvidia-gb200",
-    "nvidia-b200",
-    "nvidia-h200-141gb",
-    "nvidia-h100-mega-80gb",
-    "nvidia-h100-80gb",
-    "nvidia-a100-80gb",
-    "nvidia-tesla-a100",
-    "nvidia-l4",
-)
+
+@dataclass(frozen=True)
+class GpuChip:
+    """Per-GPU facts from NVIDIA's datasheets (GB200 NVL72, HGX B200, H200, H100 SXM, A100, L4): HBM, dense
+    bf16 tensor FLOP/s (without sparsity), HBM bandwidth, NVLink bandwidth per GPU (PCIe Gen4 for the L4),
+    for the analytic plan of a GPU LoRAJob."""
+
+    hbm_bytes: int
+    peak_bf16_flops: float
+    hbm_bandwidth: float
+    interconnect_bandwidth: float
+
+
+GB = 10**9
+GPU_CHIPS: dict[str, GpuChip] = {
+    "nvidia-gb200": GpuChip(186 * GB, 2.5e15, 8.0e12, 1.8e12),
+    "nvidia-b200": GpuChip(180 * GB, 2.25e15, 7.7e12, 1.8e12),
+    "nvidia-h200-141gb": GpuChip(141 * GB, 989e12, 4.8e12, 900e9),
+    "nvidia-h100-mega-80gb": GpuChip(80 * GB, 989e12, 3.35e12, 900e9),
+    "nvidia-h100-80gb": GpuChip(80 * GB, 989e12, 3.35e12, 900e9),
+    "nvidia-a100-80gb": GpuChip(80 * GB, 312e12, 2.039e12, 600e9),
+    "nvidia-tesla-a100": GpuChip(40 * GB, 312e12, 1.555e12, 600e9),
+    "nvidia-l4": GpuChip(24 * GB, 121e12, 300e9, 64e9),
+}
+
+GPU_ACCELERATORS: tuple[str, ...] = tuple(GPU_CHIPS)
 """Values of the node label cloud.google.com/gke-accelerator that lorajob schedules onto (GKE's A4X,
 A4, A3 Ultra, A3 Mega, A3 High, A2 Ultra, A2 and G2 machine families)."""
 

@@ -17,7 +17,7 @@ from pydantic.alias_generators import to_camel
 
 from lorajob_operator import accelerators, rules
 from lorajob_trainer import catalog
-from lorajob_trainer.contract import CHECKPOINT_SELECTORS, COLUMN_LAYOUTS, DEFAULTS
+from lorajob_trainer.contract import BOUNDS, CHECKPOINT_SELECTORS, COLUMN_LAYOUTS, DEFAULTS
 
 GROUP = "lorajob.dev"
 VERSION = "v1alpha1"
@@ -172,11 +172,15 @@ class TrainingSpec(_Model):
     """steps is the number of optimizer steps to run."""
     per_device_batch_size: int = Field(default=DEFAULTS.per_device_batch_size, ge=1, le=4096)
     """perDeviceBatchSize is the number of (packed) sequences per device per step."""
-    max_target_length: int = Field(default=DEFAULTS.max_target_length, ge=16, le=1_048_576)
+    max_target_length: int = Field(
+        default=DEFAULTS.max_target_length, ge=BOUNDS.max_target_length[0], le=BOUNDS.max_target_length[1]
+    )
     """maxTargetLength is the sequence length in tokens; examples are packed up to it."""
     learning_rate: float = Field(default=DEFAULTS.learning_rate, gt=0, le=1)
     """learningRate is the peak AdamW learning rate (2e-4 by default, the usual LoRA rate)."""
-    warmup_steps_fraction: float = Field(default=DEFAULTS.warmup_steps_fraction, ge=0, lt=1)
+    warmup_steps_fraction: float = Field(
+        default=DEFAULTS.warmup_steps_fraction, ge=0, lt=BOUNDS.warmup_steps_fraction_below
+    )
     """warmupStepsFraction is the share of steps with linear warmup."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """schedule of the learning rate after warmup."""
@@ -212,7 +216,7 @@ class LoRARestore(_Model):
 class LoRASpec(_Model):
     """The low-rank adapters to train."""
 
-    rank: int = Field(default=DEFAULTS.lora_rank, ge=1, le=1024)
+    rank: int = Field(default=DEFAULTS.lora_rank, ge=BOUNDS.lora_rank[0], le=BOUNDS.lora_rank[1])
     """rank (r) of the adapters."""
     alpha: float = Field(default=DEFAULTS.lora_alpha, gt=0, le=65536)
     """alpha scales the adapter output by alpha/rank."""

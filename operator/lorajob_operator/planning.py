@@ -3,7 +3,7 @@
 The same check the LoRAJob's first CPU step runs in the cluster (`lorajob_trainer.fit`, on the request
 `render.plan_request` writes), here with the released config.json facts of the catalogue model
 (`catalog.released_config`) instead of the checkpoint's. It needs the trainer's packages and libtpu, which
-the operator image does not carry.
+the operator image does not carry. GPU LoRAJobs get the analytic estimate (`fit.analytic_attempt`), saying so.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lorajob_operator import render
+from lorajob_operator import accelerators, render
 
 INSTALL_HINT = ('lorajob plan compiles the trainer\'s step with the TPU compiler: pip install "lorajob[trainer]" '
                 '"jax[tpu]" (the operator image carries neither)')
 
 
 class PlanUnavailable(RuntimeError):
-    """No plan can be made for this LoRAJob here (packages missing, a GPU backend, an unknown model)."""
+    """No plan can be made for this LoRAJob here (packages missing, an unknown model, a topology libtpu lacks)."""
 
 
 @dataclasses.dataclass
@@ -44,8 +44,6 @@ def plan_lorajob(doc: dict) -> LoRAJobPlan:
     name = doc.get("metadata", {}).get("name", "?")
     if spec is None:
         raise PlanUnavailable(f"LoRAJob {name!r} is invalid: {'; '.join(errors)}")
-    if spec.compute.tpu is None:
-        raise PlanUnavailable(f"LoRAJob {name!r} runs on GPUs, for which no compiler runs without the device")
     try:
         from lorajob_trainer import catalog, fit
         from lorajob_trainer import plan  # JAX, the trainer's packages and libtpu
@@ -55,8 +53,24 @@ def plan_lorajob(doc: dict) -> LoRAJobPlan:
         hf_config = catalog.released_config(spec.model.name)
     except KeyError as error:
         raise PlanUnavailable(str(error.args[0])) from None
+    config = render.train_config(spec, render.run_name(spec, name))
+    if spec.compute.gpu is not None:
+        return LoRAJobPlan(name, spec.model.name, fit.Plan(_gpu_attempt(spec, config, hf_config), []))
     try:
-        result = fit.plan(render.train_config(spec, render.run_name(spec, name)), hf_config, render.plan_request(spec))
+        result = fit.plan(config, hf_config, render.plan_request(spec))
     except plan.PlanError as error:
         raise PlanUnavailable(str(error)) from None
     return LoRAJobPlan(name, spec.model.name, result)
+
+
+def _gpu_attempt(spec: Any, config: Any, hf_config: dict[str, Any]) -> Any:
+    """The analytic plan (`fit.analytic_attempt`): no compiler runs for a GPU without the device."""
+    from lorajob_trainer import fit
+
+    gpu = spec.compute.gpu
+    chip = accelerators.GPU_CHIPS[gpu.accelerator]
+    target = fit.Target(gpu.accelerator, f"{gpu.nodes} node(s) x {gpu.gpus_per_node} GPUs", 1,
+                        gpu.nodes * gpu.gpus_per_node, spec.training.per_device_batch_size,
+                        spec.training.gradient_accumulation_steps)
+    facts = fit.Gpu(chip.hbm_bytes, chip.peak_bf16_flops, chip.hbm_bandwidth, chip.interconnect_bandwidth)
+    return fit.analytic_attempt(config, hf_config, facts, target)

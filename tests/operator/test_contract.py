@@ -7,12 +7,13 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pydantic
 import pytest
 
 from builders import spec_dict
 from lorajob_operator import api, render
 from lorajob_trainer import contract
-from lorajob_trainer.config import TrainConfig
+from lorajob_trainer.config import ConfigError, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = (ROOT / "operator" / "lorajob_operator", ROOT / "trainer" / "lorajob_trainer")
@@ -57,6 +58,30 @@ def test_every_shared_default_is_taken_from_the_contract_by_both_sides():
     for name in contract.Defaults.__dataclass_fields__:
         for file, text in sources.items():
             assert f"DEFAULTS.{name}" in text, f"{file} does not take its {name} default from the contract"
+
+
+@pytest.mark.parametrize(("field", "trainer_key", "accepted", "refused"), [
+    ("training.maxTargetLength", "max_target_length", (16, 1_048_576), (15, 1_048_577)),
+    ("lora.rank", "lora.lora_rank", (1, 1024), (0, 1025)),
+    ("training.warmupStepsFraction", "warmup_steps_fraction", (0.0, 0.99), (-0.1, 1.0)),
+])
+def test_the_api_and_the_trainer_accept_the_same_values_of_a_shared_field(field, trainer_key, accepted, refused):
+    section, key = field.split(".")
+    for value in (*accepted, *refused):
+        spec = _minimal_spec().model_dump(by_alias=True, exclude_none=True)
+        spec.setdefault(section, {})[key] = value
+        try:
+            api.LoRAJobSpec.model_validate(spec)
+            api_accepts = True
+        except pydantic.ValidationError:
+            api_accepts = False
+        try:
+            TrainConfig.from_args(["model_name=qwen3-0.6b", "load_parameters_path=/m", "base_output_directory=/o",
+                                   "run_name=r", "steps=1", "hf_path=json", f"{trainer_key}={value}"])
+            trainer_accepts = True
+        except ConfigError:
+            trainer_accepts = False
+        assert api_accepts == trainer_accepts == (value in accepted), (field, value, api_accepts, trainer_accepts)
 
 
 def test_operator_and_trainer_agree_on_every_path_of_a_run():

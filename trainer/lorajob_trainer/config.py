@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lorajob_trainer import catalog
-from lorajob_trainer.contract import COLUMN_LAYOUTS, DEFAULTS, RunLayout
+from lorajob_trainer.contract import BOUNDS, COLUMN_LAYOUTS, DEFAULTS, RunLayout
 
 
 
@@ -34,7 +34,7 @@ class _Section(BaseModel):
 class LoraConfig(_Section):
     enable_lora: bool = True
     """Must be true: this trainer trains LoRA adapters only."""
-    lora_rank: int = Field(DEFAULTS.lora_rank, gt=0)
+    lora_rank: int = Field(DEFAULTS.lora_rank, ge=BOUNDS.lora_rank[0], le=BOUNDS.lora_rank[1])
     """Adapter rank r."""
     lora_alpha: float = Field(DEFAULTS.lora_alpha, gt=0)
     """Adapter scale numerator: the update is (alpha / r) * B A."""
@@ -112,7 +112,9 @@ class TrainConfig(_Section):
     """Column layout: ['messages'], ['prompt','completion'] or ['question','answer']."""
     chat_template_path: str = ""
     """Chat template file (.jinja/.j2/.txt, or .json with a chat_template key); empty = tokenizer's."""
-    max_target_length: int = Field(DEFAULTS.max_target_length, gt=1)
+    max_target_length: int = Field(
+        DEFAULTS.max_target_length, ge=BOUNDS.max_target_length[0], le=BOUNDS.max_target_length[1]
+    )
     """Sequence length of one packed row, in tokens."""
     packing: bool = True
     """Pack several examples into one row (attention never crosses examples)."""
@@ -133,7 +135,7 @@ class TrainConfig(_Section):
     """Peak learning rate."""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warmup."""
-    warmup_steps_fraction: float = Field(DEFAULTS.warmup_steps_fraction, ge=0, le=1)
+    warmup_steps_fraction: float = Field(DEFAULTS.warmup_steps_fraction, ge=0, lt=BOUNDS.warmup_steps_fraction_below)
     """Fraction of steps with a linear warmup from 0."""
     learning_rate_final_fraction: float = Field(0.1, ge=0, le=1)
     """Final learning rate as a fraction of the peak (cosine and linear)."""

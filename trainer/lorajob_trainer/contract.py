@@ -41,6 +41,21 @@ class Defaults:
 
 DEFAULTS = Defaults()
 
+
+@dataclass(frozen=True)
+class Bounds:
+    """Bounds a LoRAJob's schema and the trainer's config share, so that what one accepts the other does."""
+
+    max_target_length: tuple[int, int] = (16, 1_048_576)
+    """Inclusive."""
+    lora_rank: tuple[int, int] = (1, 1024)
+    """Inclusive."""
+    warmup_steps_fraction_below: float = 1.0
+    """From 0 up to, not including, this: a warmup over every step never reaches the peak rate."""
+
+
+BOUNDS = Bounds()
+
 COLUMN_LAYOUTS: tuple[tuple[str, ...], ...] = (
     ("messages",),
     ("prompt", "completion"),

@@ -9,8 +9,9 @@ global batch through accumulation, larger topologies of the machine type). The t
 one fits. Per chip: the HBM the compiler assigns against the chip's capacity less `SAFETY_MARGIN`, the
 FLOPs of the 4N LoRA cost model, a roofline step time, tokens/s and MFU ceiling, the compile time.
 
-It prints one `LORAJOB_PLAN` line (`contract.PlanRecord`, lifted into status.plan) and exits 0 when the
-LoRAJob's own target fits; DoesNotFit (exit_codes) with the figures and the suggestion when it does not.
+When the LoRAJob's own target fits it prints one `LORAJOB_PLAN` line (`contract.PlanRecord`, lifted into
+status.plan) and exits 0; when it does not, it exits DoesNotFit (exit_codes) with one line on stderr giving
+the figures and the smallest change that fits.
 The operator runs it in the CPU step before any TPU is held; `lorajob plan FILE` runs the same `plan`
 on a workstation. Without libtpu (a CPU or GPU image) it says so and exits 0: nothing is judged.
 This module imports without JAX.
@@ -22,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import re
 import sys
 from typing import Any
 
@@ -55,6 +57,28 @@ class Chip:
 
 
 @dataclasses.dataclass(frozen=True)
+class Gpu:
+    """What the analytic plan needs to know of a GPU (the operator's catalogue, accelerators.GPU_CHIPS)."""
+
+    hbm_bytes: int
+    peak_bf16_flops: float
+    """Dense (no sparsity)."""
+    hbm_bandwidth: float
+    interconnect_bandwidth: float
+    """NVLink (or PCIe) bytes per second per GPU."""
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.hbm_bytes * (1 - SAFETY_MARGIN))
+
+
+ACTIVATION_BYTES = {"full": 16, "minimal": 76}
+"""Activation bytes a step keeps per token, per unit of model width, per layer, by remat policy: the TPU
+compiler's temporaries for llama3.1-8b on v6e (1 row of 1,024 tokens per chip: 2.09 GB over 32 layers with
+"full", 0.32 GB per layer with "minimal"), which the analytic plan for GPUs takes as its calibration."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Target:
     machine_type: str
     topology: str
@@ -64,9 +88,13 @@ class Target:
     gradient_accumulation_steps: int
 
     def describe(self) -> str:
+        return f"{self.machine_type} {self.short()}"
+
+    def short(self) -> str:
+        """Without the machine type, which the LoRAJob names."""
         slices = f" x {self.slices} slices" if self.slices > 1 else ""
-        return (f"{self.machine_type} {self.topology}{slices} ({self.chips} chips), per-device batch "
-                f"{self.per_device_batch_size} x {self.gradient_accumulation_steps} accumulation")
+        return (f"{self.topology}{slices} ({self.chips} chips), per-device batch {self.per_device_batch_size} x "
+                f"{self.gradient_accumulation_steps} accumulation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +129,8 @@ class Attempt:
     bound: str | None = None
     compile_seconds: float | None = None
     error: str | None = None
+    analytic: bool = False
+    """Estimated by `analytic_attempt` (GPUs), not compiled."""
 
 
 @dataclasses.dataclass
@@ -149,7 +179,7 @@ def compile_attempt(config: TrainConfig, hf_config: dict[str, Any], chip: Chip, 
     return attempt
 
 
-def _roofline(attempt: Attempt, step: Any, chip: Chip, remat_policy: str) -> None:
+def _roofline(attempt: Attempt, step: Any, chip: Chip, remat_policy: str, interconnect: str = "ICI") -> None:
     """Step time = the largest of: the 4N model's FLOPs at the chip's peak bf16 rate; every layer's gathered
     weights read from HBM once per pass (forward, backward, and the recompute of remat "full"); the same
     weights all-gathered over ICI once per pass (FSDP). Activations' traffic and overlap are left out, so the
@@ -160,13 +190,60 @@ def _roofline(attempt: Attempt, step: Any, chip: Chip, remat_policy: str) -> Non
     times = {
         "compute": flops / chip.peak_bf16_flops,
         "HBM bandwidth": passes * model_bytes / chip.hbm_bandwidth,
-        "ICI all-gathers": passes * model_bytes * (1 - 1 / step.chips) / chip.ici_bandwidth,
+        f"{interconnect} all-gathers": passes * model_bytes * (1 - 1 / step.chips) / chip.ici_bandwidth,
     }
     attempt.bound = max(times, key=times.get)
     attempt.flops_per_step = flops
     attempt.step_seconds = times[attempt.bound]
     attempt.tokens_per_second_per_chip = step.tokens_per_chip / attempt.step_seconds
     attempt.mfu = times["compute"] / attempt.step_seconds
+
+
+def analytic_attempt(config: TrainConfig, hf_config: dict[str, Any], gpu: Gpu, target: Target) -> Attempt:
+    """The GPU plan, where no compiler runs without the device: per GPU, the base weights and the float32
+    adapters with their gradients and Adam moments split over every GPU (FSDP), the activations the remat
+    policy keeps (`ACTIVATION_BYTES`), one layer's gathered weights twice (prefetch) and the loss chunk's
+    float32 logits; the same roofline as the TPU plan, with NVLink for ICI."""
+    import jax
+    import jax.numpy as jnp
+
+    from flax import nnx
+
+    from lorajob_trainer import mesh as mesh_lib
+    from lorajob_trainer import plan as plan_lib
+    from lorajob_trainer import train
+    from lorajob_trainer.models import experts
+
+    if config.remat_policy not in ACTIVATION_BYTES:
+        return Attempt(target, fits=False, capacity_bytes=gpu.capacity_bytes, analytic=True,
+                       error=f"no analytic estimate for remat_policy {config.remat_policy!r} (one of {', '.join(ACTIVATION_BYTES)})")
+    mesh = mesh_lib.build_mesh(config.mesh, jax.devices("cpu")[:1])
+    model, _, tunix_config = plan_lib.abstract_lora_model(config, hf_config, mesh, jnp.bfloat16)
+    flops = train.model_flops(model, train.attention_width(tunix_config), config.max_target_length,
+                              experts.active_shares(model))
+    _, lora, base = nnx.split(model, nnx.LoRAParam, ...)
+    base_bytes = plan_lib.per_chip_bytes(base)
+    adapter_bytes = 4 * sum(leaf.size for leaf in jax.tree.leaves(lora)) * 4  # values, gradients, Adam m and v
+    rows = config.per_device_batch_size
+    tokens = rows * config.max_target_length
+    width, layers = tunix_config.embed_dim, tunix_config.num_layers
+    activations = tokens * width * layers * ACTIVATION_BYTES[config.remat_policy]
+    working = 2 * base_bytes // layers + 2 * rows * config.loss_chunk_length * tunix_config.vocab_size * 4
+    total = base_bytes // target.chips + adapter_bytes // target.chips + activations + working
+    attempt = Attempt(
+        target, fits=total <= gpu.capacity_bytes, capacity_bytes=gpu.capacity_bytes, total_bytes=total, analytic=True,
+        memory={"arguments": (base_bytes + adapter_bytes) // target.chips, "temporaries": activations + working,
+                "outputs_not_aliased": 0, "base_weights": base_bytes // target.chips,
+                "adapters_and_optimizer": adapter_bytes // target.chips, "batch": 0},
+    )
+    step = plan_lib.CompiledStep(
+        memory=plan_lib.StepMemory(0, 0, 0, 0, base_bytes // target.chips, 0, 0, 0), flops=None,
+        flops_per_token=flops.per_token, tokens_per_chip=tokens * config.gradient_accumulation_steps,
+        compile_seconds=0.0, chips=target.chips, layers_scanned=0,
+    )
+    _roofline(attempt, step, Chip("", 0, gpu.hbm_bytes, gpu.peak_bf16_flops, gpu.hbm_bandwidth,
+                                  gpu.interconnect_bandwidth), config.remat_policy, interconnect="NVLink")
+    return attempt
 
 
 def plan(config: TrainConfig, hf_config: dict[str, Any], request: Request) -> Plan:
@@ -194,6 +271,9 @@ def _gb(value: int | None) -> str:
 
 def format_attempt(attempt: Attempt) -> list[str]:
     lines = [f"  target: {attempt.target.describe()}"]
+    if attempt.analytic:
+        lines.append("  estimated by the analytic model (no compiler runs for a GPU without the device; activations "
+                     "calibrated on the TPU compiler's figures)")
     if attempt.error:
         return lines + [f"  does not fit: {attempt.error}"]
     m = attempt.memory
@@ -204,12 +284,13 @@ def format_attempt(attempt: Attempt) -> list[str]:
         f"    arguments {_gb(m['arguments'])} (base weights {_gb(m['base_weights'])}, adapters + optimizer "
         f"{_gb(m['adapters_and_optimizer'])}, batch {_gb(m['batch'])}), temporaries {_gb(m['temporaries'])}, "
         f"outputs {_gb(m['outputs_not_aliased'])}",
-        f"  FLOPs per step per chip: {attempt.flops_per_step:.3e} (4N LoRA cost model; the compiler's cost analysis "
-        f"counts the scanned layer body once: {attempt.compiler_flops or 0:.3e})",
+        f"  FLOPs per step per chip: {attempt.flops_per_step:.3e} (4N LoRA cost model"
+        + ("" if attempt.compiler_flops is None else
+           f"; the compiler's cost analysis counts the scanned layer body once: {attempt.compiler_flops:.3e}") + ")",
         f"  roofline: {attempt.step_seconds:.3f} s/step, {attempt.tokens_per_second_per_chip:,.0f} tokens/s per "
         f"chip, MFU ceiling {attempt.mfu:.0%}, bound by {attempt.bound} (the chip's peak bf16 FLOP/s, HBM and "
-        f"ICI bandwidth from the catalogue; weights gathered and read once per pass, activations left out)",
-        f"  compiled in {attempt.compile_seconds:.0f} s",
+        f"interconnect bandwidth from the catalogue; weights gathered and read once per pass, activations left out)",
+        *([] if attempt.analytic else [f"  compiled in {attempt.compile_seconds:.0f} s"]),
     ]
 
 
@@ -223,14 +304,22 @@ def format_plan(result: Plan) -> list[str]:
     return lines
 
 
+_COMPILER_SHORT_BY = re.compile(r"temporaries \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)")
+
+
 def refusal(result: Plan) -> str:
-    """One line saying why the step does not fit and what would."""
+    """One line (short enough for a condition message) saying why the step does not fit and what would."""
     a = result.attempt
-    why = a.error.rstrip(".") if a.error else f"it needs {_gb(a.total_bytes)} of HBM per chip, {_gb(a.capacity_bytes)} usable"
+    if a.error:
+        short = _COMPILER_SHORT_BY.search(a.error)
+        why = (f"the compiler needs {short[1]} for temporaries alone, {short[2]} available" if short
+               else a.error[:120])
+    else:
+        why = f"it needs {_gb(a.total_bytes)} of HBM per chip, {_gb(a.capacity_bytes)} usable"
     s = result.suggestion
-    change = (f"the smallest change that fits (compiled): {s.target.describe()}, {_gb(s.total_bytes)} per chip"
-              if s else f"none of {len(result.tried)} smaller batches or larger topologies tried fits")
-    return f"the train step does not fit {a.target.describe()}: {why}; {change}"
+    change = (f"fits (compiled): {s.target.short()}, {_gb(s.total_bytes)} per chip" if s
+              else f"none of {len(result.tried)} smaller batches or larger topologies tried fits")
+    return f"the train step does not fit {a.target.short()}: {why}; {change}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,10 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         return exit_codes.MODEL
     for line in format_plan(result):
         log.info("%s", line)
-    print(result.record().line(), flush=True)
-    if not result.attempt.fits:
+    if not result.attempt.fits:  # stderr only: its last line is the container's termination message
         print(refusal(result), file=sys.stderr)
         return exit_codes.DOES_NOT_FIT
+    print(result.record().line(), flush=True)
     return 0
 
 
