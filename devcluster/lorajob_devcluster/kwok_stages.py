@@ -11,6 +11,8 @@ Container-image convention for e2e tests (no test-only code in the operator):
 * ``sim.lorajob.dev/slow``            Running, then Succeeded after ``slow_delay_ms`` (default 60 s)
 * ``sim.lorajob.dev/hang``            Running forever (until deleted)
 
+A LoRAJob's check step (pods labelled ``lorajob.dev/phase: check``) runs the trainer image too, and
+succeeds after ``complete_delay_ms`` whatever its image: the special images act on the steps after it.
 Only pods owned by a Job ever complete; other pods stay Running. The pod annotation
 ``sim.lorajob.dev/run-duration`` (a Go duration such as ``45s``) overrides its run time.
 A deleted pod is first made terminal (exit 143, like a kubelet after SIGTERM) and then removed once
@@ -76,6 +78,8 @@ NOT_DELETED = _jq(".metadata.deletionTimestamp", "DoesNotExist")
 IS_RUNNING = _jq(".status.phase", "In", ["Running"])
 OWNED_BY_JOB = _jq(".metadata.ownerReferences.[].kind", "In", ["Job"])
 IMAGES = ".spec.containers.[].image"
+STEP = '.metadata.labels["lorajob.dev/phase"]'
+CHECK_STEP = ["check"]
 
 
 def _stage(name: str, expressions: list[dict], delay: dict | None, steps: list[dict]) -> dict:
@@ -182,8 +186,14 @@ def pod_stages(timing: PodTiming = PodTiming(), runner_nodes: tuple[str, ...] = 
             [_status_patch(_terminated_template("Succeeded", None, 0))],
         ),
         _stage(
+            "lorajob-pod-succeed-check",
+            [*completes, _jq(IMAGES, "In", special_images), _jq(STEP, "In", CHECK_STEP)],
+            _run_delay(timing.complete_delay_ms, timing.complete_jitter_ms),
+            [_status_patch(_terminated_template("Succeeded", None, 0))],
+        ),
+        _stage(
             "lorajob-pod-succeed-slow",
-            [*completes, _jq(IMAGES, "In", [SLOW_IMAGE]), _jq(IMAGES, "NotIn", list(failing))],
+            [*completes, _jq(IMAGES, "In", [SLOW_IMAGE]), _jq(IMAGES, "NotIn", list(failing)), _jq(STEP, "NotIn", CHECK_STEP)],
             _run_delay(timing.slow_delay_ms),
             [_status_patch(_terminated_template("Succeeded", None, 0))],
         ),
@@ -192,7 +202,7 @@ def pod_stages(timing: PodTiming = PodTiming(), runner_nodes: tuple[str, ...] = 
         stages.append(
             _stage(
                 f"lorajob-pod-fail-exit-{code}",
-                [*completes, _jq(IMAGES, "In", [image])],
+                [*completes, _jq(IMAGES, "In", [image]), _jq(STEP, "NotIn", CHECK_STEP)],
                 _run_delay(timing.complete_delay_ms),
                 [_status_patch(_terminated_template("Failed", image, code))],
             )

@@ -61,6 +61,7 @@ class Backend(str, Enum):
 class Phase(str, Enum):
     Pending = "Pending"
     Queued = "Queued"
+    Checking = "Checking"
     Converting = "Converting"
     Training = "Training"
     Exporting = "Exporting"
@@ -100,7 +101,7 @@ class ModelSpec(_Model):
     name: ModelName
     """name of the model, which selects the model code and per-family LoRA defaults (e.g. qwen3-0.6b, llama3.1-8b, gemma3-4b)."""
     maxtext_checkpoint: str | None = Field(default=None, min_length=1, max_length=PATH_MAX, alias="maxtextCheckpoint")
-    """maxtextCheckpoint is the path of a base checkpoint already in the trainer's format (MaxText `.../0/items` or a lorajob Orbax checkpoint). No convert step runs."""
+    """maxtextCheckpoint is the path of a base checkpoint already in the trainer's format (MaxText `.../0/items` or a lorajob Orbax checkpoint). No convert step runs; a check step runs the data and fit checks instead."""
     hugging_face: str | None = Field(default=None, min_length=1, max_length=PATH_MAX, alias="huggingFace")
     """huggingFace is a Hugging Face repo id (org/name) or a path (gs://... or local) of a safetensors checkpoint. A convert step turns it into the trainer's format first."""
     tokenizer: str | None = Field(default=None, max_length=PATH_MAX)
@@ -288,7 +289,7 @@ class ComputeSpec(_Model):
     gpu: GpuSpec | None = None
     """gpu nodes for the gpu backend."""
     cpu_node_pool: str | None = Field(default=None, max_length=DNS_LABEL_MAX)
-    """cpuNodePool is the node pool (cloud.google.com/gke-nodepool) for the Pathways head and the convert/export pods. Defaults to the operator's setting (cpu-np)."""
+    """cpuNodePool is the node pool (cloud.google.com/gke-nodepool) for the Pathways head and the check/convert/export pods. Defaults to the operator's setting (cpu-np)."""
 
 
 class OutputSpec(_Model):
@@ -359,7 +360,7 @@ class ImagesSpec(_Model):
 
 
 class LoRAJobSpec(_Model):
-    """LoRAJobSpec describes one LoRA fine-tune: convert (if needed), train, export (if enabled)."""
+    """LoRAJobSpec describes one LoRA fine-tune: convert (if needed, else a check step), train, export (if enabled)."""
 
     model_config = ConfigDict(
         json_schema_extra=_cel(
@@ -497,7 +498,7 @@ class Progress(_Model):
 
 
 class DataStatus(_Model):
-    """The data check's figures (the convert step runs it before the train step asks Kueue for accelerators)."""
+    """The data check's figures (the check or convert step runs it before the train step asks Kueue for accelerators)."""
 
     examples: int | None = None
     """examples in the training split."""
@@ -563,7 +564,7 @@ class LoRAJobStatus(_Model):
     """LoRAJobStatus is computed by the operator from the child JobSets and their Kueue Workloads."""
 
     phase: Phase | None = None
-    """phase: Pending, Queued, Converting, Training, Exporting, Succeeded, Failed or Suspended."""
+    """phase: Pending, Queued, Checking, Converting, Training, Exporting, Succeeded, Failed or Suspended."""
     message: str | None = None
     """message explains the phase (e.g. why it is queued or failed)."""
     conditions: list[Condition] = Field(default_factory=list, max_length=16)
@@ -585,9 +586,9 @@ class LoRAJobStatus(_Model):
     progress: Progress | None = None
     """progress of training."""
     data: DataStatus | None = None
-    """data holds the data check's figures, once the convert step has run it."""
+    """data holds the data check's figures, once the check or convert step has run it."""
     plan: PlanStatus | None = None
-    """plan holds the fit check's figures (TPU backends), once the convert step has run it."""
+    """plan holds the fit check's figures (TPU backends), once the check or convert step has run it."""
     checkpoints: list[CheckpointStatus] = Field(default_factory=list, max_length=CHECKPOINTS_LISTED)
     """checkpoints are the complete checkpoints the run keeps (the newest few and the best by eval loss), oldest first."""
     resolved: Resolved | None = None

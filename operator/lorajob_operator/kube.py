@@ -32,7 +32,8 @@ from lorajob_operator.reconcile import (
     Decision,
     Observed,
     QueuePosition,
-    convert_log_wanted,
+    checks_log_wanted,
+    checks_step,
     decide,
     effective_spec,
     format_time,
@@ -181,28 +182,28 @@ def observe(
 
 
 class TrainLogs:
-    """Reads the lead trainer's log tail for status.progress, and the convert pod's log once for status.data;
-    a log that cannot be read is logged and skipped."""
+    """Reads the lead trainer's log tail for status.progress, and the check or convert pod's log once for
+    status.data and status.plan; a log that cannot be read is logged and skipped."""
 
     def __init__(self, cluster: Cluster, lines: int):
         self.cluster = cluster
         self.lines = lines
         self._read_after_finish: dict[tuple[str, str], str] = {}
         """LoRAJob -> uid of its finished train JobSet whose log was read: once is enough."""
-        self._data_read: dict[tuple[str, str], str] = {}
-        """LoRAJob -> uid of its completed convert JobSet whose log was read for the data check's figures."""
+        self._checks_read: dict[tuple[str, str], str] = {}
+        """LoRAJob -> uid of its completed check or convert JobSet whose log was read for the checks' figures."""
         self._last_error: dict[tuple[str, str], str] = {}
 
-    def read_data(self, key: tuple[str, str], observed: Observed) -> str | None:
-        """The whole log of the completed convert step (the data check's line comes first), once per JobSet."""
-        convert = observed.children.get("convert")
-        if not convert_log_wanted(observed.status, convert) or self._data_read.get(key) == convert.uid:
+    def read_checks(self, key: tuple[str, str], observed: Observed) -> str | None:
+        """The whole log of the completed check or convert step (the checks' lines come first), once per JobSet."""
+        step = checks_step(observed.children)
+        if not checks_log_wanted(observed.status, step) or self._checks_read.get(key) == step.uid:
             return None
-        self._data_read[key] = convert.uid
+        self._checks_read[key] = step.uid
         try:
-            return self.cluster.trainer_log_tail(observed.namespace, convert.lead_pod_selector, None)
+            return self.cluster.trainer_log_tail(observed.namespace, step.lead_pod_selector, None)
         except (ApiException, urllib3.exceptions.HTTPError) as error:
-            self._report(key, convert.name, error)
+            self._report(key, step.name, error)
             return None
 
     def read(self, key: tuple[str, str], observed: Observed) -> str | None:
@@ -230,7 +231,7 @@ class TrainLogs:
 
     def forget(self, key: tuple[str, str]) -> None:
         self._read_after_finish.pop(key, None)
-        self._data_read.pop(key, None)
+        self._checks_read.pop(key, None)
         self._last_error.pop(key, None)
 
 
@@ -246,8 +247,8 @@ class Reconciler:
     def reconcile(self, namespace: str, name: str, read_progress: bool = False) -> float | None:
         """Returns when the LoRAJob wants to be looked at again (seconds), if sooner than a resync.
 
-        `read_progress`: also read the lead trainer's log for status.progress, and the completed convert
-        step's log for status.data (the resync pass asks)."""
+        `read_progress`: also read the lead trainer's log for status.progress, and the completed check or
+        convert step's log for status.data and status.plan (the resync pass asks)."""
         key = (namespace, name)
         body = self.view.lorajob(namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
@@ -262,7 +263,7 @@ class Reconciler:
             observed = observe(self.view, body, now, self.settings.render, pods)
         if read_progress:
             observed = dataclasses.replace(
-                observed, train_log=self.train_logs.read(key, observed), convert_log=self.train_logs.read_data(key, observed)
+                observed, train_log=self.train_logs.read(key, observed), checks_log=self.train_logs.read_checks(key, observed)
             )
         decision = decide(observed, self.settings.reconcile)
         self._apply(body, observed, decision)

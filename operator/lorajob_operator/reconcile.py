@@ -39,9 +39,9 @@ Mechanisms, in one place:
   of its pod's log (read by kube.py while the train step runs, and once after it finished) is lifted
   into status.progress. Best effort: it never changes the phase, and a log that is missing or holds
   no readable line keeps the progress already recorded.
-* Data and plan figures: the data check and the fit check (first in the convert step) print one data line and
-  (TPU backends) one plan line; the completed convert pod's log is read once (on a resync pass, while
-  status.data is unset) and the lines lifted into status.data and status.plan.
+* Data and plan figures: the data check and the fit check (the check step, or first in the convert step) print
+  one data line and (TPU backends) one plan line; the completed step's pod log is read once (on a resync
+  pass, while status.data is unset) and the lines lifted into status.data and status.plan.
 """
 
 from __future__ import annotations
@@ -178,8 +178,8 @@ class Observed:
     """The operator's own defaults, used where neither the LoRAJob nor a policy sets a value."""
     train_log: str | None = None
     """The tail of the lead trainer's log when this pass read it (see `train_log_wanted`)."""
-    convert_log: str | None = None
-    """The convert pod's log when this pass read it, for the data check's figures (see `convert_log_wanted`)."""
+    checks_log: str | None = None
+    """The check or convert pod's log when this pass read it, for the checks' figures (see `checks_log_wanted`)."""
 
     @property
     def defaults(self) -> policy.ResolvedDefaults:
@@ -427,25 +427,30 @@ def train_log_wanted(status: dict, train: ChildState | None) -> bool:
     return not train.suspended
 
 
-def convert_log_wanted(status: dict, convert: ChildState | None) -> bool:
-    """Whether the convert pod's log may hold the data check's figures that status.data lacks: its step completed."""
+def checks_step(children: dict[str, ChildState]) -> ChildState | None:
+    """The step that ran the data and fit checks: check, or convert."""
+    return next((children[phase] for phase in rules.CPU_FIRST_STEPS if phase in children), None)
+
+
+def checks_log_wanted(status: dict, step: ChildState | None) -> bool:
+    """Whether the checks step's pod log may hold the figures that status.data lacks: the step completed."""
     return (
-        convert is not None and convert.owned and convert.completed and not convert.deleting
-        and convert.lead_pod_selector is not None and not status.get("data")
+        step is not None and step.owned and step.completed and not step.deleting
+        and step.lead_pod_selector is not None and not status.get("data")
     )
 
 
 def _data(o: Observed) -> dict | None:
-    """status.data: the data check's line in this pass's convert log, else kept."""
-    record = last_data(o.convert_log) if o.convert_log else None
+    """status.data: the data check's line in this pass's checks log, else kept."""
+    record = last_data(o.checks_log) if o.checks_log else None
     if record is None:
         return o.status.get("data")
     return api.DataStatus(**dataclasses.asdict(record)).model_dump(by_alias=True, exclude_none=True)
 
 
 def _plan(o: Observed) -> dict | None:
-    """status.plan: the fit check's line in this pass's convert log (read with the data check's), else kept."""
-    record = last_plan(o.convert_log) if o.convert_log else None
+    """status.plan: the fit check's line in this pass's checks log (read with the data check's), else kept."""
+    record = last_plan(o.checks_log) if o.checks_log else None
     if record is None:
         return o.status.get("plan")
     tokens = None if record.tokens_per_second_per_chip is None else record.tokens_per_second_per_chip * record.chips

@@ -1,9 +1,10 @@
 """LoRAJob spec -> the JobSet of each step, as plain dicts (no Kubernetes client, no I/O).
 
-One JobSet per step, created one after the other by the operator, so the CPU-only convert and
-export steps never hold TPU quota and no TPU slice is reserved while conversion runs:
+One JobSet per step, created one after the other by the operator, so the CPU-only check, convert and
+export steps never hold TPU quota and no TPU slice is reserved while they run:
 
-* convert / export: one pod on the CPU node pool running the trainer image's entry point.
+* check / convert / export: one pod on the CPU node pool running the trainer image's entry points (check:
+  the data and fit checks of a chain without a convert step; convert runs them first).
 * train, backend pathways: the shape GKE's tooling generates -- a `pathways-head` replicated job
   (one pod on the CPU pool: resource manager and proxy as native sidecars, the trainer talking to
   the proxy) and a `worker` replicated job with one Job per slice and one pod per TPU VM; the
@@ -242,6 +243,15 @@ def check_commands(spec: api.LoRAJobSpec, run: str) -> list[list[str]]:
     return [data_check_command(spec, run), *([plan_command(spec, run)] if spec.compute.tpu is not None else [])]
 
 
+def _chained(commands: list[list[str]]) -> list[str]:
+    return ["/bin/sh", "-c", " && ".join(shlex.join(command) for command in commands)]
+
+
+def check_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
+    """The check step of a chain without a convert step: only the checks."""
+    return _chained(check_commands(spec, run))
+
+
 def convert_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
     """The checks, then `lorajob_trainer.convert base` and/or `adapter` (the adapter reads the base's
     config.json)."""
@@ -255,7 +265,7 @@ def convert_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
             *convert, "adapter", "--model-name", spec.model.name, "--base", paths.base_checkpoint,
             "--adapter", spec.lora.restore_from.hugging_face, "--out", paths.converted_adapter,
         ])
-    return ["/bin/sh", "-c", " && ".join(shlex.join(command) for command in commands)]
+    return _chained(commands)
 
 
 def export_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
@@ -594,6 +604,8 @@ def render_phase(
     run = run_name(spec, owner.name)
     if phase == "train":
         return _TRAIN_BY_BACKEND[spec.compute.backend](spec, owner, run, settings, attempt)
+    if phase == "check":
+        return _cpu_step(phase, check_command(spec, run), settings.resources.convert, spec, owner, run, settings, attempt)
     if phase == "convert":
         return _cpu_step(phase, convert_command(spec, run), settings.resources.convert, spec, owner, run, settings, attempt)
     if phase == "export":

@@ -15,10 +15,12 @@ DNS_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 # --- Child names -------------------------------------------------------------------------------
 
-PHASE_WHILE_RUNNING = {"convert": "Converting", "train": "Training", "export": "Exporting"}
+PHASE_WHILE_RUNNING = {"check": "Checking", "convert": "Converting", "train": "Training", "export": "Exporting"}
 """The steps of a LoRAJob in the order they run, each with the status.phase a LoRAJob shows while it runs."""
 PHASES = tuple(PHASE_WHILE_RUNNING)
-CHILD_SUFFIX = {"convert": "-convert", "train": "", "export": "-to-hf"}
+CPU_FIRST_STEPS = ("check", "convert")
+"""One of them runs first in every chain, on a CPU: the data and fit checks (then, for convert, the conversion)."""
+CHILD_SUFFIX = {"check": "-check", "convert": "-convert", "train": "", "export": "-to-hf"}
 """Suffix of each step's JobSet name; the train JobSet carries the run name itself (as in the tutorial)."""
 
 PATHWAYS_HEAD = "pathways-head"
@@ -74,6 +76,8 @@ NEEDS_CONVERT = SpecCondition(
     " && has(self.spec.lora.restoreFrom.huggingFace)))",
     _needs_convert,
 )
+NEEDS_CHECK = SpecCondition(f"!{NEEDS_CONVERT.cel}", lambda spec: not NEEDS_CONVERT.holds(spec))
+"""A chain without a convert step checks in a CPU step of its own."""
 NEEDS_EXPORT = SpecCondition(
     "(!has(self.spec.export) || !has(self.spec.export.enabled) || self.spec.export.enabled)",
     lambda spec: spec.export.enabled,
@@ -89,6 +93,7 @@ def phases(spec) -> list[str]:
     return [
         phase
         for phase, needed in (
+            ("check", NEEDS_CHECK.holds(spec)),
             ("convert", NEEDS_CONVERT.holds(spec)),
             ("train", True),
             ("export", NEEDS_EXPORT.holds(spec)),
@@ -126,6 +131,12 @@ NAME_LIMITS: tuple[NameLimit, ...] = tuple(
                 f"the export step's JobSet is named <run name>{CHILD_SUFFIX['export']} and JobSet names "
                 f"must fit the {WORKLOAD_NAME_MAX}-character workload-name limit",
                 NEEDS_EXPORT,
+            ),
+            NameLimit(
+                WORKLOAD_NAME_MAX - len(CHILD_SUFFIX["check"]),
+                f"the check step's JobSet is named <run name>{CHILD_SUFFIX['check']} and JobSet names "
+                f"must fit the {WORKLOAD_NAME_MAX}-character workload-name limit",
+                NEEDS_CHECK,
             ),
             NameLimit(
                 WORKLOAD_NAME_MAX,

@@ -63,7 +63,7 @@ CASES = [
     (("pathways", False, True, False), 22),
     (("pathways", False, False, False), 22),
     (("mcjax", False, True, False), 22),
-    (("mcjax", False, False, False), 28),
+    (("mcjax", False, False, False), 22),  # the check step's JobSet
     (("mcjax", True, False, False), 20),
 ]
 
@@ -102,7 +102,7 @@ def test_metadata_name_is_the_default_run_name():
 def test_phases(needs_convert):
     doc = _with(_base(), "r", hf=needs_convert)
     spec = api.LoRAJobSpec.model_validate(doc["spec"])
-    assert rules.phases(spec) == (["convert"] if needs_convert else []) + ["train", "export"]
+    assert rules.phases(spec) == ["convert" if needs_convert else "check", "train", "export"]
 
 
 def test_every_tpu_topology_rule_accepts_its_own_topologies():

@@ -45,7 +45,7 @@ def test_full_chain_runs_convert_train_export_to_success(lorajobs, operator):
     status = done["status"]
     assert status["observedGeneration"] == done["metadata"]["generation"]
     assert status["children"] == {"convert": "chain-convert", "train": "chain", "export": "chain-to-hf"}
-    assert status["restarts"] == {"convert": 0, "train": 0, "export": 0}
+    assert status["restarts"] == {"check": 0, "convert": 0, "train": 0, "export": 0}
     assert status["startTime"] <= status["completionTime"]
     assert status["outputs"]["adapterPath"] == "gs://my-bucket/lorajob/chain/huggingface"
     assert condition(done, "Succeeded")["status"] == "True"
@@ -93,6 +93,7 @@ def test_jobs_wait_in_kueue_in_order_until_the_first_releases_the_tpu_slice(lora
 
     for name, timeout in (("first", 120), ("second", 90), ("third", 90)):
         lorajobs.wait_phase(name, "Succeeded", timeout=timeout)
+        assert sorted(_ours(lorajobs.jobsets(), name)) == ["check", "train"]  # a MaxText base: checked, no convert
     # The order is Kueue's own record (the operator notes completionTime when it observes, which may lag under load):
     # each train step got the slice only once the one before it had finished and released it.
     for before, after in (("first", "second"), ("second", "third")):

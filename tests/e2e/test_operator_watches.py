@@ -21,7 +21,7 @@ def test_watch_events_alone_take_a_lorajob_to_succeeded(lorajobs, start_operator
     operator = start_operator(RESYNC_OFF | {"LORAJOB_METRICS_PORT": str(free_loopback_port())})
     lorajobs.apply(sample("events"))
     done = lorajobs.wait_phase("events", "Succeeded", timeout=180)
-    assert done["status"]["restarts"] == {"convert": 0, "train": 0, "export": 0}
+    assert done["status"]["restarts"] == {"check": 0, "convert": 0, "train": 0, "export": 0}
 
     with urllib.request.urlopen(operator.metrics_url, timeout=10) as response:
         metrics = response.read().decode()

@@ -156,15 +156,19 @@ def test_a_lorajob_too_large_for_its_tpu_chips_ends_does_not_fit_before_a_tpu_jo
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps(config | WIDER_THAN_A_V6E_2X4))
     body = localjob.lorajob("too-wide", assets, steps=STEPS)
-    body["spec"]["model"]["huggingFace"] = str(model)
+    # A base already in the trainer's format (never read: the check step fails first), so the chain starts
+    # with a check step of its own; config.json comes from the tokenizer directory, as for a MaxText base.
+    body["spec"]["model"] = {"name": localjob.MODEL_NAME, "maxtextCheckpoint": str(tmp_path / "base" / "0" / "items"),
+                             "tokenizer": str(model)}
     lorajobs.apply(body)
     failed = lorajobs.wait_phase("too-wide", "Failed", timeout=TIMEOUT)
 
     reason = condition(failed, "Failed")
     assert reason["reason"] == "DoesNotFit", reason
+    assert reason["message"].startswith("the check step failed (JobSet too-wide-check"), reason["message"]
     assert f"exited with code {exit_codes.DOES_NOT_FIT}" in reason["message"], reason["message"]
     assert "the train step does not fit 2x4 (8 chips), per-device batch 2 x 1 accumulation: " in reason["message"], reason
     assert "fits (compiled): " in reason["message"] or "none of" in reason["message"], reason["message"]
     steps = {js["metadata"]["labels"]["lorajob.dev/phase"] for js in lorajobs.jobsets()
              if js["metadata"]["labels"].get("lorajob.dev/run-name") == "too-wide"}
-    assert steps == {"convert"}, steps  # no TPU JobSet was ever created (a train JobSet is not deleted on failure)
+    assert steps == {"check"}, steps  # no TPU JobSet was ever created (a train JobSet is not deleted on failure)

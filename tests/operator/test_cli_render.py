@@ -33,7 +33,7 @@ def test_render_prints_every_step_of_every_example_as_the_operator_renders_it():
     assert [doc["metadata"]["name"] for doc in printed] == [
         "gemma3-support-v2-convert", "gemma3-support-v2", "gemma3-support-v2-to-hf",
         "gemma4-26b-gsm8k-convert", "gemma4-26b-gsm8k", "gemma4-26b-gsm8k-to-hf",
-        "llama31-ultrachat-mcjax",
+        "llama31-ultrachat-check", "llama31-ultrachat",
         "qwen3-30b-a3b-gsm8k-convert", "qwen3-30b-a3b-gsm8k", "qwen3-30b-a3b-gsm8k-to-hf",
         "qwen3-gsm8k-convert", "qwen3-gsm8k", "qwen3-gsm8k-to-hf",
     ]

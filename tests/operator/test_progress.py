@@ -15,7 +15,8 @@ from builders import UID, compute, condition, jobset, lorajob, spec_dict, worklo
 
 from lorajob_operator.reconcile import (
     Observed,
-    convert_log_wanted,
+    checks_log_wanted,
+    checks_step,
     decide,
     lead_pod_selector,
     observe_child,
@@ -180,11 +181,17 @@ def test_after_the_step_finished_the_log_is_read_only_until_progress_shows_the_l
 
 # --- status.progress in the decision ----------------------------------------------------------------------
 
+def _checked(body: dict) -> object:
+    """The completed check step of a chain without convert."""
+    return observe_child(jobset(body, "check", conditions=[COMPLETED]), UID, None)
+
+
 def _observed(body: dict, train, train_log: str | None) -> Observed:
     spec, errors = parse_spec(body)
     return Observed(
         name=body["metadata"]["name"], namespace=body["metadata"]["namespace"], generation=1, spec=spec,
-        spec_errors=errors, status=body.get("status") or {}, children={"train": train} if train else {}, problems=(),
+        spec_errors=errors, status=body.get("status") or {},
+        children={"check": _checked(body), "train": train} if train else {}, problems=(),
         cluster_queue="cq-tpu", now=NOW, train_log=train_log,
     )
 
@@ -283,7 +290,7 @@ def test_a_run_that_stopped_early_succeeds_with_reason_early_stopped_and_exports
     spec = {**WITH_EXPORT, "training": {"steps": 100, "earlyStopping": {"patience": 2}}}
     body = lorajob(spec=spec, status={"phase": "Exporting"})
     stopped = _checkpoint_line(30, total=100, state="stopped_early", message="eval loss did not improve on 1.2000")
-    children = {"train": _train(body, conditions=[COMPLETED]),
+    children = {"check": _checked(body), "train": _train(body, conditions=[COMPLETED]),
                 "export": observe_child(jobset(body, "export", conditions=[COMPLETED]), UID, None)}
     observed = dataclasses.replace(_observed(body, None, stopped), children=children)
     decision = decide(observed, SETTINGS)
@@ -319,30 +326,38 @@ def _convert(body: dict, **jobset_args) -> object:
     return observe_child(jobset(body, "convert", **jobset_args), UID, workload(condition("QuotaReserved"), condition("Admitted")))
 
 
-def test_the_convert_log_is_read_for_the_data_figures_once_the_step_completed_and_until_status_has_them():
+def test_the_checks_log_is_read_for_the_figures_once_the_step_completed_and_until_status_has_them():
     body = lorajob()
-    assert convert_log_wanted({}, _convert(body, conditions=[COMPLETED]))
-    assert not convert_log_wanted({}, _convert(body))  # still running: read once it completed
-    assert not convert_log_wanted({"data": {"examples": 1}}, _convert(body, conditions=[COMPLETED]))
-    assert not convert_log_wanted({}, None)
+    assert checks_log_wanted({}, _convert(body, conditions=[COMPLETED]))
+    assert not checks_log_wanted({}, _convert(body))  # still running: read once it completed
+    assert not checks_log_wanted({"data": {"examples": 1}}, _convert(body, conditions=[COMPLETED]))
+    assert not checks_log_wanted({}, None)
+
+
+def test_a_chain_without_convert_checks_in_a_step_of_its_own():
+    body = lorajob(spec=spec_dict(model={"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://bucket/qwen3/0/items"}))
+    check = observe_child(jobset(body, "check", conditions=[COMPLETED]), UID,
+                          workload(condition("QuotaReserved"), condition("Admitted")))
+    assert check.name == "qwen3-gsm8k-check" and checks_step({"check": check, "train": object()}) is check
+    assert checks_log_wanted({}, check)
 
 
 def test_the_data_and_plan_lines_of_the_convert_log_are_lifted_into_status_and_kept():
     body = lorajob(status={"phase": "Converting"})
     converted = _convert(body, conditions=[COMPLETED])
     observed = dataclasses.replace(_observed(body, None, None), children={"convert": converted},
-                                   convert_log=f"data check passed: ...\n{DATA.line()}\n{PLAN.line()}\nconverting\n")
+                                   checks_log=f"data check passed: ...\n{DATA.line()}\n{PLAN.line()}\nconverting\n")
     status = decide(observed, SETTINGS).status
     assert status["data"] == {"examples": 7473, "tokens": 1402116, "trainedTokens": 512330, "epochs": 4.28,
                               "truncatedExamples": 12, "truncatedShare": 0.003}
     assert status["plan"] == {"target": PLAN.target, "hbmBytesPerChip": 14_630_000_000, "capacityBytes": 30_923_764_531,
                               "stepSeconds": 0.25, "tokensPerSecond": 16 * 4096.0, "mfu": 0.08,
                               "bound": "ICI all-gathers", "compileSeconds": 565.0}
-    later = dataclasses.replace(observed, status=status, convert_log=None)
+    later = dataclasses.replace(observed, status=status, checks_log=None)
     assert {k: decide(later, SETTINGS).status[k] for k in ("data", "plan")} == {k: status[k] for k in ("data", "plan")}
 
 
-def test_the_convert_log_is_read_once_per_convert_jobset():
+def test_the_checks_log_is_read_once_per_jobset():
     class Cluster:
         reads = 0
 
@@ -354,6 +369,6 @@ def test_the_convert_log_is_read_once_per_convert_jobset():
     body = lorajob(status={"phase": "Training"})
     observed = dataclasses.replace(_observed(body, None, None), children={"convert": _convert(body, conditions=[COMPLETED])})
     logs = TrainLogs(Cluster(), lines=100)
-    assert logs.read_data(("team-a", "qwen3-gsm8k"), observed) == DATA.line()
-    assert logs.read_data(("team-a", "qwen3-gsm8k"), observed) is None
+    assert logs.read_checks(("team-a", "qwen3-gsm8k"), observed) == DATA.line()
+    assert logs.read_checks(("team-a", "qwen3-gsm8k"), observed) is None
     assert Cluster.reads == 1

@@ -241,15 +241,17 @@ def test_active_deadline_fails_and_stops_the_running_step_counting_from_the_last
     assert _conditions(late)["Failed"]["reason"] == "DeadlineExceeded"
 
 
-def test_a_train_first_lorajob_whose_first_status_write_was_skipped_still_has_a_start_and_a_deadline():
+def test_a_lorajob_whose_first_status_write_was_skipped_still_has_a_start_and_a_deadline():
     """The pass that creates a new LoRAJob's first JobSet skips its status write (bursts): the start is the first
-    step's creation, read from the child, so activeDeadlineSeconds fires for a LoRAJob that starts with train."""
+    step's creation, read from the children, so activeDeadlineSeconds fires (it once never did for a LoRAJob
+    that started with train)."""
     spec = spec_dict(model={"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://bucket/qwen3/0/items"},
                      scheduling={"queueName": "lorajob", "activeDeadlineSeconds": 600})
     body = lorajob(spec=spec)
-    train = jobset(body, "train")
-    train["metadata"]["creationTimestamp"] = "2026-01-01T11:55:00Z"
-    running = {"train": (train, _admitted(), None)}
+    check, train = jobset(body, "check", conditions=[COMPLETED]), jobset(body, "train")
+    check["metadata"]["creationTimestamp"] = "2026-01-01T11:55:00Z"
+    train["metadata"]["creationTimestamp"] = "2026-01-01T11:57:00Z"
+    running = {"check": (check, None, None), "train": (train, _admitted(), None)}
     decision = decide(_observe(body, running), SETTINGS)
     assert decision.status["startTime"] == "2026-01-01T11:55:00Z" and decision.status["phase"] == "Training"
 

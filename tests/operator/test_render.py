@@ -31,20 +31,27 @@ def _env(container: dict) -> dict[str, dict]:
     return {item["name"]: item for item in container.get("env", [])}
 
 
-def _longest_name_spec(backend: str) -> tuple[str, dict]:
-    """A spec running all three steps, and the longest run name the CRD admits for it."""
+MAXTEXT_BASE = {"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://b/base/0/items"}
+
+
+def _longest_name_spec(backend: str, model: dict | None = None) -> tuple[str, dict]:
+    """A spec running convert (or, from a MaxText `model`, check), train and export, and the longest run name the
+    CRD admits for it."""
     spec = spec_dict(compute=compute(backend, slices=64, topology="16x16" if backend != "gpu" else "4x4"))
+    if model:
+        spec["model"] = model
     if backend == "gpu":
         spec["compute"] = {"backend": "gpu", "gpu": {**GPU, "nodes": 512}}
     limit = rules.run_name_limit(parsed(lorajob(spec=spec))).limit
     return "r" + "x" * (limit - 1), spec
 
 
+@pytest.mark.parametrize("model", [None, MAXTEXT_BASE], ids=["convert", "check"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_names_and_labels_stay_within_kubernetes_limits_at_the_longest_allowed_run_name(backend):
-    name, spec = _longest_name_spec(backend)
+def test_names_and_labels_stay_within_kubernetes_limits_at_the_longest_allowed_run_name(backend, model):
+    name, spec = _longest_name_spec(backend, model)
     jobsets = _rendered(lorajob(name, spec))
-    assert set(jobsets) == set(rules.PHASES)
+    assert set(jobsets) == {"check" if model else "convert", "train", "export"}
     for phase, jobset in jobsets.items():
         assert jobset["metadata"]["name"] == rules.child_name(name, phase)
         assert len(jobset["metadata"]["name"]) <= rules.WORKLOAD_NAME_MAX
@@ -118,8 +125,8 @@ def test_the_hugging_face_token_only_travels_as_a_secret_key_reference(backend):
     ("model", "lora", "export", "expected"),
     [
         ({"name": "qwen3-0.6b", "huggingFace": "Qwen/Qwen3-0.6B"}, {}, {}, ["convert", "train", "export"]),
-        ({"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://b/base/0/items"}, {}, {}, ["train", "export"]),
-        ({"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://b/base/0/items"}, {}, {"enabled": False}, ["train"]),
+        ({"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://b/base/0/items"}, {}, {}, ["check", "train", "export"]),
+        ({"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://b/base/0/items"}, {}, {"enabled": False}, ["check", "train"]),
         (
             {"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://b/base/0/items"},
             {"restoreFrom": {"huggingFace": "org/adapter"}}, {"enabled": False}, ["convert", "train"],
