@@ -16,7 +16,7 @@ from lorajobs import sample
 from record import Record, Versions
 
 from lorajob_devcluster import wait_for
-from lorajob_operator import render, rules
+from lorajob_operator import api, render, rules
 
 OPERATOR = "operator"
 RESTARTABLE = ("kube-apiserver", "jobset", "kueue")
@@ -102,7 +102,8 @@ def problems(jobset_versions: Versions, lorajob_versions: Versions, names: list[
             continue
         found += _status_problems(lorajobs[name])
         restarts = (lorajobs[name].get("status") or {}).get("restarts") or {}
-        for index, step in enumerate(rules.PHASES):
+        steps = _steps(lorajobs[name])
+        for index, step in enumerate(steps):
             tries = attempts.get((name, step), {})
             for attempt in sorted(set(tries.values())):
                 same = sorted(uid for uid, of in tries.items() if of == attempt)
@@ -117,10 +118,10 @@ def problems(jobset_versions: Versions, lorajob_versions: Versions, names: list[
             again = sorted(uid for uid in tries if first_seen[uid] > done)
             if again:
                 found.append(f"LoRAJob {name}: step {step} ran again after it completed (JobSets {again})")
-            before = completion(name, rules.PHASES[index - 1]) if index else None
+            before = completion(name, steps[index - 1]) if index else None
             early = sorted(uid for uid in tries if index and (before is None or first_seen[uid] < before))
             if early:
-                found.append(f"LoRAJob {name}: step {step} started before step {rules.PHASES[index - 1]} completed ({early})")
+                found.append(f"LoRAJob {name}: step {step} started before step {steps[index - 1]} completed ({early})")
     found += _history_problems(lorajob_versions)
 
     uids = {obj["metadata"]["uid"] for obj in [*namespace_objects, *lorajobs.values()]}
@@ -129,6 +130,11 @@ def problems(jobset_versions: Versions, lorajob_versions: Versions, names: list[
         if owner is not None and owner["uid"] not in uids:
             found.append(f"orphaned {obj['kind']} {obj['metadata']['name']}: its {owner['kind']} {owner['name']} is gone")
     return found
+
+
+def _steps(obj: dict) -> list[str]:
+    """The steps a LoRAJob runs, in order."""
+    return rules.phases(api.LoRAJobSpec.model_validate(obj["spec"]))
 
 
 def _status_problems(obj: dict) -> list[str]:
@@ -141,7 +147,7 @@ def _status_problems(obj: dict) -> list[str]:
     stale = [c["type"] for c in status.get("conditions") or [] if c.get("observedGeneration") != generation]
     if status.get("observedGeneration") != generation or stale:
         found.append(f"LoRAJob {name}: observedGeneration {status.get('observedGeneration')} (conditions {stale}) != generation {generation}")
-    if status.get("children") != {step: rules.child_name(name, step) for step in rules.PHASES}:
+    if status.get("children") != {step: rules.child_name(name, step) for step in _steps(obj)}:
         found.append(f"LoRAJob {name}: status.children {status.get('children')}")
     if not status.get("startTime") or status["startTime"] > (status.get("completionTime") or ""):
         found.append(f"LoRAJob {name}: startTime {status.get('startTime')} completionTime {status.get('completionTime')}")

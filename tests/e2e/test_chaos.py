@@ -10,19 +10,22 @@ import os
 
 import pytest
 from chaos import OPERATOR, RESTARTABLE, plan, problems, run
+from lorajobs import sample
 
-from lorajob_operator import render, rules
+from lorajob_operator import api, render, rules
 
 SEED = int(os.environ.get("LORAJOB_CHAOS_SEED", "12"))
 RUN = "a"
 RUN_UID = "uid-a"
+SPEC = sample(RUN)["spec"]
+STEPS = rules.phases(api.LoRAJobSpec.model_validate(SPEC))  # convert, train, export
 
 
 def _lorajob(phase: str, **status) -> dict:
     conditions = [{"type": "Succeeded", "status": "True", "observedGeneration": 1}] if phase == "Succeeded" else []
-    return {"metadata": {"name": RUN, "uid": RUN_UID, "generation": 1},
+    return {"metadata": {"name": RUN, "uid": RUN_UID, "generation": 1}, "spec": SPEC,
             "status": {"phase": phase, "observedGeneration": 1, "conditions": conditions,
-                       "children": {step: rules.child_name(RUN, step) for step in rules.PHASES},
+                       "children": {step: rules.child_name(RUN, step) for step in STEPS},
                        "restarts": dict.fromkeys(rules.PHASES, 0),
                        "startTime": "2026-01-01T00:00:00Z", "completionTime": "2026-01-01T00:01:00Z", **status}}
 
@@ -38,7 +41,7 @@ def _jobset(step: str, uid: str, completed: bool, attempt: int = 0, owner_uid: s
 def _good() -> tuple[list, list]:
     clock = itertools.count()
     jobsets, lorajobs = [], [(next(clock), _lorajob("Queued"))]
-    for step, phase in zip(rules.PHASES, ("Converting", "Training", "Exporting")):
+    for step, phase in zip(STEPS, ("Converting", "Training", "Exporting"), strict=True):
         jobsets.append((next(clock), _jobset(step, f"uid-{step}", completed=False)))
         lorajobs.append((next(clock), _lorajob(phase)))
         jobsets.append((next(clock), _jobset(step, f"uid-{step}", completed=True)))

@@ -113,7 +113,7 @@ def _workload(lorajobs, run: str) -> dict:
 
 def test_a_failing_train_step_fails_the_job_with_the_reason_and_never_exports(lorajobs, operator):
     body = sample("broken", images={"trainer": failing_image(42)}, retryLimit=1)
-    body["spec"]["model"] = {"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://my-bucket/qwen3/0/items"}  # train first
+    body["spec"]["model"] = {"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://my-bucket/qwen3/0/items"}  # check, then train
     lorajobs.apply(body)
     failed = lorajobs.wait_phase("broken", "Failed", timeout=150)
 
@@ -123,7 +123,7 @@ def test_a_failing_train_step_fails_the_job_with_the_reason_and_never_exports(lo
     assert "pathways-head" in reason["message"] and "giving up after 1 retry" in reason["message"]
     assert failed["status"]["restarts"]["train"] == 1
     children = _ours(lorajobs.jobsets(), "broken")
-    assert sorted(children) == ["train"]
+    assert sorted(children) == ["check", "train"]
     assert children["train"]["metadata"]["labels"][render.LABEL_ATTEMPT] == "1"
     assert [e["type"] for e in lorajobs.events("broken") if e["reason"] == "Failed"] == ["Warning"]
 
@@ -156,8 +156,9 @@ def test_suspend_deletes_the_running_step_and_resume_recreates_it(lorajobs, oper
     lorajobs.patch_spec("pause", {"suspend": True})
     suspended = lorajobs.wait_phase("pause", "Suspended", timeout=60)
     assert condition(suspended, "Suspended")["status"] == "True"
-    lorajobs.wait_until(lambda: not _ours(lorajobs.jobsets(), "pause"), "the train JobSet deleted", timeout=60)
-    assert not [p for p in lorajobs.pods() if p["metadata"]["labels"].get(render.LABEL_RUN) == "pause"]
+    lorajobs.wait_until(lambda: "train" not in _ours(lorajobs.jobsets(), "pause"), "the train JobSet deleted", timeout=60)
+    assert not [p for p in lorajobs.pods() if p["metadata"]["labels"].get(render.LABEL_RUN) == "pause"
+                and p["metadata"]["labels"].get(render.LABEL_PHASE) == "train"]
 
     lorajobs.patch_spec("pause", {"suspend": False})
     resumed = lorajobs.wait_phase("pause", "Training", timeout=60)

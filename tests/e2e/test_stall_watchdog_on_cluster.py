@@ -35,5 +35,5 @@ def test_a_trainer_that_hangs_is_restarted_as_stalled(lorajobs, operator, traine
     assert stalled["type"] == "Warning"
     assert "the train step stalled (JobSet hung): no new step for " in stalled["message"]
     assert f"(last step 3; scheduling.progressDeadlineSeconds={DEADLINE_SECONDS}); an infrastructure failure" in stalled["message"]
-    (jobset,) = lorajobs.jobsets()
+    (jobset,) = [js for js in lorajobs.jobsets() if js["metadata"]["labels"][render.LABEL_PHASE] == "train"]
     assert jobset["metadata"]["labels"][render.LABEL_ATTEMPT] == "1"
