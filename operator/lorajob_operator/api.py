@@ -220,7 +220,9 @@ class LoRASpec(_Model):
     rank: int = Field(default=DEFAULTS.lora_rank, ge=BOUNDS.lora_rank[0], le=BOUNDS.lora_rank[1])
     """rank (r) of the adapters."""
     alpha: float = Field(default=DEFAULTS.lora_alpha, gt=0, le=65536)
-    """alpha scales the adapter output by alpha/rank."""
+    """alpha scales the adapter output by alpha/rank (alpha/sqrt(rank) with rsLoRA)."""
+    rs_lora: bool = Field(default=False, alias="rsLoRA")
+    """rsLoRA scales the adapter output by alpha/sqrt(rank) instead of alpha/rank (rank-stabilised LoRA, PEFT's use_rslora), so the update keeps its size at large ranks. An adapter in restoreFrom must have been trained the same way."""
     target_modules: str | None = Field(default=None, max_length=PATH_MAX)
     """targetModules is a regular expression over module paths that overrides the model family's default (attention q/k/v/o and MLP gate/up/down)."""
     restore_from: LoRARestore | None = None

@@ -177,6 +177,7 @@ def train_config(spec: api.LoRAJobSpec, run: str) -> TrainConfig:
         "lora": {
             "lora_rank": lora.rank,
             "lora_alpha": lora.alpha,
+            "use_rslora": lora.rs_lora,
             "lora_module_path": lora.target_modules or "",
             "lora_restore_path": paths.restore_adapter or "",
         },

@@ -315,6 +315,13 @@ def test_convert_and_export_arguments_are_accepted_by_the_trainer_entry_points(m
     assert exported == ("/runs/qwen3-gsm8k/checkpoints", "/runs/qwen3-gsm8k/huggingface")
 
 
+def test_rslora_reaches_the_trainer():
+    spec = parsed(lorajob(spec=spec_dict(lora={"rank": 64, "alpha": 16, "rsLoRA": True})))
+    assert spec.lora.rs_lora and render.train_config(spec, "r").lora.use_rslora
+    assert "lora.use_rslora=true" in render.train_command(spec, "r")
+    assert not render.train_config(parsed(lorajob()), "r").lora.use_rslora
+
+
 def test_eval_interval_is_its_own_setting_and_defaults_to_the_checkpoint_period():
     dataset = {"name": "openai/gsm8k", "dataDir": "main", "columns": ["question", "answer"], "evalSplit": "test"}
     own = parsed(lorajob(spec=spec_dict(dataset=dataset, training={"steps": 20, "checkpointPeriod": 10, "evalInterval": 4})))

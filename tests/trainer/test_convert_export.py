@@ -42,9 +42,9 @@ def logits(model, length: int = 16) -> np.ndarray:
 # --- HF PEFT adapter -> trainer checkpoint -> HF PEFT adapter ----------------------------------
 
 
-def make_peft_adapter(family: str, base: Path, out: Path) -> Path:
+def make_peft_adapter(family: str, base: Path, out: Path, *, rslora: bool = False) -> Path:
     """A random PEFT adapter (rank 4, every A and B distinct) on the tiny `family` model at `base`, on the
-    family's default targets (routed experts through PEFT's `target_parameters`)."""
+    family's default targets (routed experts through PEFT's `target_parameters`); `rslora`: PEFT's use_rslora."""
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model
@@ -59,6 +59,7 @@ def make_peft_adapter(family: str, base: Path, out: Path) -> Path:
         target_parameters=parameters or None,
         init_lora_weights=False,
         lora_dropout=0.0,
+        use_rslora=rslora,
     )
     get_peft_model(hf, config).save_pretrained(out)
     return out

@@ -90,16 +90,18 @@ def random_lora(model, seed: int) -> dict[str, np.ndarray]:
     }
 
 
-def lora_model_with_random_adapters(family, directory, mesh, rank=4, alpha=8.0):
+def lora_model_with_random_adapters(family, directory, mesh, rank=4, alpha=8.0, rslora=False):
     model, spec = models.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
     regex = lora.module_path_regex(family)
-    model = lora.apply_lora(model, rank=rank, alpha=alpha, target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0))
+    model = lora.apply_lora(model, rank=rank, alpha=alpha, target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0),
+                            rslora=rslora)
     params = random_lora(model, seed=5)
     lora.set_lora_params(model, params)
     metadata = CheckpointMetadata(
         step=7,
         lora_rank=rank,
         lora_alpha=alpha,
+        use_rslora=rslora,
         target_modules=lora.default_targets(family),
         lora_module_path="",
         base_model=f"tiny-{family}",
@@ -109,11 +111,21 @@ def lora_model_with_random_adapters(family, directory, mesh, rank=4, alpha=8.0):
     return model, params, metadata
 
 
-def test_exported_adapter_matches_peft(checkpoint, mesh, tmp_path):
+RSLORA = pytest.mark.parametrize("rslora", [False, True], ids=["lora", "rslora"])
+
+
+def _alpha(rslora: bool) -> float:
+    """Scale 2 either way (8/4; rsLoRA 4/√4), so float32 rounding stays as small; plain LoRA at alpha 4 would
+    scale by 1, so a lost use_rslora shows."""
+    return 4.0 if rslora else 8.0
+
+
+@RSLORA
+def test_exported_adapter_matches_peft(checkpoint, mesh, tmp_path, rslora):
     from peft import PeftModel
 
     family, directory = checkpoint
-    model, params, metadata = lora_model_with_random_adapters(family, directory, mesh)
+    model, params, metadata = lora_model_with_random_adapters(family, directory, mesh, alpha=_alpha(rslora), rslora=rslora)
     step_dir = lora.save_adapter_checkpoint(tmp_path / "ckpt", params, metadata)
     out = export.export_adapter(step_dir, tmp_path / "adapter")
     base = load_hf(directory)
@@ -125,23 +137,25 @@ def test_exported_adapter_matches_peft(checkpoint, mesh, tmp_path):
     np.testing.assert_allclose(ours, torch_logits(peft_model, ids), atol=ATOL, rtol=0)
 
 
-def test_merged_export_matches_lora_model(checkpoint, mesh, tmp_path):
+@RSLORA
+def test_merged_export_matches_lora_model(checkpoint, mesh, tmp_path, rslora):
     family, directory = checkpoint
-    model, params, metadata = lora_model_with_random_adapters(family, directory, mesh)
+    model, params, metadata = lora_model_with_random_adapters(family, directory, mesh, alpha=_alpha(rslora), rslora=rslora)
     step_dir = lora.save_adapter_checkpoint(tmp_path / "ckpt", params, metadata)
     merged = export.export_merged(step_dir, tmp_path / "merged")
     ids = tokens()
     np.testing.assert_allclose(jax_logits(model, ids), torch_logits(load_hf(merged), ids), atol=ATOL, rtol=0)
 
 
-def test_peft_made_adapter_converts_to_peft_logits(checkpoint, mesh, tmp_path):
+@RSLORA
+def test_peft_made_adapter_converts_to_peft_logits(checkpoint, mesh, tmp_path, rslora):
     """An adapter PEFT wrote (k_proj and v_proj with their own lora_A) converts in and gives PEFT's logits."""
     from peft import PeftModel
     from safetensors.numpy import load_file
     from test_convert_export import make_peft_adapter
 
     family, directory = checkpoint
-    adapter = make_peft_adapter(family, directory, tmp_path / "adapter")
+    adapter = make_peft_adapter(family, directory, tmp_path / "adapter", rslora=rslora)
     tensors = load_file(adapter / "adapter_model.safetensors")
     attn = f"{lora.PEFT_PREFIX}.0.self_attn"
     assert not np.array_equal(tensors[f"{attn}.k_proj.lora_A.weight"], tensors[f"{attn}.v_proj.lora_A.weight"])
@@ -150,8 +164,10 @@ def test_peft_made_adapter_converts_to_peft_logits(checkpoint, mesh, tmp_path):
     )
     model, _ = models.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
     regex = lora.module_path_regex(family, metadata.target_modules)
+    assert metadata.use_rslora == rslora
     model = lora.apply_lora(
-        model, rank=metadata.lora_rank, alpha=metadata.lora_alpha, target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0)
+        model, rank=metadata.lora_rank, alpha=metadata.lora_alpha, target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0),
+        rslora=metadata.use_rslora,
     )
     lora.set_lora_params(model, params)
     ids = tokens()

@@ -69,6 +69,8 @@ class CheckpointMetadata:
     tokenizer_path: str = ""
     """Where the base's config.json and tokenizer came from (the run's tokenizer_path; a MaxText base
     has no config.json of its own); empty = load_parameters_path."""
+    use_rslora: bool = False
+    """The adapter's scale is alpha/√r (rsLoRA), not alpha/r."""
     train_loss: float | None = None
     """Training loss at this step."""
     eval_loss: float | None = None

@@ -38,6 +38,8 @@ class LoraConfig(_Section):
     """Adapter rank r."""
     lora_alpha: float = Field(DEFAULTS.lora_alpha, gt=0)
     """Adapter scale numerator: the update is (alpha / r) * B A."""
+    use_rslora: bool = False
+    """rsLoRA (PEFT's use_rslora): the update is (alpha / sqrt(r)) * B A, which keeps its size as r grows."""
     lora_module_path: str = ""
     """Expert override: a regex over model module paths selecting the adapted layers."""
     target_modules: list[str] | None = None

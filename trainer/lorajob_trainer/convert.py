@@ -35,7 +35,6 @@ log = logging.getLogger("lorajob_trainer.convert")  # not __name__: run as __mai
 # adapter_config.json options that change the adapter's meaning, with the only value we accept
 # (an absent or empty value means the default too).
 _UNSUPPORTED_PEFT_OPTIONS = {
-    "use_rslora": False,
     "use_dora": False,
     "bias": "none",
     "layers_to_transform": None,
@@ -146,6 +145,7 @@ def _write_adapter(model_name: str, base: str | Path, base_dir: Path, adapter: P
         step=0,
         lora_rank=rank,
         lora_alpha=float(config["lora_alpha"]),
+        use_rslora=bool(config.get("use_rslora")),
         target_modules=names,
         lora_module_path="",
         base_model=model_name,

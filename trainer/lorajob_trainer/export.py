@@ -62,7 +62,7 @@ def adapter_config(metadata: CheckpointMetadata, target_modules: list[str], base
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
-        "use_rslora": False,
+        "use_rslora": metadata.use_rslora,
         "use_dora": False,
         "inference_mode": True,
         "modules_to_save": None,
@@ -185,10 +185,13 @@ def _write_merged(
     model, spec = models.load_model(metadata.base_model, base, mesh=mesh, dtype=jnp.float32, config_dir=config_dir)
     regex = lora.target_regex(spec.family.name, metadata.target_modules, metadata.lora_module_path)
     model = lora.apply_lora(
-        model, rank=metadata.lora_rank, alpha=metadata.lora_alpha, target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0)
+        model, rank=metadata.lora_rank, alpha=metadata.lora_alpha, target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0),
+        rslora=metadata.use_rslora,
     )
     lora.set_lora_params(model, params)
-    merged = lora.merged_base_params(model, metadata.lora_alpha, metadata.lora_rank)
+    merged = lora.merged_base_params(
+        model, metadata.lora_rank, lora.scale(metadata.lora_alpha, metadata.lora_rank, metadata.use_rslora)
+    )
     dtype = _hf_dtype(spec.hf_config)
     prefix, towers = _other_towers(spec) if lora.is_multimodal(spec.hf_config) else ("model.", {})
     tensors = {k: v.astype(dtype) for k, v in weights.hf_tensors(merged, spec.tensor_maps(), prefix).items()}

@@ -6,7 +6,8 @@ LoRA parameters as a flat dict
     `set_lora_params(model, params)` writes such a dict back (same keys and shapes required).
     Shapes follow Qwix: for an einsum weight, A is [contracting dims..., r] and B is
     [r, remaining dims...] (q_proj: A [D, r], B [r, N, H]; o_proj: A [N, H, r], B [r, D]); for
-    nnx.Linear, A [in, r], B [r, out]. The update is x·A·B·alpha/r, as in PEFT.
+    nnx.Linear, A [in, r], B [r, out]. The update is x·A·B·scale, scale = alpha/r, or alpha/√r with
+    rsLoRA (`scale`), as in PEFT.
 
 Trainer LoRA checkpoint layout (Orbax; checkpoint.py writes it during training, convert.py writes
 a single step from an HF PEFT adapter, export.py reads it):
@@ -16,8 +17,9 @@ a single step from an HF PEFT adapter, export.py reads it):
                                           `load_adapter_checkpoint` also accepts it nested on "."
     <root>/<step>/optimizer/, data/       training runs only (checkpoint.py)
     <root>/<step>/_CHECKPOINT_METADATA    custom metadata = checkpoint.CheckpointMetadata:
-                                          step, lora_rank, lora_alpha, target_modules (HF names),
-                                          lora_module_path, base_model, family, load_parameters_path
+                                          step, lora_rank, lora_alpha, use_rslora, target_modules
+                                          (HF names), lora_module_path, base_model, family,
+                                          load_parameters_path
 
 HF PEFT adapter: `base_model.model.model.layers.<i>.<hf module>.lora_A.weight` [r, in] and
 `lora_B.weight` [out, r], where `lora_A = A.reshape(-1, r).T` and `lora_B = B.reshape(r, -1).T`
@@ -134,8 +136,14 @@ def names_for_regex(family: str, regex: str, num_layers: int) -> list[str]:
 # --- applying LoRA -----------------------------------------------------------------------------
 
 
+def scale(alpha: float, rank: int, rslora: bool = False) -> float:
+    """What an adapter's A·B is multiplied by: alpha/r, or with rsLoRA alpha/√r (PEFT's use_rslora)."""
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
 def apply_lora(
-    model: nnx.Module, *, rank: int, alpha: float, target_regex: str, mesh: Mesh, rngs: nnx.Rngs
+    model: nnx.Module, *, rank: int, alpha: float, target_regex: str, mesh: Mesh, rngs: nnx.Rngs,
+    rslora: bool = False,
 ) -> nnx.Module:
     """A copy of `model` with LoRA adapters (nnx.LoRAParam, A random, B zero) on matching modules.
 
@@ -148,6 +156,8 @@ def apply_lora(
     expert_paths = ["/".join(map(str, p)) for p, m in nnx.iter_graph(model) if isinstance(m, experts.ExpertsLinear)]
     # Routed experts carry their own adapters; Qwix must not also adapt the matmuls inside them.
     qwix_regex = "".join(f"(?!{re.escape(p)}$)" for p in expert_paths) + f"(?:{target_regex})"
+    # Qwix and the experts scale by alpha/rank: the alpha that gives `scale`.
+    alpha = scale(alpha, rank, rslora) * rank
     provider = qwix.LoraProvider(module_path=qwix_regex, rank=rank, alpha=alpha)
     batch = mesh.devices.size
     inputs = (jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1), jnp.int32), None, jnp.ones((batch, 1, 1), bool))
@@ -353,8 +363,8 @@ def names_for_peft_regex(family: str, regex: str, num_layers: int, hf_config: Ma
     ]
 
 
-def merged_base_params(model: nnx.Module, alpha: float, rank: int) -> dict[str, np.ndarray]:
-    """The model's base params (host arrays) with each adapter folded in: W += (A·B)·alpha/r."""
+def merged_base_params(model: nnx.Module, rank: int, lora_scale: float) -> dict[str, np.ndarray]:
+    """The model's base params (host arrays) with each adapter folded in: W += (A·B)·lora_scale (`scale`)."""
     base = {
         weights.path_key(path): np.asarray(v.get_value())
         for path, v in nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
@@ -368,9 +378,9 @@ def merged_base_params(model: nnx.Module, alpha: float, rank: int) -> dict[str, 
         a = np.asarray(lora[key], np.float32)
         b = np.asarray(lora[f"{module_path}.{weight}_lora_b"], np.float32)
         if isinstance(modules[module_path], experts.ExpertsLinear):
-            delta = modules[module_path].lora_delta(a, b) * (alpha / rank)
+            delta = modules[module_path].lora_delta(a, b) * lora_scale
         else:
-            delta = (a.reshape(-1, rank) @ b.reshape(rank, -1) * (alpha / rank)).reshape(*a.shape[:-1], *b.shape[1:])
+            delta = (a.reshape(-1, rank) @ b.reshape(rank, -1) * lora_scale).reshape(*a.shape[:-1], *b.shape[1:])
         einsum_str = getattr(modules[module_path], "einsum_str", None)
         if einsum_str is not None:
             delta = delta.transpose(_einsum_weight_order(einsum_str))

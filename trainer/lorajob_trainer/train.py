@@ -100,7 +100,7 @@ def load_lora_model(config: TrainConfig, mesh: Mesh, dtype: jnp.dtype) -> LoraMo
         targets = lora_lib.names_for_regex(family, regex, spec.tunix_config.num_layers) or None
     model = lora_lib.apply_lora(
         model, rank=config.lora.lora_rank, alpha=config.lora.lora_alpha, target_regex=regex, mesh=mesh,
-        rngs=nnx.Rngs(config.seed),
+        rngs=nnx.Rngs(config.seed), rslora=config.lora.use_rslora,
     )
     return LoraModel(
         model, targets, attention_width(spec.tunix_config), experts.active_shares(model),
@@ -498,6 +498,7 @@ class Trainer:
             step=step,
             lora_rank=c.lora.lora_rank,
             lora_alpha=c.lora.lora_alpha,
+            use_rslora=c.lora.use_rslora,
             target_modules=self.lora_model.target_modules,
             lora_module_path=c.lora.lora_module_path,
             base_model=c.model_name,
@@ -530,6 +531,11 @@ class Trainer:
             raise lora_lib.LoraError(
                 f"lora.lora_restore_path {path}: adapter has rank {metadata.lora_rank} and "
                 f"{len(params)} tensors, this run has lora.lora_rank={self.config.lora.lora_rank} and {len(self.lora)}"
+            )
+        if metadata.use_rslora != self.config.lora.use_rslora:
+            raise lora_lib.LoraError(
+                f"lora.lora_restore_path {path}: adapter has use_rslora={metadata.use_rslora}, this run has "
+                f"lora.use_rslora={self.config.lora.use_rslora}; the same weights would mean another update"
             )
         log.info("starting from adapter %s (step %d of %s)", path, metadata.step, metadata.base_model)
         return {
