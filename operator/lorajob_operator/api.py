@@ -187,6 +187,8 @@ class TrainingSpec(_Model):
     """schedule of the learning rate after warmup."""
     gradient_accumulation_steps: int = Field(default=DEFAULTS.gradient_accumulation_steps, ge=1, le=1024)
     """gradientAccumulationSteps accumulates gradients over this many micro-batches per step."""
+    remat: Literal["none", "minimal", "full"] = DEFAULTS.remat_policy  # type: ignore[assignment]
+    """remat is what the backward pass recomputes per decoder layer (MaxText's names): none keeps every activation; minimal (the default) keeps the weight matmuls' outputs; full keeps only each layer's input, for about a third more compute and far less memory (the fit check suggests it when minimal does not fit)."""
     checkpoint_period: int = Field(default=DEFAULTS.checkpoint_period, ge=1, le=10_000_000)
     """checkpointPeriod saves a checkpoint every this many steps (and at the end); a resumed run restarts from the latest."""
     eval_interval: int | None = Field(default=None, ge=1, le=10_000_000)

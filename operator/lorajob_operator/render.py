@@ -169,6 +169,7 @@ def train_config(spec: api.LoRAJobSpec, run: str) -> TrainConfig:
         "lr_schedule": training.schedule,
         "warmup_steps_fraction": training.warmup_steps_fraction,
         "checkpoint_period": training.checkpoint_period,
+        "remat_policy": training.remat,
         "early_stopping_patience": training.early_stopping.patience if training.early_stopping else 0,
         "early_stopping_min_delta": training.early_stopping.min_delta if training.early_stopping else 0.0,
         "progress_lines": True,
@@ -209,20 +210,23 @@ LARGER_TOPOLOGIES_TRIED = 2
 def plan_request(spec: api.LoRAJobSpec) -> fit.Request:
     """What `lorajob_trainer.fit` compiles the train step for (TPU backends): the chip's facts, the LoRAJob's own
     target, then the smallest changes, cheapest first: smaller per-device batches (the global batch kept by
-    accumulation), then the next larger topologies of the machine type."""
+    accumulation), remat "full" (a third more compute, no more chips), then the next larger topologies of the
+    machine type."""
     tpu, training = spec.compute.tpu, spec.training
     machine = accelerators.TPU_MACHINES[tpu.machine_type]
     chip = accelerators.TPU_CHIPS[machine.generation]
 
-    def target(topology: str, batch: int, accumulation: int) -> fit.Target:
+    def target(topology: str, batch: int, accumulation: int, remat: str = training.remat) -> fit.Target:
         return fit.Target(tpu.machine_type, topology, tpu.slices, accelerators.chips_in(topology) * tpu.slices,
-                          batch, accumulation)
+                          batch, accumulation, remat)
 
     batch, accumulation = training.per_device_batch_size, training.gradient_accumulation_steps
     targets = [target(tpu.topology, batch, accumulation)]
     while batch > 1 and batch % 2 == 0:
         batch, accumulation = batch // 2, accumulation * 2
         targets.append(target(tpu.topology, batch, accumulation))
+    if training.remat != "full":
+        targets.append(target(tpu.topology, training.per_device_batch_size, training.gradient_accumulation_steps, "full"))
     larger = sorted(
         (t for t in machine.topologies if accelerators.chips_in(t) > accelerators.chips_in(tpu.topology)),
         key=accelerators.chips_in,

@@ -315,6 +315,17 @@ def test_convert_and_export_arguments_are_accepted_by_the_trainer_entry_points(m
     assert exported == ("/runs/qwen3-gsm8k/checkpoints", "/runs/qwen3-gsm8k/huggingface")
 
 
+def test_the_fit_check_tries_the_cheapest_changes_first():
+    spec = parsed(lorajob(spec=spec_dict(training={"steps": 10, "perDeviceBatchSize": 4})))
+    request = render.plan_request(spec)
+    assert [(t.topology, t.per_device_batch_size, t.gradient_accumulation_steps, t.remat_policy) for t in request.targets] == [
+        ("4x4", 4, 1, "minimal"), ("4x4", 2, 2, "minimal"), ("4x4", 1, 4, "minimal"), ("4x4", 4, 1, "full"),
+        ("4x8", 4, 1, "minimal"), ("8x8", 4, 1, "minimal"),
+    ]
+    assert request.chip.hbm_bytes == 32 * 2**30 and [t.chips for t in request.targets][-1] == 64
+    assert render.plan_request(parsed(lorajob(spec=spec_dict(training={"steps": 10, "remat": "full"})))).targets[1].remat_policy == "full"
+
+
 def test_rslora_reaches_the_trainer():
     spec = parsed(lorajob(spec=spec_dict(lora={"rank": 64, "alpha": 16, "rsLoRA": True})))
     assert spec.lora.rs_lora and render.train_config(spec, "r").lora.use_rslora

@@ -158,7 +158,7 @@ class TrainConfig(_Section):
     [batch, length, vocab] logits, and skips chunks without trained tokens (each row's trained positions
     come first). Shorter chunks skip more of the prompt and padding but make more, smaller LM-head matmuls;
     64 suits SFT's usual share of answer tokens (bench/maxtext/README.md has the figures)."""
-    remat_policy: Literal["none", "minimal", "full"] = "minimal"
+    remat_policy: Literal["none", "minimal", "full"] = DEFAULTS.remat_policy  # type: ignore[assignment]
     """What the backward pass recomputes per decoder layer (MaxText's names): none = keep every activation;
     minimal = keep the weight matmuls' outputs, recompute norms, activations and attention scores;
     full = keep only each layer's input."""

@@ -31,6 +31,9 @@ class Defaults:
     short period costs little and bounds the work a crash loses."""
     lora_rank: int = 16
     lora_alpha: float = 32.0
+    remat_policy: str = "minimal"
+    """Keep the weight matmuls' outputs, recompute the rest: the faster policy wherever it fits (the fit check
+    suggests "full" where it does not)."""
     """Twice the rank: the scale alpha/rank = 2 most LoRA recipes use."""
     train_split: str = "train"
     use_zarr3: bool = False

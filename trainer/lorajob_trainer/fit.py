@@ -4,7 +4,7 @@
 
 The request (`Request`, written by the operator) names the chip's facts and the targets to try in order:
 the LoRAJob's own first, then the smallest changes that may fit (a smaller per-device batch with the same
-global batch through accumulation, larger topologies of the machine type). The train step of the config
+global batch through accumulation, remat "full", larger topologies of the machine type). The train step of the config
 (`lorajob_trainer.plan`) is compiled for the first target; when it does not fit, for the next ones until
 one fits. Per chip: the HBM the compiler assigns against the chip's capacity less `SAFETY_MARGIN`, the
 FLOPs of the 4N LoRA cost model, a roofline step time, tokens/s and MFU ceiling, the compile time.
@@ -86,6 +86,7 @@ class Target:
     chips: int
     per_device_batch_size: int
     gradient_accumulation_steps: int
+    remat_policy: str
 
     def describe(self) -> str:
         return f"{self.machine_type} {self.short()}"
@@ -94,7 +95,7 @@ class Target:
         """Without the machine type, which the LoRAJob names."""
         slices = f" x {self.slices} slices" if self.slices > 1 else ""
         return (f"{self.topology}{slices} ({self.chips} chips), per-device batch {self.per_device_batch_size} x "
-                f"{self.gradient_accumulation_steps} accumulation")
+                f"{self.gradient_accumulation_steps} accumulation, remat {self.remat_policy}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +162,7 @@ def compile_attempt(config: TrainConfig, hf_config: dict[str, Any], chip: Chip, 
     config = config.model_copy(update={
         "per_device_batch_size": target.per_device_batch_size,
         "gradient_accumulation_steps": target.gradient_accumulation_steps,
+        "remat_policy": target.remat_policy,
     })
     devices = plan.topology_devices(f"{chip.compiler_name}:{target.topology}", target.slices, chip.chips_per_host)
     try:
@@ -300,7 +302,7 @@ def format_plan(result: Plan) -> list[str]:
         if result.suggestion:
             lines += ["  smallest change that fits (compiled):", *format_attempt(result.suggestion)]
         else:
-            lines.append(f"  none of {len(result.tried)} smaller batches or larger topologies tried fits")
+            lines.append(f"  none of {len(result.tried)} smaller batches, remat policies or larger topologies tried fits")
     return lines
 
 
@@ -318,7 +320,7 @@ def refusal(result: Plan) -> str:
         why = f"it needs {_gb(a.total_bytes)} of HBM per chip, {_gb(a.capacity_bytes)} usable"
     s = result.suggestion
     change = (f"fits (compiled): {s.target.short()}, {_gb(s.total_bytes)} per chip" if s
-              else f"none of {len(result.tried)} smaller batches or larger topologies tried fits")
+              else f"none of {len(result.tried)} smaller batches, remat policies or larger topologies tried fits")
     return f"the train step does not fit {a.target.short()}: {why}; {change}"
 
 
