@@ -33,6 +33,8 @@ from pathlib import Path
 
 import yaml
 
+from lorajob_trainer import exit_codes
+
 from .documents import load_document
 
 SIM_IMAGE_PREFIX = "sim.lorajob.dev/"
@@ -40,7 +42,6 @@ FAILING_EXIT_CODES = (1, 2, 3, 42, 137)
 SLOW_IMAGE = f"{SIM_IMAGE_PREFIX}slow"
 HANG_IMAGE = f"{SIM_IMAGE_PREFIX}hang"
 RUN_DURATION_ANNOTATION = "sim.lorajob.dev/run-duration"
-TERMINATED_BY_DELETE_EXIT_CODE = 143
 KWOK_NODE_STAGE_FILES = (
     "kustomize/stage/node/fast/node-initialize.yaml",
     "kustomize/stage/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
@@ -212,7 +213,7 @@ def pod_stages(timing: PodTiming = PodTiming(), runner_nodes: tuple[str, ...] = 
             "lorajob-pod-terminate-on-delete",
             [_jq(".metadata.deletionTimestamp", "Exists"), _jq(".status.phase", "NotIn", ["Succeeded", "Failed"])],
             {"durationMilliseconds": timing.delete_delay_ms},
-            [_status_patch(_terminated_template("Failed", None, TERMINATED_BY_DELETE_EXIT_CODE))],
+            [_status_patch(_terminated_template("Failed", None, exit_codes.TERMINATED_BY_SIGTERM))],
         ),
         _stage(
             "lorajob-pod-remove-on-delete",

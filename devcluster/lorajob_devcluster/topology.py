@@ -11,7 +11,6 @@ TPU_RESOURCE = "google.com/tpu"
 TPU_TAINT = {"key": TPU_RESOURCE, "value": "present", "effect": "NoSchedule"}
 KWOK_NODE_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"
-PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
 KUEUE_API = "kueue.x-k8s.io/v1beta2"
 
 CLUSTER_QUEUE_NAME = "lorajob-cluster-queue"

@@ -385,6 +385,15 @@ class LoRAJobSpec(_Model):
                 "message": "export.step best needs dataset.evalSplit: best is the checkpoint with the lowest eval loss",
                 "fieldPath": ".export.step",
             },
+            {
+                "rule": "(has(self.compute.backend) && self.compute.backend != 'pathways') "
+                "|| !has(self.model.checkpointStorage) "
+                "|| ((!has(self.model.checkpointStorage.useOcdbt) || !self.model.checkpointStorage.useOcdbt) "
+                "&& (!has(self.model.checkpointStorage.useZarr3) || !self.model.checkpointStorage.useZarr3))",
+                "message": "model.checkpointStorage.useOcdbt and useZarr3 need the mcjax or gpu backend: Pathways' array "
+                "handler reads neither OCDBT nor Zarr v3, so its checkpoints are written without them",
+                "fieldPath": ".model.checkpointStorage",
+            },
         )
     )
 

@@ -67,7 +67,6 @@ from lorajob_trainer.contract import (
 
 RUNNING_PHASE = {step: api.Phase(phase) for step, phase in rules.PHASE_WHILE_RUNNING.items()}
 TERMINAL_PHASES = (api.Phase.Succeeded.value, api.Phase.Failed.value)
-TERMINATED_BY_SIGTERM = 143
 STALLED = "Stalled"
 """Reason of a train step restarted (or the LoRAJob failed) by the stall watchdog."""
 # Labels JobSet and the Job controller put on every pod (with render.JOB_INDEX_LABEL): which JobSet,
@@ -213,7 +212,8 @@ def resolved_status(spec: api.LoRAJobSpec, defaults: policy.ResolvedDefaults, se
     return resolved.model_dump(by_alias=True, exclude_none=True)
 
 
-def _parse_time(value: str | None) -> datetime | None:
+def parse_time(value: str | None) -> datetime | None:
+    """A Kubernetes timestamp (RFC 3339, `Z`), or None."""
     if not value:
         return None
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
@@ -294,7 +294,7 @@ def observe_container_failure(pods: list[dict]) -> ContainerFailure | None:
             terminated = (status.get("state") or {}).get("terminated") or {}
             if terminated.get("exitCode", 0) != 0:
                 failures.append((
-                    terminated["exitCode"] == TERMINATED_BY_SIGTERM,
+                    terminated["exitCode"] == exit_codes.TERMINATED_BY_SIGTERM,
                     terminated.get("finishedAt") or "",
                     ContainerFailure(
                         pod["metadata"]["name"], status["name"], terminated["exitCode"],
@@ -355,7 +355,7 @@ def observe_child(
         deleting=bool(metadata.get("deletionTimestamp")),
         completed=_is_true(jobset, "Completed"),
         failed=is_failed,
-        failed_at=_parse_time(failed.get("lastTransitionTime")) if is_failed else None,
+        failed_at=parse_time(failed.get("lastTransitionTime")) if is_failed else None,
         failure_reason=failed.get("reason", "") if is_failed else "",
         failure_message=failed.get("message", "") if is_failed else "",
         suspended=bool(jobset.get("spec", {}).get("suspend")) or _is_true(jobset, "Suspended"),
@@ -638,7 +638,7 @@ def _first_created(o: Observed) -> str | None:
     """When the first step was created, from the children: the pass that creates a LoRAJob's first JobSet may skip
     its status write (kube.Reconciler._apply), so status.startTime can be missing while the step runs."""
     times = [child.created for child in o.children.values() if child.owned and child.created]
-    return min(times, key=_parse_time) if times else None
+    return min(times, key=parse_time) if times else None
 
 
 def backoff_seconds(retry: int, settings: ReconcileSettings) -> float:
@@ -690,7 +690,7 @@ def _blocked_by(status: dict) -> tuple[str, str] | None:
 def _finished(o: Observed, draft: _Draft, decision: Decision) -> None:
     decision.delete += [child.name for child in o.children.values() if child.active]
     ttl = o.spec.scheduling.ttl_seconds_after_finished if o.spec else None
-    finished_at = _parse_time(draft.completion_time)
+    finished_at = parse_time(draft.completion_time)
     if ttl is None or finished_at is None:
         return
     remaining = (finished_at + timedelta(seconds=ttl) - o.now).total_seconds()
@@ -716,11 +716,11 @@ def _fail(draft: _Draft, reason: str, message: str) -> None:
 
 def _deadline_exceeded(o: Observed, draft: _Draft) -> bool:
     deadline = o.spec.scheduling.active_deadline_seconds
-    start = _parse_time(draft.start_time)
+    start = parse_time(draft.start_time)
     if deadline is None or start is None or o.spec.suspend:
         return False
     resumed = next(
-        (_parse_time(c.get("lastTransitionTime")) for c in o.status.get("conditions") or []
+        (parse_time(c.get("lastTransitionTime")) for c in o.status.get("conditions") or []
          if c.get("type") == "Suspended" and c.get("status") == "False"),
         None,
     )
@@ -872,7 +872,7 @@ def _watch_progress(o: Observed, draft: _Draft, decision: Decision, child: Child
     advanced = previous.get("advancedTime")
     if advanced is None or (record is not None and record.step != previous.get("step")):
         advanced = format_time(o.now)
-    idle = (o.now - _parse_time(advanced)).total_seconds()
+    idle = (o.now - parse_time(advanced)).total_seconds()
     if idle < deadline:
         draft.advanced_time = advanced
         decision.requeue_after = deadline - idle

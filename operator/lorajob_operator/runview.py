@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Iterator
 
 from lorajob_operator import api, render, rules
-from lorajob_operator.reconcile import RUNNING_PHASE, lead_pod_selector
+from lorajob_operator.reconcile import RUNNING_PHASE, lead_pod_selector, parse_time, progress_summary
+from lorajob_trainer.stages import duration
 from lorajob_trainer.contract import ProgressRecord
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -75,19 +76,6 @@ def progress_bar(step: int, total: int, width: int = BAR_WIDTH) -> str:
     return "[" + "█" * filled + "░" * (width - filled) + "]"
 
 
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds < 90:
-        return f"{seconds}s"
-    if seconds < 5400:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-
-
-def _parse_time(value: str | None) -> datetime | None:
-    return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
-
-
 def _step_marks(obj: dict) -> list[str]:
     """Each step of the chain with its state: done (✓), running (▶), failed (✗) or not reached (·)."""
     status = obj.get("status") or {}
@@ -131,9 +119,9 @@ def format_status(view: RunView, now: datetime | None = None) -> str:
     if status.get("message"):
         lines.append(f"  {status['message']}")
     lines.append("steps     " + "   ".join(_step_marks(obj)))
-    started, finished = _parse_time(status.get("startTime")), _parse_time(status.get("completionTime"))
+    started, finished = parse_time(status.get("startTime")), parse_time(status.get("completionTime"))
     if started:
-        lines[-1] += f"   ({_duration(((finished or now) - started).total_seconds())})"
+        lines[-1] += f"   ({duration(((finished or now) - started).total_seconds())})"
 
     plan = status.get("plan")
     if plan:
@@ -144,7 +132,7 @@ def format_status(view: RunView, now: datetime | None = None) -> str:
     progress = status.get("progress") or {}
     if progress.get("step") is not None:
         total = progress.get("totalSteps")
-        text = f"{progress['step']}/{total} ({100 * progress['step'] // total}%)" if total else str(progress["step"])
+        text = progress_summary(progress["step"], total)
         bar = progress_bar(progress["step"], total) + " " if total else ""
         extras = [f"loss {progress['loss']:.4f}"] if progress.get("loss") is not None else []
         if progress.get("tokensPerSecond") is not None:
@@ -152,7 +140,7 @@ def format_status(view: RunView, now: datetime | None = None) -> str:
             against = f" (plan's roofline {predicted:,.0f})" if predicted is not None else ""
             extras.append(f"{progress['tokensPerSecond']:,.0f} tok/s{against}")
         if progress.get("etaSeconds") is not None and status.get("phase") == api.Phase.Training.value:
-            extras.append(f"ETA {_duration(progress['etaSeconds'])}")
+            extras.append(f"ETA {duration(progress['etaSeconds'])}")
         lines.append(f"progress  {bar}{text}  " + "  ".join(extras))
 
     losses = [p for p in view.history if p.loss is not None]
@@ -184,8 +172,8 @@ def format_status(view: RunView, now: datetime | None = None) -> str:
     if view.events:
         lines.append("events")
         for event in view.events[-EVENTS_SHOWN:]:
-            at = _parse_time(event.get("lastTimestamp") or event.get("eventTime") or event["metadata"].get("creationTimestamp"))
-            age = _duration((now - at).total_seconds()) + " ago" if at else ""
+            at = parse_time(event.get("lastTimestamp") or event.get("eventTime") or event["metadata"].get("creationTimestamp"))
+            age = duration((now - at).total_seconds()) + " ago" if at else ""
             text = f"  {age:>10}  {event.get('type', ''):8} {event.get('reason', ''):16} {event.get('message', '')}"
             lines.append(text if len(text) <= EVENT_WIDTH else text[:EVENT_WIDTH - 1] + "…")
     return "\n".join(lines)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import signal
 
 
 class Kind(str, enum.Enum):
@@ -64,6 +65,8 @@ BY_CODE = {entry.code: entry for entry in TABLE}
 
 SIGNAL_BASE = 128
 """A process killed by signal N exits 128 + N in a container (137: SIGKILL, 143: SIGTERM)."""
+TERMINATED_BY_SIGTERM = SIGNAL_BASE + signal.SIGTERM
+"""143: how a kubelet reports a container stopped by a pod deletion (SIGTERM, then gone)."""
 
 
 def kind(code: int) -> Kind:
