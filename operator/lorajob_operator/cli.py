@@ -55,25 +55,41 @@ def validate_files(paths: list[Path]) -> int:
     return 1 if failed else 0
 
 
-def render_files(paths: list[Path], namespace: str) -> int:
-    """Print the JobSets the operator would create for each LoRAJob (all steps, first tries)."""
-    from lorajob_operator import api, render
+def render_files(paths: list[Path], namespace: str, namespace_labels: dict[str, str]) -> int:
+    """Print the JobSets the operator would create for each LoRAJob (all steps, first tries), with the defaults of
+    the LoRAJobPolicy documents among the files that govern its namespace applied, as the operator applies them."""
+    from lorajob_operator import api, policy, reconcile, render
     from lorajob_operator.settings import OperatorSettings
 
     settings = OperatorSettings.from_env().render
+    documents = [(path, doc) for path in paths for doc in _documents(path)]
+    policies = [policy.LoRAJobPolicy.from_object(doc) for _, doc in documents if doc.get("kind") == policy.KIND]
     manifests, failed = [], 0
-    for path in paths:
-        for doc in _documents(path):
-            metadata = doc.get("metadata", {})
-            spec, errors = render.parse_spec(doc) if doc.get("kind") == api.KIND else (None, (f"not a {api.KIND}",))
-            if spec is None:
-                failed += 1
-                print(f"{path}: cannot render {metadata.get('name', '?')!r}: {'; '.join(errors)}", file=sys.stderr)
-                continue
-            owner = render.Owner(metadata["name"], metadata.get("namespace", namespace), metadata.get("uid", "<uid>"))
-            manifests += render.render_all(spec, owner, settings)
+    for path, doc in documents:
+        if doc.get("kind") == policy.KIND:
+            continue
+        metadata = doc.get("metadata", {})
+        spec, errors = render.parse_spec(doc) if doc.get("kind") == api.KIND else (None, (f"not a {api.KIND}",))
+        owner_namespace = metadata.get("namespace", namespace)
+        labels = {"kubernetes.io/metadata.name": owner_namespace, **namespace_labels}
+        if spec is not None:
+            errors = tuple(violation.message for violation in policy.violations(policies, labels, spec))
+        if errors:
+            failed += 1
+            print(f"{path}: cannot render {metadata.get('name', '?')!r}: {'; '.join(errors)}", file=sys.stderr)
+            continue
+        spec = reconcile.effective_spec(spec, policy.resolve_defaults(policies, labels, spec))
+        owner = render.Owner(metadata["name"], owner_namespace, metadata.get("uid", "<uid>"))
+        manifests += render.render_all(spec, owner, settings)
     print(yaml.safe_dump_all(manifests, sort_keys=False), end="")
     return 1 if failed else 0
+
+
+def _labels(text: str) -> dict[str, str]:
+    pairs = [item.partition("=") for item in text.split(",") if item]
+    if any(not sep or not key for key, sep, _ in pairs):
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE[,KEY=VALUE...], got {text!r}")
+    return {key: value for key, _, value in pairs}
 
 
 def plan_files(paths: list[Path], as_json: bool) -> int:
@@ -111,8 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     validate.add_argument("files", nargs="+", type=Path, metavar="FILE",
                           help="YAML files, each holding one or more LoRAJob documents")
     render = commands.add_parser("render", help="print the JobSets the operator would create, for review")
-    render.add_argument("files", nargs="+", type=Path, metavar="FILE", help="YAML files holding LoRAJob documents")
+    render.add_argument("files", nargs="+", type=Path, metavar="FILE",
+                        help="YAML files holding LoRAJob documents, and the LoRAJobPolicies whose defaults apply")
     render.add_argument("--namespace", default="default", help="namespace of LoRAJobs that do not set one")
+    render.add_argument("--namespace-labels", type=_labels, default={}, metavar="KEY=VALUE,...",
+                        help="labels of the namespace, for the policies' namespaceSelector")
     plan = commands.add_parser(
         "plan", help="compile each LoRAJob's train step for its TPU chips (no TPU needed): does it fit, how fast")
     plan.add_argument("files", nargs="+", type=Path, metavar="FILE", help="YAML files holding LoRAJob documents")
@@ -126,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         return validate_files(args.files)
     if args.command == "render":
-        return render_files(args.files, args.namespace)
+        return render_files(args.files, args.namespace, args.namespace_labels)
     if args.command == "plan":
         return plan_files(args.files, args.json)
     parser.error(f"unknown command {args.command}")

@@ -48,6 +48,42 @@ def test_render_does_not_need_a_kubernetes_client():
     assert result.returncode == 0, result.stderr
 
 
+TEAM_POLICY = """
+apiVersion: lorajob.dev/v1alpha1
+kind: LoRAJobPolicy
+metadata: {name: team-a}
+spec:
+  namespaceSelector: {matchLabels: {team: a}}
+  queues: {default: team-a-queue}
+  tpu: {allowed: [{machineType: ct6e-standard-4t, topologies: [4x4]}]}
+  defaults: {cpuNodePool: team-a-cpu, images: {trainer: registry.example/team-a/trainer:1}}
+"""
+
+
+def test_render_applies_the_policies_of_the_namespace_as_the_operator_does(tmp_path):
+    lorajob = yaml.safe_load((REPO_ROOT / "examples" / "qwen3-gsm8k.yaml").read_text())
+    del lorajob["spec"]["scheduling"]["queueName"]  # the policy's default applies
+    files = [tmp_path / "policy.yaml", tmp_path / "lorajob.yaml"]
+    files[0].write_text(TEAM_POLICY)
+    files[1].write_text(yaml.safe_dump(lorajob))
+    governed = _lorajob_cli("render", *map(str, files), "--namespace", "team-a", "--namespace-labels", "team=a")
+    assert governed.returncode == 0, governed.stderr
+    jobsets = [doc for doc in yaml.safe_load_all(governed.stdout) if doc]
+    assert {js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] for js in jobsets} == {"team-a-queue"}
+    convert = next(js for js in jobsets if js["metadata"]["name"].endswith("-convert"))
+    pod = convert["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"]["cloud.google.com/gke-nodepool"] == "team-a-cpu"
+    assert pod["containers"][0]["image"] == "registry.example/team-a/trainer:1"
+
+    ungoverned = _lorajob_cli("render", *map(str, files), "--namespace", "team-b")  # the policy selects team=a only
+    assert "team-a-queue" not in ungoverned.stdout
+
+    lorajob["spec"]["compute"]["tpu"]["topology"] = "8x8"  # a topology the policy does not allow
+    files[1].write_text(yaml.safe_dump(lorajob))
+    refused = _lorajob_cli("render", *map(str, files), "--namespace-labels", "team=a")
+    assert refused.returncode == 1 and 'LoRAJobPolicy "team-a" rule tpu.allowed' in refused.stderr, refused.stderr
+
+
 def test_render_refuses_an_invalid_lorajob_with_the_reason(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((REPO_ROOT / "examples" / "invalid" / "run-name-too-long-pathways.yaml").read_text())
@@ -61,5 +97,6 @@ def test_version_and_help_on_every_argument():
     assert version.returncode == 0 and version.stdout.split() == ["lorajob", importlib.metadata.version("lorajob")]
     for command in ("validate", "render"):
         help_text = _lorajob_cli(command, "--help").stdout
-        described = [line.split(maxsplit=1) for line in help_text.splitlines() if line.strip().startswith("FILE ")]
+        positionals = help_text.partition("positional arguments:")[2]  # the usage line may wrap onto "FILE [FILE ...]"
+        described = [line.split(maxsplit=1) for line in positionals.splitlines() if line.strip().startswith("FILE ")]
         assert described and described[0][1].startswith("YAML files"), help_text
