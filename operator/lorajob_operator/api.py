@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import Enum
-from typing import Annotated, Literal
+import typing
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 from pydantic.alias_generators import to_camel
 
 from lorajob_operator import accelerators, rules
@@ -50,6 +51,17 @@ class _Model(BaseModel):
         frozen=True,
         use_attribute_docstrings=True,
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """A JSON boolean is not a number: the API server refuses `learningRate: true`, pydantic would read 1.0."""
+        if isinstance(value, bool):
+            annotation = cls.model_fields[info.field_name].annotation
+            types = {annotation, *typing.get_args(annotation)}
+            if types & {int, float} and bool not in types:
+                raise ValueError("must be a number, not a boolean")
+        return value
 
 
 class Backend(str, Enum):

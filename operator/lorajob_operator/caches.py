@@ -1,8 +1,8 @@
 """Watch-fed caches of everything the reconcile reads, so that a pass over a LoRAJob reads memory only.
 
 Each `Informer` lists one resource once, then watches it from the list's resourceVersion and keeps a
-slimmed copy of every object (`Resource.slim`: only the fields observe reads; Secrets keep their key
-names, never a value). A watch the API server ends (timeout, restart) is resumed from the last
+slimmed copy of every object (`Resource.slim`: only the fields observe reads). Secrets are not among
+them: the operator holds no right on Secrets; the LoRAJob's first CPU step checks the token it names. A watch the API server ends (timeout, restart) is resumed from the last
 resourceVersion seen; one that has expired (410 Gone) is replaced by a fresh list. A watch that goes
 silent without closing is detected by the socket's read timeout (`WatchSettings.client_timeout_seconds`,
 longer than the server-side timeout after which a healthy watch always ends) and restarted: a stalled
@@ -99,11 +99,6 @@ def _slim_namespace(obj: dict) -> dict:
     return {"metadata": _metadata(obj)}
 
 
-def _slim_secret(obj: dict) -> dict:
-    """Key names only: the values are dropped here, as each object arrives."""
-    return {"metadata": _metadata(obj), "keys": sorted(set(obj.get("data") or {}) | set(obj.get("stringData") or {}))}
-
-
 INTERNED_STRING_LENGTH = 36
 """Cached strings up to this length (every key; values such as condition types, reasons, names, timestamps,
 uids) are interned: thousands of cached objects then share one copy of each."""
@@ -138,10 +133,9 @@ LORAJOBS = Resource("lorajobs", f"{api.GROUP}/{api.VERSION}", api.PLURAL, True, 
 JOBSETS = Resource("jobsets", render.JOBSET_API_VERSION, render.JOBSET_PLURAL, True, _slim_jobset)
 WORKLOADS = Resource("workloads", render.KUEUE_API_VERSION, "workloads", True, _slim_workload)
 LOCAL_QUEUES = Resource("localqueues", render.KUEUE_API_VERSION, "localqueues", True, _slim_local_queue)
-SECRETS = Resource("secrets", "v1", "secrets", True, _slim_secret)
 POLICIES = Resource("lorajobpolicies", f"{api.GROUP}/{api.VERSION}", policy.PLURAL, False, _without_managed_fields)
 NAMESPACES = Resource("namespaces", "v1", "namespaces", False, _slim_namespace)
-RESOURCES = (LORAJOBS, JOBSETS, WORKLOADS, LOCAL_QUEUES, SECRETS, POLICIES, NAMESPACES)
+RESOURCES = (LORAJOBS, JOBSETS, WORKLOADS, LOCAL_QUEUES, POLICIES, NAMESPACES)
 
 Key = tuple[str, str]
 """(namespace, name); namespace "" for cluster-scoped objects."""
@@ -440,7 +434,6 @@ class Caches:
             JOBSETS: Store(JOBSETS, _run_label),
             WORKLOADS: Store(WORKLOADS, _job_uid_label),
             LOCAL_QUEUES: Store(LOCAL_QUEUES),
-            SECRETS: Store(SECRETS),
             POLICIES: Store(POLICIES),
             NAMESPACES: Store(NAMESPACES),
         }
@@ -509,10 +502,6 @@ class Caches:
         if self._queue_positions[0] != versions:
             self._queue_positions = (versions, queue_positions(self.stores[WORKLOADS].items(), self.cluster_queue_of))
         return self._queue_positions[1].get((namespace, workload))
-
-    def secret_keys(self, namespace: str, name: str) -> set[str] | None:
-        secret = self.stores[SECRETS].get((namespace, name))
-        return None if secret is None else set(secret["keys"])
 
     def namespace_labels(self, namespace: str) -> dict[str, str]:
         found = self.stores[NAMESPACES].get(("", namespace))

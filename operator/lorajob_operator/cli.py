@@ -55,15 +55,19 @@ def validate_files(paths: list[Path]) -> int:
     return 1 if failed else 0
 
 
-def render_files(paths: list[Path], namespace: str, namespace_labels: dict[str, str]) -> int:
+def render_files(paths: list[Path], namespace: str, namespace_labels: dict[str, str], policy_paths: list[Path]) -> int:
     """Print the JobSets the operator would create for each LoRAJob (all steps, first tries), with the defaults of
-    the LoRAJobPolicy documents among the files that govern its namespace applied, as the operator applies them."""
+    the LoRAJobPolicies (in `policy_paths`, or among the files) that govern its namespace applied, as the operator
+    applies them."""
     from lorajob_operator import api, policy, reconcile, render
     from lorajob_operator.settings import OperatorSettings
 
     settings = OperatorSettings.from_env().render
     documents = [(path, doc) for path in paths for doc in _documents(path)]
-    policies = [policy.LoRAJobPolicy.from_object(doc) for _, doc in documents if doc.get("kind") == policy.KIND]
+    policy_documents = [doc for path in policy_paths for doc in _documents(path)] + [doc for _, doc in documents]
+    policies = [policy.LoRAJobPolicy.from_object(doc) for doc in policy_documents if doc.get("kind") == policy.KIND]
+    if not policies:
+        print("no LoRAJobPolicy applied (give the namespace's with --policy FILE)", file=sys.stderr)
     manifests, failed = [], 0
     for path, doc in documents:
         if doc.get("kind") == policy.KIND:
@@ -132,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     render.add_argument("--namespace", default="default", help="namespace of LoRAJobs that do not set one")
     render.add_argument("--namespace-labels", type=_labels, default={}, metavar="KEY=VALUE,...",
                         help="labels of the namespace, for the policies' namespaceSelector")
+    render.add_argument("--policy", type=Path, action="append", default=[], metavar="FILE",
+                        help="a YAML file of LoRAJobPolicies whose defaults and rules apply (repeatable)")
     plan = commands.add_parser(
         "plan", help="compile each LoRAJob's train step for its TPU chips (no TPU needed): does it fit, how fast")
     plan.add_argument("files", nargs="+", type=Path, metavar="FILE", help="YAML files holding LoRAJob documents")
@@ -145,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         return validate_files(args.files)
     if args.command == "render":
-        return render_files(args.files, args.namespace, args.namespace_labels)
+        return render_files(args.files, args.namespace, args.namespace_labels, args.policy)
     if args.command == "plan":
         return plan_files(args.files, args.json)
     parser.error(f"unknown command {args.command}")

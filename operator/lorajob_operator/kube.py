@@ -101,20 +101,6 @@ def status_patch(old: dict, new: dict) -> dict:
 def spec_problems(view: Caches, namespace: str, spec: api.LoRAJobSpec) -> tuple[list[tuple[str, str]], str | None]:
     """Problems only a look at the cluster reveals, and the ClusterQueue behind the LocalQueue."""
     problems = []
-    token = spec.credentials.hugging_face_token if spec.credentials else None
-    if token is not None:
-        keys = view.secret_keys(namespace, token.name)
-        if keys is None:
-            problems.append((
-                "SecretNotFound",
-                f"Secret {token.name} (spec.credentials.huggingFaceToken) does not exist in namespace {namespace}; create it",
-            ))
-        elif token.key not in keys:
-            problems.append((
-                "SecretKeyNotFound",
-                f"Secret {token.name} has no key {token.key} (spec.credentials.huggingFaceToken.key); "
-                f"its keys are {', '.join(sorted(keys)) or 'none'}",
-            ))
     cluster_queue = None
     queue = spec.scheduling.queue_name
     if queue:

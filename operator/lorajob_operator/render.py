@@ -27,7 +27,7 @@ from lorajob_operator import accelerators, api, rules, validation
 from lorajob_operator.settings import RenderSettings, Resources
 from lorajob_trainer import catalog, distributed, fit
 from lorajob_trainer.config import ConfigError, TrainConfig
-from lorajob_trainer.contract import RunLayout
+from lorajob_trainer.contract import HF_TOKEN_ENV, HF_TOKEN_SOURCE_ENV, RunLayout
 
 JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 JOBSET_API_VERSION = f"{JOBSET_GROUP}/{JOBSET_VERSION}"
@@ -303,7 +303,12 @@ def _credential_env(spec: api.LoRAJobSpec) -> list[dict]:
     token = spec.credentials.hugging_face_token if spec.credentials else None
     if token is None:
         return []
-    return [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}}]
+    # Optional: without the Secret or its key the pod still starts, and the first CPU step's check says what is
+    # missing (the operator holds no right on Secrets).
+    return [
+        {"name": HF_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key, "optional": True}}},
+        _env(HF_TOKEN_SOURCE_ENV, f"{token.name}/{token.key}"),
+    ]
 
 
 def _labels(run: str, phase: str, attempt: int) -> dict:

@@ -183,14 +183,10 @@ def _storable(error: FieldError) -> bool:
 
 
 def _operator_pass(body: dict, spec: api.LoRAJobSpec | None) -> reconcile.Decision:
-    """The operator's decision on `body` from caches that hold its namespace and, when it parsed, the Secret
-    and LocalQueue it names (so that only the spec decides)."""
+    """The operator's decision on `body` from caches that hold its namespace and, when it parsed, the LocalQueue
+    it names (so that only the spec decides)."""
     view = caches.Caches([NAMESPACE])
     view.stores[caches.NAMESPACES].upsert({"metadata": {"name": NAMESPACE, "resourceVersion": "1"}})
-    token = spec and spec.credentials and spec.credentials.hugging_face_token
-    if token:
-        view.stores[caches.SECRETS].upsert({"metadata": {"name": token.name, "namespace": NAMESPACE, "resourceVersion": "1"},
-                                            "data": {token.key: ""}})
     if spec and spec.scheduling.queue_name:
         view.stores[caches.LOCAL_QUEUES].upsert({"metadata": {"name": spec.scheduling.queue_name, "namespace": NAMESPACE,
                                                               "resourceVersion": "1"}, "spec": {"clusterQueue": "cq"}})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 import pytest
@@ -19,7 +20,10 @@ FAST_OPERATOR = {
 
 @pytest.fixture
 def namespace(sim_cluster, request) -> str:
-    name = "e2e-" + re.sub(r"[^a-z0-9]+", "-", request.node.name.lower().removeprefix("test_"))[:40].strip("-")
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower().removeprefix("test_")).strip("-")
+    if len(slug) > 40:  # cut, with a hash of the whole name so that parametrized cases never share a namespace
+        slug = slug[:33].strip("-") + "-" + hashlib.sha1(request.node.name.encode()).hexdigest()[:6]
+    name = "e2e-" + slug
     sim_cluster.create_namespace_with_queue(name)
     sim_cluster.kubectl("-n", name, "create", "secret", "generic", HF_SECRET, "--from-literal=HF_TOKEN=hf_test")
     yield name

@@ -43,6 +43,7 @@ def test_full_chain_runs_convert_train_export_to_success(lorajobs, operator):
         assert js["metadata"]["labels"][render.KUEUE_QUEUE_LABEL] == "lorajob"
 
     status = done["status"]
+    assert status["startTime"] == children["convert"]["metadata"]["creationTimestamp"]  # the first step's creation
     assert status["observedGeneration"] == done["metadata"]["generation"]
     assert status["children"] == {"convert": "chain-convert", "train": "chain", "export": "chain-to-hf"}
     assert status["restarts"] == {"check": 0, "convert": 0, "train": 0, "export": 0}
@@ -52,7 +53,9 @@ def test_full_chain_runs_convert_train_export_to_success(lorajobs, operator):
     assert condition(done, "Running")["status"] == "False"  # nothing runs or holds quota any more
 
     reasons = [event["reason"] for event in lorajobs.events("chain")]
-    assert reasons[0] == "Queued" and reasons[-1] == "Succeeded" and set(reasons) <= PHASES, reasons
+    # The pass that creates the first JobSet writes no status and no event (bursts): when Kueue admits the step
+    # before the next pass, that pass's first event is already Converting.
+    assert reasons[0] in ("Queued", "Converting") and reasons[-1] == "Succeeded" and set(reasons) <= PHASES, reasons
     assert "Training" in reasons or "Exporting" in reasons, reasons
 
 
@@ -202,19 +205,14 @@ def test_a_jobset_name_taken_by_someone_else_blocks_with_a_warning_until_it_is_f
     lorajobs.wait_until(lambda: _ours(lorajobs.jobsets(), "taken"), "its own JobSet created", timeout=60)
 
 
-def test_a_missing_secret_blocks_with_a_clear_condition_until_it_exists(lorajobs, operator):
-    lorajobs.kubectl("delete", "secret", "hf-token")
-    lorajobs.apply(sample("nosecret"))
-    blocked = lorajobs.wait(
-        "nosecret", lambda obj: condition(obj, "Blocked").get("status") == "True", "Blocked", timeout=30
-    )
-    assert condition(blocked, "Blocked")["reason"] == "SecretNotFound"
-    assert blocked["status"]["phase"] == "Pending"
-    assert not _ours(lorajobs.jobsets(), "nosecret")
-
-    lorajobs.kubectl("create", "secret", "generic", "hf-token", "--from-literal=HF_TOKEN=hf_test")
-    unblocked = lorajobs.wait("nosecret", lambda obj: condition(obj, "Blocked").get("status") == "False", "unblocked", timeout=30)
-    assert unblocked["status"]["phase"] in PHASES - {"Pending", "Failed"}
+def test_a_lorajob_that_starts_without_convert_has_its_start_and_its_deadline(lorajobs, operator):
+    """startTime is the first step's creation whichever pass records it (the pass creating a new LoRAJob's first
+    JobSet writes no status), so activeDeadlineSeconds counts from it and fires while the train step runs."""
+    lorajobs.apply(sample("deadline", train_only=True, images=every_image(HANG_IMAGE), activeDeadlineSeconds=20))
+    failed = lorajobs.wait_phase("deadline", "Failed", timeout=90)
+    assert condition(failed, "Failed")["reason"] == "DeadlineExceeded"
+    children = _ours(lorajobs.jobsets(), "deadline")
+    assert failed["status"]["startTime"] == children["check"]["metadata"]["creationTimestamp"]
 
 
 def test_ttl_after_finished_deletes_the_lorajob_and_its_children_once_it_succeeded_and_the_ttl_passed(

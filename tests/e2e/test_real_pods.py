@@ -172,3 +172,24 @@ def test_a_lorajob_too_large_for_its_tpu_chips_ends_does_not_fit_before_a_tpu_jo
     steps = {js["metadata"]["labels"]["lorajob.dev/phase"] for js in lorajobs.jobsets()
              if js["metadata"]["labels"].get("lorajob.dev/run-name") == "too-wide"}
     assert steps == {"check"}, steps  # no TPU JobSet was ever created (a train JobSet is not deleted on failure)
+
+
+@pytest.mark.parametrize("secret", [None, {"OTHER": "x"}], ids=["no-secret", "no-key"])
+def test_a_token_that_cannot_arrive_fails_the_first_cpu_step_with_the_reason(lorajobs, operator, assets, secret):
+    """The operator holds no right on Secrets: the token is an optional secretKeyRef, and the check step's pod
+    says what is missing, before any TPU is held."""
+    run = f"token-{'key' if secret else 'secret'}"
+    if secret:
+        lorajobs.kubectl("create", "secret", "generic", "keyless", *(f"--from-literal={k}={v}" for k, v in secret.items()))
+    body = localjob.lorajob(run, assets, steps=STEPS)
+    body["spec"]["model"] = {"name": localjob.MODEL_NAME, "maxtextCheckpoint": str(assets.outputs / "none" / "0" / "items"),
+                             "tokenizer": str(assets.model)}
+    body["spec"]["credentials"] = {"huggingFaceToken": {"name": "keyless", "key": "token"}}
+    lorajobs.apply(body)
+    failed = lorajobs.wait_phase(run, "Failed", timeout=TIMEOUT)
+    reason = condition(failed, "Failed")
+    assert reason["reason"] == "InvalidConfig", reason
+    assert "no Secret keyless with a non-empty key token" in reason["message"], reason["message"]
+    steps = {js["metadata"]["labels"]["lorajob.dev/phase"] for js in lorajobs.jobsets()
+             if js["metadata"]["labels"].get("lorajob.dev/run-name") == run}
+    assert steps == {"check"}, steps

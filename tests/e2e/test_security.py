@@ -39,7 +39,9 @@ def test_the_token_appears_only_as_a_secret_reference(lorajobs, operator):
     assert {pod["metadata"]["labels"][render.LABEL_PHASE] for pod in pods} == {"convert", "train", "export"}
     for container in trainers:
         (credential,) = [e for e in container["env"] if e["name"] == "HF_TOKEN"]
-        assert credential == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": HF_SECRET, "key": "HF_TOKEN"}}}
+        assert credential == {
+            "name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": HF_SECRET, "key": "HF_TOKEN", "optional": True}}
+        }
         assert container["securityContext"] == render.TRAINER_SECURITY_CONTEXT
 
 

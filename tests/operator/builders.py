@@ -66,7 +66,6 @@ def cluster_view(*bodies: dict, namespace_labels: dict | None = None) -> caches.
     for body in bodies:
         stores[caches.LORAJOBS].upsert(body)
     stores[caches.LOCAL_QUEUES].upsert({"metadata": {"name": "lorajob", "namespace": NAMESPACE}, "spec": {"clusterQueue": "cq-tpu"}})
-    stores[caches.SECRETS].upsert({"metadata": {"name": "hf-token", "namespace": NAMESPACE}, "data": {"HF_TOKEN": "aGZfeA=="}})
     stores[caches.NAMESPACES].upsert({"metadata": {"name": NAMESPACE, "labels": namespace_labels or {}}})
     return view
 

@@ -1,4 +1,4 @@
-"""The reconcile reads the watch caches only: an unchanged LoRAJob costs no API request; Secrets keep key names only."""
+"""The reconcile reads the watch caches only: an unchanged LoRAJob costs no API request."""
 
 from __future__ import annotations
 
@@ -74,16 +74,6 @@ def test_observe_reads_the_caches_only_and_finds_each_step_and_its_workload():
     assert observed.children["train"].workload.admitted
     assert observed.cluster_queue == "cq-tpu" and observed.problems == ()
     assert observed.namespace_labels == {"team": "a"}
-
-
-def test_a_secret_is_cached_as_its_key_names_without_any_value():
-    store = caches.Store(caches.SECRETS)
-    stored = store.upsert({
-        "metadata": {"name": "hf-token", "namespace": NAMESPACE, "resourceVersion": "3", "annotations": {"a": "b"}},
-        "data": {"HF_TOKEN": "aGZfeA==", "OTHER": "eA=="}, "type": "Opaque",
-    })
-    assert stored == {"metadata": {"name": "hf-token", "namespace": NAMESPACE, "resourceVersion": "3"}, "keys": ["HF_TOKEN", "OTHER"]}
-    assert "aGZfeA==" not in repr(store.items())
 
 
 def test_cached_objects_share_their_field_names_and_short_values_and_drop_what_no_pass_reads():

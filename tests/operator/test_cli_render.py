@@ -66,7 +66,8 @@ def test_render_applies_the_policies_of_the_namespace_as_the_operator_does(tmp_p
     files = [tmp_path / "policy.yaml", tmp_path / "lorajob.yaml"]
     files[0].write_text(TEAM_POLICY)
     files[1].write_text(yaml.safe_dump(lorajob))
-    governed = _lorajob_cli("render", *map(str, files), "--namespace", "team-a", "--namespace-labels", "team=a")
+    governed = _lorajob_cli("render", str(files[1]), "--policy", str(files[0]), "--namespace", "team-a",
+                            "--namespace-labels", "team=a")
     assert governed.returncode == 0, governed.stderr
     jobsets = [doc for doc in yaml.safe_load_all(governed.stdout) if doc]
     assert {js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] for js in jobsets} == {"team-a-queue"}
@@ -77,6 +78,7 @@ def test_render_applies_the_policies_of_the_namespace_as_the_operator_does(tmp_p
 
     ungoverned = _lorajob_cli("render", *map(str, files), "--namespace", "team-b")  # the policy selects team=a only
     assert "team-a-queue" not in ungoverned.stdout
+    assert "no LoRAJobPolicy applied" in _lorajob_cli("render", str(files[1])).stderr
 
     lorajob["spec"]["compute"]["tpu"]["topology"] = "8x8"  # a topology the policy does not allow
     files[1].write_text(yaml.safe_dump(lorajob))

@@ -159,6 +159,14 @@ def test_a_plan_record_reads_back_as_written_and_a_garbled_one_not_at_all():
     assert contract.PlanRecord.from_line(record.line().replace('"chips":1', '"chips":-1')) is None
 
 
+def test_a_named_token_that_did_not_arrive_is_reported_by_name():
+    source = {contract.HF_TOKEN_SOURCE_ENV: "hf-token/token"}
+    assert contract.missing_token(source).startswith("the Hugging Face token is missing: no Secret hf-token with a non-empty key token")
+    assert contract.missing_token({**source, contract.HF_TOKEN_ENV: ""}) is not None
+    assert contract.missing_token({**source, contract.HF_TOKEN_ENV: "hf_x"}) is None
+    assert contract.missing_token({}) is None  # no token named
+
+
 def test_non_finite_numbers_are_written_as_unknown():
     record = contract.ProgressRecord(step=1, total_steps=2, loss=float("nan"), eta_seconds=float("inf"))
     assert (record.loss, record.eta_seconds) == (None, None)

@@ -269,12 +269,12 @@ def test_ttl_deletes_the_finished_lorajob_when_it_expires():
 
 
 def test_operator_visible_spec_problems_block_with_a_clear_condition():
-    problems = [("SecretNotFound", "Secret hf-token (spec.credentials.huggingFaceToken) does not exist in namespace team-a; create it")]
+    problems = [("LocalQueueNotFound", "Kueue LocalQueue lorajob (spec.scheduling.queueName or a LoRAJobPolicy default) does not exist in namespace team-a")]
     decision = decide(_observe(lorajob(), problems=problems), SETTINGS)
     assert decision.create == [] and decision.status["phase"] == "Pending"
     blocked = _conditions(decision)["Blocked"]
-    assert (blocked["status"], blocked["reason"]) == ("True", "SecretNotFound")
-    assert "hf-token" in decision.status["message"]
+    assert (blocked["status"], blocked["reason"]) == ("True", "LocalQueueNotFound")
+    assert "LocalQueue lorajob" in decision.status["message"]
 
     fixed = decide(_observe(lorajob(status=decision.status)), SETTINGS)
     assert fixed.create == [Create("convert", 0)]

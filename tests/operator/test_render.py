@@ -116,7 +116,10 @@ def test_the_hugging_face_token_only_travels_as_a_secret_key_reference(backend):
             for container in template["spec"]["containers"] + template["spec"].get("initContainers", []):
                 env = _env(container)
                 if container["name"] == render.TRAINER_CONTAINER:
-                    assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+                    assert env["HF_TOKEN"] == {
+                        "name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token", "optional": True}}
+                    }
+                    assert env["LORAJOB_HF_TOKEN_SECRET"] == {"name": "LORAJOB_HF_TOKEN_SECRET", "value": "hf/token"}
                 else:
                     assert "HF_TOKEN" not in env
 

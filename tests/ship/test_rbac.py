@@ -45,8 +45,6 @@ OPERATOR_CALLS = [
     ("watch", "localqueues.kueue.x-k8s.io"),
     ("list", "pods"),  # the failed container of a failed step; the train step's lead pod
     ("get", "pods/log"),  # the lead trainer's progress lines
-    ("list", "secrets"),  # cache of key names only (values dropped as they arrive): does the HF token key exist
-    ("watch", "secrets"),
     ("create", "events"),  # one per phase transition
 ]
 CLUSTER_CALLS = [
@@ -65,7 +63,11 @@ NOT_ALLOWED = [
     ("patch", "jobsets.jobset.x-k8s.io"),  # never fights Kueue over a created JobSet
     ("update", "jobsets.jobset.x-k8s.io"),
     ("patch", "workloads.kueue.x-k8s.io"),
-    ("get", "secrets"),  # the operator needs key names only: no value is ever read by name
+    # Nothing on Secrets, in any namespace: the token reaches pods by an optional secretKeyRef and the first CPU
+    # step checks it (test_no_role_of_the_chart_can_read_secrets below checks every verb).
+    ("get", "secrets"),
+    ("list", "secrets"),
+    ("watch", "secrets"),
     ("create", "pods"),
     ("delete", "pods"),
     ("get", "configmaps"),
@@ -139,6 +141,13 @@ def _granted(kube) -> set[tuple[str, str]]:
 
 def test_the_roles_grant_exactly_the_operator_calls(kube, scoped_release):
     assert _granted(kube) == set(OPERATOR_CALLS) | set(CLUSTER_CALLS)
+
+
+def test_no_role_of_the_chart_can_read_secrets(kube, scoped_release):
+    reaching = {(verb, resource) for verb, resource in _granted(kube) if resource in ("secrets", "*") or verb == "*"}
+    assert reaching == set()
+    for namespace in (NAMESPACE, OTHER_NAMESPACE, None):
+        assert not any(allowed(kube, verb, "secrets", namespace) for verb in ("get", "list", "watch"))
 
 
 # --- The operator itself, with the ServiceAccount's identity ------------------------------------------
@@ -230,7 +239,7 @@ def test_operator_works_with_only_the_charts_permissions(kube, sim_cluster, oper
 @pytest.mark.cluster
 def test_operator_creates_the_first_step_with_only_the_charts_permissions(sim_cluster, kube, operator_as_service_account):
     """On the simulated cluster (JobSet and Kueue installed) the operator, as its ServiceAccount, reads
-    the Secret and LocalQueue and creates the first step's JobSet."""
+    the LocalQueue and creates the first step's JobSet (it holds no right on the Secret the LoRAJob names)."""
     process, _port, log = operator_as_service_account
     sim_cluster.create_namespace_with_queue(NAMESPACE, "lorajob")
     kube.kubectl("create", "secret", "generic", "hf-token", "-n", NAMESPACE, "--from-literal=HF_TOKEN=test", check=False)

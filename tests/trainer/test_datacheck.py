@@ -64,6 +64,19 @@ def test_a_bad_key_exits_with_the_config_code(model_dir, tmp_path, train_file, c
     assert "no_such_key" in capsys.readouterr().err
 
 
+def test_a_token_secret_without_its_key_exits_with_the_config_code(model_dir, tmp_path, train_file, capsys, monkeypatch):
+    """The operator renders the token as an optional secretKeyRef and names its source: the check says what is missing."""
+    monkeypatch.setenv("LORAJOB_HF_TOKEN_SECRET", "hf-token/token")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    assert datacheck.main(_args(model_dir, tmp_path, train_file)) == exit_codes.CONFIG
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "config error: the Hugging Face token is missing: no Secret hf-token with a non-empty key token in the "
+        "LoRAJob's namespace (spec.credentials.huggingFaceToken)"
+    )
+    monkeypatch.setenv("HF_TOKEN", "hf_x")
+    assert datacheck.main(_args(model_dir, tmp_path, train_file)) == 0
+
+
 def test_a_passing_check_prints_its_figures_as_the_one_line_the_operator_reads(model_dir, tmp_path, train_file, capsys):
     args = _args(model_dir, tmp_path, train_file, "max_target_length=16")
     assert datacheck.main(["--devices", "2", *args]) == 0

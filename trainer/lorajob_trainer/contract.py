@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 
@@ -379,3 +380,20 @@ class PlanRecord:
 def last_plan(log: str) -> PlanRecord | None:
     """The last readable plan record in a log (None when it holds none)."""
     return _last_record(log, PlanRecord.from_line)
+
+
+HF_TOKEN_ENV = "HF_TOKEN"
+"""The Hugging Face token's environment variable (a secretKeyRef the operator renders, optional)."""
+HF_TOKEN_SOURCE_ENV = "LORAJOB_HF_TOKEN_SECRET"
+"""`<Secret name>/<key>` the token should come from: set by the operator, which never reads the Secret itself."""
+
+
+def missing_token(environ: Mapping[str, str]) -> str | None:
+    """Why the token a LoRAJob names did not arrive (no such Secret in its namespace, no such key, or an empty
+    value); None when it did, or when none was named."""
+    source = environ.get(HF_TOKEN_SOURCE_ENV)
+    if not source or environ.get(HF_TOKEN_ENV):
+        return None
+    name, _, key = source.partition("/")
+    return (f"the Hugging Face token is missing: no Secret {name} with a non-empty key {key} in the LoRAJob's "
+            "namespace (spec.credentials.huggingFaceToken)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from lorajob_trainer import data as data_lib
 from lorajob_trainer import exit_codes, models
 from lorajob_trainer.config import ConfigError, TrainConfig
 from lorajob_trainer.console import configure_logging
-from lorajob_trainer.contract import DataRecord
+from lorajob_trainer.contract import DataRecord, missing_token
 
 log = logging.getLogger("lorajob_trainer.datacheck")  # not __name__: run as __main__
 
@@ -111,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         config = TrainConfig.from_args(args.config)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
+        return exit_codes.CONFIG
+    missing = missing_token(os.environ)
+    if missing:
+        print(f"config error: {missing}", file=sys.stderr)
         return exit_codes.CONFIG
     try:
         report = check(config, args.devices)

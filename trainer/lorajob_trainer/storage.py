@@ -19,6 +19,8 @@ from pathlib import Path
 
 from etils import epath
 
+from lorajob_trainer.contract import HF_TOKEN_ENV
+
 REMOTE_PREFIX = "gs://"
 # Same rule as the LoRAJob API's hubRepo / huggingFace fields.
 HF_REPO_ID = re.compile(r"^[A-Za-z0-9][-._A-Za-z0-9]*/[-._A-Za-z0-9]+$")
@@ -32,7 +34,7 @@ MODEL_FILES = (
     "chat_template*",
 )
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-TOKEN_ENV = "HF_TOKEN"
+TOKEN_ENV = HF_TOKEN_ENV
 
 
 class StorageError(ValueError):
