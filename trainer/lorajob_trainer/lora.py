@@ -46,6 +46,7 @@ import orbax.checkpoint as ocp
 import qwix
 import yaml
 from flax import nnx
+from flax.nnx import initializers
 from jax.sharding import Mesh
 
 from lorajob_trainer import weights
@@ -161,8 +162,17 @@ def apply_lora(
     provider = qwix.LoraProvider(module_path=qwix_regex, rank=rank, alpha=alpha)
     batch = mesh.devices.size
     inputs = (jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1), jnp.int32), None, jnp.ones((batch, 1, 1), bool))
-    with mesh:  # not jax.set_mesh: this also runs under jit (abstract model building)
-        lora_model = qwix.apply_lora_to_model(model, provider, *inputs, rngs=rngs)
+    graphdef, base = nnx.split(model)
+
+    def adapted(base: nnx.State) -> nnx.Module:
+        with mesh:  # not jax.set_mesh: this also runs under jit (abstract model building)
+            return qwix.apply_lora_to_model(nnx.merge(graphdef, base), provider, *inputs, rngs=nnx.Rngs(0))
+
+    # Qwix finds the modules to adapt by running the model once. It runs abstractly: eagerly, every op on arrays
+    # that span the processes of a multi-host run is a computation all of them must join, and two processes
+    # came to join them in different orders (a deadlock). The adapters are then made by jitted initialisers.
+    lora_model = nnx.eval_shape(adapted, base)
+    _fill(lora_model, base, mesh, rngs)
     for path, module in nnx.iter_graph(lora_model):
         if isinstance(module, experts.ExpertsLinear) and re.fullmatch(target_regex, "/".join(map(str, path))):
             module.add_lora(rank, alpha, rngs)
@@ -175,6 +185,27 @@ def apply_lora(
         variable.set_value(jax.device_put(variable.get_value(), variable_sharding(mesh, variable)))
     nnx.update(lora_model, state)
     return lora_model
+
+
+def _fill(lora_model: nnx.Module, base: nnx.State, mesh: Mesh, rngs: nnx.Rngs) -> None:
+    """Give the abstract `lora_model` the base weights of `base` and new adapters (A He-uniform as Qwix draws it,
+    B zero), each made by a jitted initialiser in its sharding over `mesh`, in path order on every process."""
+    weights_by_path = dict(nnx.to_flat_state(base))
+    state = nnx.state(lora_model)
+    for path, variable in sorted(nnx.to_flat_state(state), key=lambda item: tuple(map(str, item[0]))):
+        if path in weights_by_path:
+            variable.set_value(weights_by_path[path].get_value())
+            continue
+        value = variable.get_value()
+        initializer = _ADAPTER_INITIALIZERS[str(path[-1]).endswith("_lora_a")]
+        make = jax.jit(functools.partial(initializer, shape=value.shape, dtype=value.dtype),
+                       out_shardings=variable_sharding(mesh, variable))
+        variable.set_value(make(rngs.params()))
+    nnx.update(lora_model, state)
+
+
+_ADAPTER_INITIALIZERS = {True: initializers.he_uniform(), False: initializers.zeros}
+"""By whether the variable is an A (`..._lora_a`): the initialisers Qwix's LoraRule uses by default."""
 
 
 def _check_rank_fits(flat: list, rank: int) -> None:
