@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lorajob_trainer.fit import Chip, TpuChip
+
 
 @dataclass(frozen=True)
 class TpuMachine:
@@ -86,48 +88,24 @@ TPU_MACHINES: dict[str, TpuMachine] = {
 }
 
 
-@dataclass(frozen=True)
-class GpuChip:
-    """Per-GPU facts from NVIDIA's datasheets (GB200 NVL72, HGX B200, H200, H100 SXM, A100, L4): HBM, dense
-    bf16 tensor FLOP/s (without sparsity), HBM bandwidth, NVLink bandwidth per GPU (PCIe Gen4 for the L4),
-    for the analytic plan of a GPU LoRAJob."""
-
-    hbm_bytes: int
-    peak_bf16_flops: float
-    hbm_bandwidth: float
-    interconnect_bandwidth: float
-
-
 GB = 10**9
-GPU_CHIPS: dict[str, GpuChip] = {
-    "nvidia-gb200": GpuChip(186 * GB, 2.5e15, 8.0e12, 1.8e12),
-    "nvidia-b200": GpuChip(180 * GB, 2.25e15, 7.7e12, 1.8e12),
-    "nvidia-h200-141gb": GpuChip(141 * GB, 989e12, 4.8e12, 900e9),
-    "nvidia-h100-mega-80gb": GpuChip(80 * GB, 989e12, 3.35e12, 900e9),
-    "nvidia-h100-80gb": GpuChip(80 * GB, 989e12, 3.35e12, 900e9),
-    "nvidia-a100-80gb": GpuChip(80 * GB, 312e12, 2.039e12, 600e9),
-    "nvidia-tesla-a100": GpuChip(40 * GB, 312e12, 1.555e12, 600e9),
-    "nvidia-l4": GpuChip(24 * GB, 121e12, 300e9, 64e9),
+GPU_CHIPS: dict[str, Chip] = {
+    "nvidia-gb200": Chip(186 * GB, 2.5e15, 8.0e12, 1.8e12),
+    "nvidia-b200": Chip(180 * GB, 2.25e15, 7.7e12, 1.8e12),
+    "nvidia-h200-141gb": Chip(141 * GB, 989e12, 4.8e12, 900e9),
+    "nvidia-h100-mega-80gb": Chip(80 * GB, 989e12, 3.35e12, 900e9),
+    "nvidia-h100-80gb": Chip(80 * GB, 989e12, 3.35e12, 900e9),
+    "nvidia-a100-80gb": Chip(80 * GB, 312e12, 2.039e12, 600e9),
+    "nvidia-tesla-a100": Chip(40 * GB, 312e12, 1.555e12, 600e9),
+    "nvidia-l4": Chip(24 * GB, 121e12, 300e9, 64e9),
 }
+"""Per-GPU facts from NVIDIA's datasheets (GB200 NVL72, HGX B200, H200, H100 SXM, A100, L4): HBM, dense bf16
+tensor FLOP/s (without sparsity), HBM bandwidth, NVLink bandwidth per GPU (PCIe Gen4 for the L4), for the
+analytic plan of a GPU LoRAJob."""
 
 GPU_ACCELERATORS: tuple[str, ...] = tuple(GPU_CHIPS)
 """Values of the node label cloud.google.com/gke-accelerator that lorajob schedules onto (GKE's A4X,
 A4, A3 Ultra, A3 Mega, A3 High, A2 Ultra, A2 and G2 machine families)."""
-
-
-@dataclass(frozen=True)
-class TpuChip:
-    """Per-chip facts of a TPU generation, from the Cloud TPU documentation's system-architecture pages
-    (cloud.google.com/tpu/docs/v4, v5e, v5p, v6e, tpu7x), for planning a step before it holds a TPU."""
-
-    hbm_bytes: int
-    peak_bf16_flops: float
-    hbm_bandwidth: float
-    """Bytes per second."""
-    ici_bandwidth: float
-    """Inter-chip interconnect, bytes per second per chip (the docs' Gbps / 8)."""
-    compiler_name: str
-    """The generation's name in libtpu topology names (`v6e:2x4`)."""
 
 
 GIB = 2**30
@@ -138,6 +116,9 @@ TPU_CHIPS: dict[str, TpuChip] = {
     "v6e": TpuChip(32 * GIB, 918e12, 1640e9, 3584e9 / 8, "v6e"),
     "v7x": TpuChip(192 * GIB, 4614e12, 7380e9, 9600e9 / 8, "tpu7x"),
 }
+"""Per-chip facts of each TPU generation from the Cloud TPU documentation's system-architecture pages
+(cloud.google.com/tpu/docs/v4, v5e, v5p, v6e, tpu7x): HBM, peak bf16 FLOP/s, HBM bandwidth, ICI bandwidth per
+chip (the docs' Gbps / 8), and the name libtpu's topologies use, for planning a step before it holds a TPU."""
 
 
 def chips_in(topology: str) -> int:

@@ -68,9 +68,7 @@ def _gpu_attempt(spec: Any, config: Any, hf_config: dict[str, Any]) -> Any:
     from lorajob_trainer import fit
 
     gpu = spec.compute.gpu
-    chip = accelerators.GPU_CHIPS[gpu.accelerator]
     target = fit.Target(gpu.accelerator, f"{gpu.nodes} node(s) x {gpu.gpus_per_node} GPUs", 1,
                         gpu.nodes * gpu.gpus_per_node, spec.training.per_device_batch_size,
                         spec.training.gradient_accumulation_steps, spec.training.remat)
-    facts = fit.Gpu(chip.hbm_bytes, chip.peak_bf16_flops, chip.hbm_bandwidth, chip.interconnect_bandwidth)
-    return fit.analytic_attempt(config, hf_config, facts, target)
+    return fit.analytic_attempt(config, hf_config, accelerators.GPU_CHIPS[gpu.accelerator], target)

@@ -214,7 +214,6 @@ def plan_request(spec: api.LoRAJobSpec) -> fit.Request:
     machine type."""
     tpu, training = spec.compute.tpu, spec.training
     machine = accelerators.TPU_MACHINES[tpu.machine_type]
-    chip = accelerators.TPU_CHIPS[machine.generation]
 
     def target(topology: str, batch: int, accumulation: int, remat: str = training.remat) -> fit.Target:
         return fit.Target(tpu.machine_type, topology, tpu.slices, accelerators.chips_in(topology) * tpu.slices,
@@ -232,9 +231,7 @@ def plan_request(spec: api.LoRAJobSpec) -> fit.Request:
         key=accelerators.chips_in,
     )[:LARGER_TOPOLOGIES_TRIED]
     targets += [target(t, training.per_device_batch_size, training.gradient_accumulation_steps) for t in larger]
-    facts = fit.Chip(chip.compiler_name, machine.chips_per_vm, chip.hbm_bytes, chip.peak_bf16_flops,
-                     chip.hbm_bandwidth, chip.ici_bandwidth)
-    return fit.Request(facts, tuple(targets))
+    return fit.Request(accelerators.TPU_CHIPS[machine.generation], machine.chips_per_vm, tuple(targets))
 
 
 def plan_command(spec: api.LoRAJobSpec, run: str) -> list[str]:

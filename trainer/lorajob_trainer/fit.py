@@ -39,17 +39,16 @@ SAFETY_MARGIN = 0.10
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """What a plan needs to know of the TPU chip (the operator's catalogue, accelerators.TPU_CHIPS)."""
+    """What a plan needs to know of one accelerator chip (the operator's catalogue: accelerators.TPU_CHIPS and
+    GPU_CHIPS)."""
 
-    compiler_name: str
-    """The generation's name in libtpu topology names (`v6e` in `v6e:2x4`)."""
-    chips_per_host: int
     hbm_bytes: int
     peak_bf16_flops: float
+    """Dense (no sparsity)."""
     hbm_bandwidth: float
     """Bytes per second."""
-    ici_bandwidth: float
-    """Bytes per second per chip."""
+    interconnect_bandwidth: float
+    """Bytes per second per chip between chips: ICI on a TPU, NVLink (or PCIe) on a GPU."""
 
     @property
     def capacity_bytes(self) -> int:
@@ -57,19 +56,9 @@ class Chip:
 
 
 @dataclasses.dataclass(frozen=True)
-class Gpu:
-    """What the analytic plan needs to know of a GPU (the operator's catalogue, accelerators.GPU_CHIPS)."""
-
-    hbm_bytes: int
-    peak_bf16_flops: float
-    """Dense (no sparsity)."""
-    hbm_bandwidth: float
-    interconnect_bandwidth: float
-    """NVLink (or PCIe) bytes per second per GPU."""
-
-    @property
-    def capacity_bytes(self) -> int:
-        return int(self.hbm_bytes * (1 - SAFETY_MARGIN))
+class TpuChip(Chip):
+    compiler_name: str
+    """The generation's name in libtpu topology names (`v6e` in `v6e:2x4`)."""
 
 
 ACTIVATION_BYTES = {"full": 16, "minimal": 76}
@@ -100,7 +89,8 @@ class Target:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    chip: Chip
+    chip: TpuChip
+    chips_per_host: int
     targets: tuple[Target, ...]
     """The LoRAJob's own target first, then the alternatives in the order they are tried."""
 
@@ -110,7 +100,7 @@ class Request:
     @classmethod
     def from_json(cls, text: str) -> Request:
         values = json.loads(text)
-        return cls(Chip(**values["chip"]), tuple(Target(**t) for t in values["targets"]))
+        return cls(TpuChip(**values["chip"]), values["chips_per_host"], tuple(Target(**t) for t in values["targets"]))
 
 
 @dataclasses.dataclass
@@ -155,7 +145,9 @@ class Plan:
         )
 
 
-def compile_attempt(config: TrainConfig, hf_config: dict[str, Any], chip: Chip, target: Target) -> Attempt:
+def compile_attempt(
+    config: TrainConfig, hf_config: dict[str, Any], chip: TpuChip, chips_per_host: int, target: Target
+) -> Attempt:
     """The step of `config` at `target`'s batch, compiled for its chips; PlanError without libtpu."""
     from lorajob_trainer import plan
 
@@ -164,7 +156,7 @@ def compile_attempt(config: TrainConfig, hf_config: dict[str, Any], chip: Chip, 
         "gradient_accumulation_steps": target.gradient_accumulation_steps,
         "remat_policy": target.remat_policy,
     })
-    devices = plan.topology_devices(f"{chip.compiler_name}:{target.topology}", target.slices, chip.chips_per_host)
+    devices = plan.topology_devices(f"{chip.compiler_name}:{target.topology}", target.slices, chips_per_host)
     try:
         step = plan.compile_train_step(config, hf_config, devices)
     except Exception as error:  # the compiler's RESOURCE_EXHAUSTED: the message says by how much
@@ -177,31 +169,35 @@ def compile_attempt(config: TrainConfig, hf_config: dict[str, Any], chip: Chip, 
                 "adapters_and_optimizer": memory.adapters + memory.optimizer_state, "batch": memory.batch},
         compiler_flops=step.flops, compile_seconds=step.compile_seconds,
     )
-    _roofline(attempt, step, chip, config.remat_policy)
+    _roofline(attempt, chip, step.flops_per_token, step.tokens_per_chip, memory.base_weights, step.chips,
+              config.remat_policy)
     return attempt
 
 
-def _roofline(attempt: Attempt, step: Any, chip: Chip, remat_policy: str, interconnect: str = "ICI") -> None:
+def _roofline(
+    attempt: Attempt, chip: Chip, flops_per_token: float, tokens_per_chip: int, weight_bytes_per_chip: int,
+    chips: int, remat_policy: str, interconnect: str = "ICI",
+) -> None:
     """Step time = the largest of: the 4N model's FLOPs at the chip's peak bf16 rate; every layer's gathered
     weights read from HBM once per pass (forward, backward, and the recompute of remat "full"); the same
-    weights all-gathered over ICI once per pass (FSDP). Activations' traffic and overlap are left out, so the
-    MFU is a ceiling, not a forecast."""
-    flops = step.flops_per_token * step.tokens_per_chip
+    weights all-gathered over the interconnect once per pass (FSDP). Activations' traffic and overlap are left
+    out, so the MFU is a ceiling, not a forecast."""
+    flops = flops_per_token * tokens_per_chip
     passes = 3 if remat_policy == "full" else 2
-    model_bytes = step.memory.base_weights * step.chips
+    model_bytes = weight_bytes_per_chip * chips
     times = {
         "compute": flops / chip.peak_bf16_flops,
         "HBM bandwidth": passes * model_bytes / chip.hbm_bandwidth,
-        f"{interconnect} all-gathers": passes * model_bytes * (1 - 1 / step.chips) / chip.ici_bandwidth,
+        f"{interconnect} all-gathers": passes * model_bytes * (1 - 1 / chips) / chip.interconnect_bandwidth,
     }
     attempt.bound = max(times, key=times.get)
     attempt.flops_per_step = flops
     attempt.step_seconds = times[attempt.bound]
-    attempt.tokens_per_second_per_chip = step.tokens_per_chip / attempt.step_seconds
+    attempt.tokens_per_second_per_chip = tokens_per_chip / attempt.step_seconds
     attempt.mfu = times["compute"] / attempt.step_seconds
 
 
-def analytic_attempt(config: TrainConfig, hf_config: dict[str, Any], gpu: Gpu, target: Target) -> Attempt:
+def analytic_attempt(config: TrainConfig, hf_config: dict[str, Any], gpu: Chip, target: Target) -> Attempt:
     """The GPU plan, where no compiler runs without the device: per GPU, the base weights and the float32
     adapters with their gradients and Adam moments split over every GPU (FSDP), the activations the remat
     policy keeps (`ACTIVATION_BYTES`), one layer's gathered weights twice (prefetch) and the loss chunk's
@@ -238,23 +234,18 @@ def analytic_attempt(config: TrainConfig, hf_config: dict[str, Any], gpu: Gpu, t
                 "outputs_not_aliased": 0, "base_weights": base_bytes // target.chips,
                 "adapters_and_optimizer": adapter_bytes // target.chips, "batch": 0},
     )
-    step = plan_lib.CompiledStep(
-        memory=plan_lib.StepMemory(0, 0, 0, 0, base_bytes // target.chips, 0, 0, 0), flops=None,
-        flops_per_token=flops.per_token, tokens_per_chip=tokens * config.gradient_accumulation_steps,
-        compile_seconds=0.0, chips=target.chips, layers_scanned=0,
-    )
-    _roofline(attempt, step, Chip("", 0, gpu.hbm_bytes, gpu.peak_bf16_flops, gpu.hbm_bandwidth,
-                                  gpu.interconnect_bandwidth), config.remat_policy, interconnect="NVLink")
+    _roofline(attempt, gpu, flops.per_token, tokens * config.gradient_accumulation_steps, base_bytes // target.chips,
+              target.chips, config.remat_policy, interconnect="NVLink")
     return attempt
 
 
 def plan(config: TrainConfig, hf_config: dict[str, Any], request: Request) -> Plan:
     """The first target compiled; when it does not fit, the others in order until one fits."""
     first, *alternatives = request.targets
-    result = Plan(compile_attempt(config, hf_config, request.chip, first), [])
+    result = Plan(compile_attempt(config, hf_config, request.chip, request.chips_per_host, first), [])
     if not result.attempt.fits:
         for target in alternatives:
-            result.tried.append(compile_attempt(config, hf_config, request.chip, target))
+            result.tried.append(compile_attempt(config, hf_config, request.chip, request.chips_per_host, target))
             if result.tried[-1].fits:
                 break
     return result
