@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -192,15 +192,20 @@ def _fill(lora_model: nnx.Module, base: nnx.State, mesh: Mesh, rngs: nnx.Rngs) -
     B zero), each made by a jitted initialiser in its sharding over `mesh`, in path order on every process."""
     weights_by_path = dict(nnx.to_flat_state(base))
     state = nnx.state(lora_model)
+    # One jitted initialiser per kind, shape, dtype and sharding, which the layers' adapters share: a jit of a new
+    # function object compiles anew (0.13 s per adapter on CPU, against 3 ms for a call of a compiled one).
+    made: dict[tuple, Callable[[jax.Array], jax.Array]] = {}
     for path, variable in sorted(nnx.to_flat_state(state), key=lambda item: tuple(map(str, item[0]))):
         if path in weights_by_path:
             variable.set_value(weights_by_path[path].get_value())
             continue
         value = variable.get_value()
-        initializer = _ADAPTER_INITIALIZERS[str(path[-1]).endswith("_lora_a")]
-        make = jax.jit(functools.partial(initializer, shape=value.shape, dtype=value.dtype),
-                       out_shardings=variable_sharding(mesh, variable))
-        variable.set_value(make(rngs.params()))
+        kind = (str(path[-1]).endswith("_lora_a"), value.shape, value.dtype, variable_sharding(mesh, variable))
+        if kind not in made:
+            is_a, shape, dtype, sharding = kind
+            made[kind] = jax.jit(functools.partial(_ADAPTER_INITIALIZERS[is_a], shape=shape, dtype=dtype),
+                                 out_shardings=sharding)
+        variable.set_value(made[kind](rngs.params()))
     nnx.update(lora_model, state)
 
 
