@@ -11,6 +11,7 @@ with a message naming the key.
 from __future__ import annotations
 
 import difflib
+import sys
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -462,3 +463,13 @@ def _describe(error: ValidationError) -> str:
             problems.append(f"{key}: {message} (got {item.get('input')!r})" if item["loc"] else message)
     return "invalid trainer config: " + "; ".join(problems)
 
+
+
+def parse_or_report(argv: list[str]) -> TrainConfig | None:
+    """`TrainConfig.from_args(argv)`, or None after printing the ConfigError on stderr as every entry point reports
+    it (the caller then exits with exit_codes.CONFIG)."""
+    try:
+        return TrainConfig.from_args(argv)
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return None

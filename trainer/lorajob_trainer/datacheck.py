@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from lorajob_trainer import data as data_lib
 from lorajob_trainer import exit_codes, models
-from lorajob_trainer.config import ConfigError, TrainConfig
+from lorajob_trainer.config import TrainConfig, parse_or_report
 from lorajob_trainer.console import configure_logging
 from lorajob_trainer.contract import DataRecord, missing_token
 
@@ -108,10 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", nargs="*", help="the train step's [config.yaml] KEY=VALUE... (see train --help)")
     args = parser.parse_args(argv)
     configure_logging()
-    try:
-        config = TrainConfig.from_args(args.config)
-    except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
+    config = parse_or_report(args.config)
+    if config is None:
         return exit_codes.CONFIG
     missing = missing_token(os.environ)
     if missing:

@@ -28,7 +28,7 @@ import sys
 from typing import Any
 
 from lorajob_trainer import exit_codes
-from lorajob_trainer.config import ConfigError, TrainConfig
+from lorajob_trainer.config import TrainConfig, parse_or_report
 from lorajob_trainer.contract import PlanRecord
 
 log = logging.getLogger("lorajob_trainer.fit")  # not __name__: run as __main__
@@ -326,10 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", nargs="*", help="the train step's [config.yaml] KEY=VALUE... (see train --help)")
     args = parser.parse_args(argv)
     configure_logging()
-    try:
-        config = TrainConfig.from_args(args.config)
-    except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
+    config = parse_or_report(args.config)
+    if config is None:
         return exit_codes.CONFIG
     try:
         from lorajob_trainer import plan as plan_lib

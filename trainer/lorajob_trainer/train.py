@@ -38,7 +38,7 @@ from lorajob_trainer import metrics as metrics_lib
 from lorajob_trainer import remat as remat_lib
 from lorajob_trainer import models, weights
 from lorajob_trainer.models import decoder, experts
-from lorajob_trainer.config import ConfigError, TrainConfig, describe_keys, resolve_target_modules
+from lorajob_trainer.config import TrainConfig, describe_keys, parse_or_report, resolve_target_modules
 from lorajob_trainer.console import ConsoleProgress, configure_logging
 from lorajob_trainer.contract import STOPPED_EARLY, CheckpointRecord
 from lorajob_trainer.optim import build_optimizer, learning_rate_per_step
@@ -751,10 +751,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE + "\n" + describe_keys(), end="")
         return 0
     configure_logging()
-    try:
-        config = TrainConfig.from_args(arguments)
-    except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
+    config = parse_or_report(arguments)
+    if config is None:
         return exit_codes.CONFIG
     try:
         distributed.initialize()
