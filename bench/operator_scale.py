@@ -31,7 +31,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -64,16 +63,8 @@ def _request_total(cluster) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("apiserver_request_total{"))
 
 
-def _operator_requests_by_verb(operator) -> dict[str, float]:
-    with urllib.request.urlopen(operator.metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    prefix = 'lorajob_operator_api_requests_total{verb="'
-    return {line[len(prefix):].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line.startswith(prefix)}
-
-
 def _operator_requests(operator) -> float:
-    return sum(_operator_requests_by_verb(operator).values())
+    return sum(operator.requests_by_verb().values())
 
 
 def _cpu_seconds(operator) -> float:
@@ -236,10 +227,10 @@ def run(jobs: int, idle_seconds: float, chain: bool, settings: dict[str, str]) -
             watch.start()
             time.sleep(1.0)  # let the watch connect before the first create
             cold_first = _warm_up(custom, watch)
-            before_burst = _operator_requests_by_verb(operator)
+            before_burst = operator.requests_by_verb()
             latencies, burst_seconds, create_seconds = _burst(custom, watch, jobs)
             burst_requests = {verb: (count - before_burst.get(verb, 0)) / jobs
-                              for verb, count in _operator_requests_by_verb(operator).items()}
+                              for verb, count in operator.requests_by_verb().items()}
             watch.stop()
             print(json.dumps({"jobs": jobs, "p50": statistics.median(latencies), "p99": _percentile(latencies, 0.99),
                               "created": create_seconds, "burst": burst_seconds, "burst_requests_by_verb": burst_requests}),

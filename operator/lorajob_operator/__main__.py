@@ -1,4 +1,4 @@
-"""`python -m lorajob_operator`: run the LoRAJob operator (kopf, in-process, one replica).
+"""`python -m lorajob_operator`: run the LoRAJob operator (kopf hosting it; replicas elect a leader through a Lease).
 
 Settings come from LORAJOB_* environment variables (see settings.py); the kubeconfig from the
 in-cluster service account or KUBECONFIG.
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     namespaces = args.namespace or None
     kopf.run(
-        standalone=True,  # one replica, no peering (kopf peers freeze each other: kopf#734)
+        standalone=True,  # no kopf peering (peers freeze each other: kopf#734); leader.py elects the leader
         clusterwide=namespaces is None,
         namespaces=namespaces or (),
         liveness_endpoint=args.liveness or None,

@@ -268,7 +268,7 @@ class Informer:
         self._stop.set()
         response = self._response
         if response is not None:
-            response.release_conn()  # unblocks the read
+            response.shutdown()  # unblocks the read (releasing the connection alone does not)
         self._thread.join(timeout=5)
 
     def alive(self) -> bool:

@@ -1,6 +1,7 @@
 """kopf wiring: kopf hosts the operator's `kube.Controller` (its own watch-fed caches, work queue and
 workers) and serves the liveness probe. It registers no resource handler, so kopf writes nothing on the
 objects (it only watches CRDs, for itself): the state lives in the cluster and in LoRAJob status.
+Of several replicas, the one holding the Lease (leader.py) reconciles; the others stand by with warm caches.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from typing import Any
 import kopf
 from kubernetes import client, config
 
+from lorajob_operator import leader
 from lorajob_operator.caches import Caches
 from lorajob_operator.kube import Controller
 from lorajob_operator.metrics import CountingRESTClient, Metrics
 from lorajob_operator.settings import OperatorSettings
 
 
-def _api_client(metrics: Metrics, connections: int) -> client.ApiClient:
+def _api_client(metrics: Metrics, connections: int, write_allowed=lambda: True) -> client.ApiClient:
     try:
         config.load_incluster_config()
     except config.ConfigException:
@@ -25,8 +27,16 @@ def _api_client(metrics: Metrics, connections: int) -> client.ApiClient:
     configuration = client.Configuration.get_default_copy()
     configuration.connection_pool_maxsize = connections  # else each pass beyond the pool opens a new TLS connection
     api_client = client.ApiClient(configuration)
-    api_client.rest_client = CountingRESTClient(configuration, metrics)
+    api_client.rest_client = CountingRESTClient(configuration, metrics, write_allowed)
     return api_client
+
+
+def _leadership(ours: OperatorSettings, namespaces: list[str] | None, metrics: Metrics) -> leader.LeaderElector | leader.NoElection:
+    if not ours.leader.enabled:
+        return leader.NoElection()
+    # Its own client: the Lease's requests never wait behind the workers' connections.
+    return leader.LeaderElector(_api_client(metrics, 1), ours.leader, leader.lease_namespace(ours.leader, namespaces),
+                                leader.identity(ours.leader))
 
 
 @kopf.on.startup()
@@ -35,7 +45,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.
     settings.posting.enabled = False  # our events are the phase transitions, posted by the reconciler
     metrics = Metrics()
     watches = len(Caches(memo.namespaces).watches())
-    memo.controller = Controller(_api_client(metrics, ours.reconcile.workers + watches), ours, memo.namespaces, metrics)
+    leadership = _leadership(ours, memo.namespaces, metrics)
+    memo.controller = Controller(
+        _api_client(metrics, ours.reconcile.workers + watches, leadership.leading), ours, memo.namespaces, metrics, leadership
+    )
     if ours.metrics.port:
         metrics.serve(ours.metrics.port)
     memo.controller.start()

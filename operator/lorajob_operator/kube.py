@@ -25,6 +25,7 @@ from kubernetes.client.exceptions import ApiException
 
 from lorajob_operator import api, caches, policy, render, rules
 from lorajob_operator.caches import Caches, Key
+from lorajob_operator.leader import LeaderElector, NoElection, NotLeader
 from lorajob_operator.metrics import Metrics
 from lorajob_operator.reconcile import (
     JOBSET_NAME_LABEL,
@@ -480,13 +481,18 @@ class Resync:
 
 
 class Controller:
-    """Caches, work queue, workers and resync: the whole operator loop (kopf only hosts it, handlers.py)."""
+    """Caches, work queue, workers and resync: the whole operator loop (kopf only hosts it, handlers.py).
+
+    Every replica fills its caches; passes run only while `leadership` says this replica leads (its
+    writes are refused otherwise, by the API client that `leadership.leading` gates). On becoming the
+    leader it queues every LoRAJob, as after the first sync."""
 
     def __init__(self, api_client: client.ApiClient, settings: OperatorSettings, namespaces: list[str] | None,
-                 metrics: Metrics):
+                 metrics: Metrics, leadership: LeaderElector | NoElection | None = None):
         self.api_client = api_client
         self.settings = settings
         self.metrics = metrics
+        self.leadership = leadership or NoElection()
         self.caches = Caches(namespaces)
         self.reconciler = Reconciler(Cluster(api_client), self.caches, settings)
         self.queue = WorkQueue()
@@ -512,35 +518,44 @@ class Controller:
         if not self.caches.wait_synced(self._stop):
             return
         self._synced.set()
-        for body in self.caches.lorajobs():
-            self.queue.add(caches.key_of(body), read_progress=True, urgent=_unobserved(body))
         for thread in self._threads:
             thread.start()
         self.resync.start()
         self._running.set()
         log.info("caches synced: %s", ", ".join(f"{r.name}={len(s)}" for r, s in self.caches.stores.items()))
+        # Only a replica with full caches campaigns: a leader with half-filled ones would re-create children.
+        self.leadership.start(self._lead, lambda: None)
+
+    def _lead(self) -> None:
+        """This replica has just become the leader: every LoRAJob gets a pass."""
+        for body in self.caches.lorajobs():
+            self.queue.add(caches.key_of(body), read_progress=True, urgent=_unobserved(body))
 
     def stop(self) -> None:
+        """Stops writing first, then the passes; then hands the Lease on (a standby takes over at its next
+        look) before the watches stop."""
         self._stop.set()
+        self.leadership.stop()
         self.resync.stop()
         self.queue.close()
-        self.caches.stop()
         for thread in self._threads:
             if thread.is_alive():
                 thread.join(timeout=10)
+        self.leadership.release()
+        self.caches.stop()
 
     def alive(self) -> bool:
-        """Every watch, worker and the resync loop run (until they start: every watch runs)."""
+        """Every watch, worker, the resync loop and the campaign run (until they start: every watch runs)."""
         if not self.caches.alive():
             return False
         if not self._running.is_set():
             return True
-        return self.resync.alive() and all(thread.is_alive() for thread in self._threads)
+        return self.resync.alive() and self.leadership.alive() and all(thread.is_alive() for thread in self._threads)
 
     def _on_change(self, resource: caches.Resource, obj: dict) -> None:
-        """A cached object changed: queue the LoRAJobs whose pass reads it."""
-        if not self._synced.is_set():
-            return  # the first pass over every LoRAJob follows the sync
+        """A cached object changed: queue the LoRAJobs whose pass reads it (a standby only caches it)."""
+        if not self._synced.is_set() or not self.leadership.leading():
+            return  # the first pass over every LoRAJob follows the sync, or this replica's leadership
         urgent = resource is caches.LORAJOBS and _unobserved(obj)
         for key in self._affected(resource, obj):
             self.queue.add(key, urgent=urgent)
@@ -564,9 +579,15 @@ class Controller:
     def _work(self) -> None:
         while (item := self.queue.get()) is not None:
             key, read_progress = item
+            if not self.leadership.leading():  # queued by the resync; the leader's first pass covers it
+                self.queue.done(key)
+                continue
             started = time.monotonic()
             try:
                 after, result = self.reconciler.reconcile(*key, read_progress=read_progress), "ok"
+            except NotLeader as refused:  # the Lease was lost during the pass; whoever holds it now redoes it
+                log.info("pass over LoRAJob %s/%s stopped: %s", *key, refused)
+                after, result = None, "not-leader"
             except Exception:  # noqa: BLE001 - one bad object must not stop the loop; it is retried
                 log.exception("reconciling LoRAJob %s/%s failed", *key)
                 after, result = self.settings.reconcile.blocked_recheck_seconds, "error"
@@ -588,6 +609,8 @@ class Controller:
             "lorajobs": dict(phases),
             "work_queue_depth": {"": len(self.queue)},
             "watch_restarts": dict(restarts),
+            "leader": {"": float(self.leadership.leading())},
+            "leadership_acquired": {"": float(self.leadership.transitions)},
         }
 
 

@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 STARTUP_TIMEOUT_SECONDS = 60.0
@@ -22,7 +23,11 @@ def _free_port() -> int:
 
 
 class OperatorProcess:
-    """`python -m lorajob_operator` watching `namespaces`, with LORAJOB_* `settings` in its environment."""
+    """`python -m lorajob_operator` watching `namespaces`, with LORAJOB_* `settings` in its environment.
+
+    Its Lease is in the first watched namespace unless `settings` say otherwise, and its name in the Lease
+    stays the same across `kill` and `start` (as a pod's name does across container restarts), so a
+    restarted operator resumes at once where no other replica took over."""
 
     def __init__(
         self, kubeconfig: Path, namespaces: list[str], log_path: Path, settings: dict[str, str] | None = None,
@@ -38,11 +43,13 @@ class OperatorProcess:
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None
         """The Prometheus endpoint, when `settings` give LORAJOB_METRICS_PORT (off by default: a fixed port
         would clash between test sessions sharing a machine)."""
+        self.identity = self.settings.get("LORAJOB_LEADER_IDENTITY") or f"local-{uuid.uuid4().hex[:8]}"
         self._process: subprocess.Popen | None = None
 
     def start(self) -> "OperatorProcess":
         environment = {key: value for key, value in os.environ.items() if not key.startswith("LORAJOB_")}
-        environment |= {"KUBECONFIG": str(self.kubeconfig), "LORAJOB_METRICS_PORT": "0", **self.settings}
+        environment |= {"KUBECONFIG": str(self.kubeconfig), "LORAJOB_METRICS_PORT": "0",
+                        "LORAJOB_LEADER_IDENTITY": self.identity, **self.settings}
         command = [sys.executable, "-m", "lorajob_operator", "--liveness", self.liveness_url]
         for namespace in self.namespaces:
             command += ["--namespace", namespace]
@@ -75,11 +82,32 @@ class OperatorProcess:
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def metrics(self) -> dict[str, float]:
+        """The samples of its Prometheus endpoint, `name{labels}` -> value (needs LORAJOB_METRICS_PORT)."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        return {key: float(value) for key, _, value in
+                (line.rpartition(" ") for line in text.splitlines() if line and not line.startswith("#"))}
+
+    def requests_by_verb(self) -> dict[str, float]:
+        """API requests it has sent, by Kubernetes verb."""
+        prefix = 'lorajob_operator_api_requests_total{verb="'
+        return {key[len(prefix):].split('"', 1)[0]: value for key, value in self.metrics().items() if key.startswith(prefix)}
+
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
     def kill(self) -> None:
         """SIGKILL: a crash, nothing cleaned up."""
         if self._process and self._process.poll() is None:
             self._process.kill()
             self._process.wait()
+
+    def crash(self) -> float:
+        """SIGKILL, then a new process: returns time.monotonic() once an operator serves again."""
+        self.kill()
+        self.start()
+        return time.monotonic()
 
     def stop(self) -> None:
         if self._process and self._process.poll() is None:
@@ -90,6 +118,90 @@ class OperatorProcess:
                 self.kill()
 
     def __enter__(self) -> "OperatorProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class OperatorReplicas:
+    """`count` replicas of one operator (one Lease; each its own OperatorProcess, metrics port and log
+    `<log_dir>/operator-<i>.log`): `crash` SIGKILLs the leader and starts it again once a standby has taken over."""
+
+    def __init__(self, kubeconfig: Path, namespaces: list[str], log_dir: Path, settings: dict[str, str] | None = None,
+                 count: int = 2):
+        from kubernetes import client, config
+
+        self.settings = settings or {}
+        self.replicas = [
+            OperatorProcess(kubeconfig, namespaces, log_dir / f"operator-{index}.log",
+                            {**self.settings, "LORAJOB_METRICS_PORT": str(_free_port())})
+            for index in range(count)
+        ]
+        self.lease_namespace = self.settings.get("LORAJOB_LEADER_LEASE_NAMESPACE") or namespaces[0]
+        self.lease_name = self.settings.get("LORAJOB_LEADER_LEASE_NAME", "lorajob-operator")
+        self._custom = client.CustomObjectsApi(config.new_client_from_config(str(kubeconfig)))
+
+    @property
+    def log_path(self) -> Path:
+        return self.replicas[0].log_path.parent
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(f"--- {r.log_path.name} ({r.identity})\n{r.log_tail(lines)}" for r in self.replicas)
+
+    def holder(self) -> str | None:
+        """The Lease's holderIdentity (None: no Lease, or released)."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            lease = self._custom.get_namespaced_custom_object(
+                "coordination.k8s.io", "v1", self.lease_namespace, "leases", self.lease_name)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return (lease.get("spec") or {}).get("holderIdentity")
+
+    def leader(self) -> OperatorProcess | None:
+        """The running replica that holds the Lease (None: none does, e.g. the holder was killed)."""
+        holder = self.holder()
+        return next((r for r in self.replicas if r.identity == holder and r.running()), None)
+
+    def wait_for_leader(self, timeout: float = STARTUP_TIMEOUT_SECONDS) -> OperatorProcess:
+        deadline = time.monotonic() + timeout
+        while (found := self.leader()) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no running replica took the Lease within {timeout:.0f} s\n{self.log_tail()}")
+            time.sleep(0.1)
+        return found
+
+    def start(self) -> "OperatorReplicas":
+        """Starts the replicas not running, the first one alone until it leads (the others then stand by)."""
+        for index, replica in enumerate(self.replicas):
+            if not replica.running():
+                replica.start()
+            if index == 0:
+                self.wait_for_leader()
+        return self
+
+    def healthy(self) -> bool:
+        return all(replica.healthy() for replica in self.replicas)
+
+    def crash(self) -> float:
+        """SIGKILLs the leader; returns time.monotonic() when a standby holds the Lease, after which the killed
+        replica is started again (it stands by)."""
+        killed = self.wait_for_leader()
+        killed.kill()
+        self.wait_for_leader()  # the killed one is not running: another replica
+        at = time.monotonic()
+        killed.start()
+        return at
+
+    def stop(self) -> None:
+        for replica in self.replicas:
+            replica.stop()
+
+    def __enter__(self) -> "OperatorReplicas":
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -2,8 +2,8 @@
 
 Counters and histograms are updated where things happen: API requests and errors in `CountingRESTClient`
 (every request the operator's client sends, watches included), reconciles in kube.Controller. What the
-caches and watches hold (objects per resource, LoRAJobs per phase, work-queue depth, watch restarts) is
-read at scrape time (`STATE`). Each Controller has its own registry (several run in one test process).
+caches and watches hold (objects per resource, LoRAJobs per phase, work-queue depth, watch restarts) and
+whether this replica leads are read at scrape time (`STATE`). Each Controller has its own registry (several run in one test process).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from wsgiref.simple_server import WSGIServer
 from kubernetes.client import rest
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from lorajob_operator.leader import NotLeader
 
 PREFIX = "lorajob_operator"
 
@@ -46,7 +48,7 @@ class Metrics:
             ["verb", "code"], registry=self.registry,
         )
         self.reconciles = Counter(
-            f"{PREFIX}_reconciles", "Reconcile passes over a LoRAJob, by result (ok, error)", ["result"], registry=self.registry
+            f"{PREFIX}_reconciles", "Reconcile passes over a LoRAJob, by result (ok, error, not-leader: the Lease was lost during the pass)", ["result"], registry=self.registry
         )
         self.reconcile_seconds = Histogram(
             f"{PREFIX}_reconcile_duration_seconds", "Time one reconcile pass takes (its API writes included)",
@@ -72,6 +74,8 @@ STATE = {
     "lorajobs": (GaugeMetricFamily, "LoRAJobs by status.phase (Unknown: no status yet)", "phase"),
     "work_queue_depth": (GaugeMetricFamily, "LoRAJobs waiting for a reconcile pass", None),
     "watch_restarts": (CounterMetricFamily, "Watches that failed or went silent and were restarted, by resource", "resource"),
+    "leader": (GaugeMetricFamily, "1 while this replica holds the Lease and reconciles, 0 while it stands by", None),
+    "leadership_acquired": (CounterMetricFamily, "Times this replica became the leader", None),
 }
 
 
@@ -88,15 +92,22 @@ class _StateCollector:
             yield family
 
 
-class CountingRESTClient(rest.RESTClientObject):
-    """The kubernetes client's HTTP layer, counting every request and failure into `metrics`."""
+READ_VERBS = frozenset({"get", "list", "watch"})
 
-    def __init__(self, configuration, metrics: Metrics):
+
+class CountingRESTClient(rest.RESTClientObject):
+    """The kubernetes client's HTTP layer, counting every request and failure into `metrics`; it refuses
+    (NotLeader, nothing sent) every write while `write_allowed()` is false: a standby writes nothing."""
+
+    def __init__(self, configuration, metrics: Metrics, write_allowed: Callable[[], bool] = lambda: True):
         super().__init__(configuration)
         self.metrics = metrics
+        self.write_allowed = write_allowed
 
     def request(self, method, url, *args, **kwargs):
         verb = request_verb(method, url)
+        if verb not in READ_VERBS and not self.write_allowed():
+            raise NotLeader(f"not the leader: {verb} {urlparse(url).path} not sent")
         self.metrics.api_requests.labels(verb).inc()
         try:
             response = super().request(method, url, *args, **kwargs)

@@ -89,13 +89,43 @@ class MetricsSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class LeaderSettings:
+    """Leader election over a coordination.k8s.io Lease (leader.py): of the replicas, the one holding the
+    Lease reconciles; the others keep their caches warm and write nothing."""
+
+    enabled: bool = True
+    """Off: this replica reconciles without a Lease (only safe with one replica)."""
+    lease_name: str = "lorajob-operator"
+    lease_namespace: str | None = None
+    """Default: the namespace of the pod's ServiceAccount; outside a pod the first watched namespace, else default."""
+    identity: str | None = None
+    """This replica's name in the Lease (the chart gives the pod name). Default: host name and a random suffix."""
+    lease_duration_seconds: int = 15
+    """A standby takes the Lease once it has seen no renewal for this long (a crashed leader's replacement time)."""
+    renew_deadline_seconds: float = 10.0
+    """A leader that has not renewed for this long stops writing; shorter than the lease duration, so it has
+    stopped before any standby could take the Lease."""
+    retry_period_seconds: float = 2.0
+    """How often the leader renews and a standby looks at the Lease."""
+
+
+@dataclasses.dataclass(frozen=True)
 class OperatorSettings:
     render: RenderSettings = RenderSettings()
     reconcile: ReconcileSettings = ReconcileSettings()
     watch: WatchSettings = WatchSettings()
     metrics: MetricsSettings = MetricsSettings()
+    leader: LeaderSettings = LeaderSettings()
 
     def __post_init__(self) -> None:
+        leader = self.leader
+        if not 0 < leader.retry_period_seconds < leader.renew_deadline_seconds < leader.lease_duration_seconds:
+            raise ValueError(
+                "leader election needs 0 < LORAJOB_LEADER_RETRY_PERIOD_SECONDS "
+                f"({leader.retry_period_seconds}) < LORAJOB_LEADER_RENEW_DEADLINE_SECONDS ({leader.renew_deadline_seconds}) "
+                f"< LORAJOB_LEADER_LEASE_DURATION_SECONDS ({leader.lease_duration_seconds}): a leader must stop writing "
+                "before a standby may take its Lease, and renew more than once within its deadline"
+            )
         if self.watch.client_timeout_seconds <= self.watch.server_timeout_seconds:
             raise ValueError(
                 f"LORAJOB_WATCH_CLIENT_TIMEOUT_SECONDS ({self.watch.client_timeout_seconds}) must exceed "

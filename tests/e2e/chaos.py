@@ -28,7 +28,8 @@ GAP = (0.3, 2.0)
 @dataclasses.dataclass(frozen=True)
 class Fault:
     target: str
-    """OPERATOR (SIGKILL, then a new operator process) or one of RESTARTABLE (SIGKILL and restart)."""
+    """OPERATOR (SIGKILL of the operator, or of the leader of its replicas, then a replacement) or one of
+    RESTARTABLE (SIGKILL and restart)."""
     delay: float
     """Seconds after the previous fault recovered (or the LoRAJobs were created)."""
 
@@ -47,7 +48,7 @@ class Injected:
     at: float
     """time.monotonic() of the kill."""
     ready: float
-    """When the component served again."""
+    """When the component served again (the operator: a new process, or a standby holding the Lease)."""
     unfinished: int
     """LoRAJobs not yet Succeeded or Failed when it struck."""
 
@@ -194,7 +195,7 @@ class Outcome:
 def run(cluster, namespace: str, operator, seed: int, jobs: int, operator_kills: int, timeout: float,
         restarts: tuple[str, ...] = RESTARTABLE, gap: tuple[float, float] = GAP, log=print) -> Outcome:
     """Create `jobs` full-chain LoRAJobs in `namespace` (watched by the started `operator`, an
-    OperatorProcess), inject `plan(seed, operator_kills, restarts, gap)` and wait for every LoRAJob to finish;
+    OperatorProcess or OperatorReplicas), inject `plan(seed, operator_kills, restarts, gap)` and wait for every LoRAJob to finish;
     raise AssertionError naming the seed and every problem found."""
     faults = plan(seed, operator_kills, restarts, gap)
     names = [f"chaos-{index:02d}" for index in range(jobs)]
@@ -208,11 +209,11 @@ def run(cluster, namespace: str, operator, seed: int, jobs: int, operator_kills:
                 unfinished = jobs - sum(map(_finished, record.latest("lorajobs").values()))
                 at = time.monotonic()
                 if fault.target == OPERATOR:
-                    operator.kill()
-                    operator.start()
+                    ready = operator.crash()
                 else:
                     cluster.restart(fault.target)
-                injected.append(Injected(fault, at, time.monotonic(), unfinished))
+                    ready = time.monotonic()
+                injected.append(Injected(fault, at, ready, unfinished))
                 log(f"  fault {len(injected)}: {fault.target} down {injected[-1].ready - at:.1f} s, {unfinished} LoRAJobs unfinished")
                 if not operator.healthy():
                     raise AssertionError(f"the operator died after {fault.target} restarted; log {operator.log_path}:\n{operator.log_tail()}")

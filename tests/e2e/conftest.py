@@ -9,12 +9,16 @@ import pytest
 from lorajobs import HF_SECRET, Lorajobs
 
 from lorajob_operator import render
-from lorajob_operator.local import OperatorProcess
+from lorajob_operator.local import OperatorProcess, OperatorReplicas
 
 FAST_OPERATOR = {
     "LORAJOB_RECONCILE_RESYNC_SECONDS": "1",
     "LORAJOB_RECONCILE_RETRY_BACKOFF_SECONDS": "1",
     "LORAJOB_RECONCILE_BLOCKED_RECHECK_SECONDS": "1",
+    # A killed leader is replaced within 4 s + 2 looks.
+    "LORAJOB_LEADER_LEASE_DURATION_SECONDS": "4",
+    "LORAJOB_LEADER_RENEW_DEADLINE_SECONDS": "3",
+    "LORAJOB_LEADER_RETRY_PERIOD_SECONDS": "0.5",
 }
 
 
@@ -54,6 +58,13 @@ def start_operator(sim_cluster, namespace, tmp_path):
 @pytest.fixture
 def operator(start_operator) -> OperatorProcess:
     return start_operator()
+
+
+@pytest.fixture
+def replicas(sim_cluster, namespace, tmp_path) -> OperatorReplicas:
+    """Two replicas of the operator watching the test's namespace (one Lease there): one leads, one stands by."""
+    with OperatorReplicas(sim_cluster.kubeconfig, [namespace], tmp_path, FAST_OPERATOR) as started:
+        yield started
 
 
 @pytest.fixture

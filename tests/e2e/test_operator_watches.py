@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import urllib.request
-
 import pytest
 from lorajobs import sample
 
@@ -23,12 +21,12 @@ def test_watch_events_alone_take_a_lorajob_to_succeeded(lorajobs, start_operator
     done = lorajobs.wait_phase("events", "Succeeded", timeout=180)
     assert done["status"]["restarts"] == {"check": 0, "convert": 0, "train": 0, "export": 0}
 
-    with urllib.request.urlopen(operator.metrics_url, timeout=10) as response:
-        metrics = response.read().decode()
-    assert 'lorajob_operator_lorajobs{phase="Succeeded"} 1.0' in metrics
-    assert 'lorajob_operator_cache_objects{resource="jobsets"} 3.0' in metrics
-    assert 'lorajob_operator_api_requests_total{verb="create"}' in metrics
-    assert 'lorajob_operator_reconciles_total{result="ok"}' in metrics
+    metrics = operator.metrics()
+    assert metrics['lorajob_operator_lorajobs{phase="Succeeded"}'] == 1
+    assert metrics['lorajob_operator_cache_objects{resource="jobsets"}'] == 3
+    assert metrics['lorajob_operator_api_requests_total{verb="create"}'] > 0
+    assert metrics['lorajob_operator_reconciles_total{result="ok"}'] > 0
+    assert metrics["lorajob_operator_leader"] == 1
 
 
 class _DeafController(Controller):
