@@ -1,15 +1,17 @@
 """Control-plane chaos at scale, on a fresh simulated cluster.
 
-    python bench/chaos.py [--jobs 30] [--operator-kills 6] [--component-restarts 1] [--gap 2 20] [--seed N]
+    python bench/chaos.py [--jobs 30] [--replicas 2] [--operator-kills 6] [--component-restarts 1] [--gap 2 20] [--seed N]
 
 Creates `--jobs` full-chain LoRAJobs (convert -> train -> export) and, at seeded random moments, SIGKILLs
-the operator `--operator-kills` times (a new operator process takes over) and SIGKILLs and restarts
+the operator's leader `--operator-kills` times (with `--replicas 1`: the only operator, then a new process)
+and SIGKILLs and restarts
 kube-apiserver, JobSet and Kueue `--component-restarts` times each, each fault a random `--gap` seconds
 after the previous one is over. Then checks what
 tests/e2e/chaos.py checks (every LoRAJob Succeeded; one JobSet per step and attempt, from a watch of
 every JobSet ever created; no orphaned child; no completed step run again; consistent status) and
 prints each fault with
-  down:     the kill until the component (or a new operator) serves again,
+  down:     the kill until the component serves again (the operator: a standby holds the Lease, or with
+            one replica a new process runs),
   resumed:  the kill until the first LoRAJob phase transition after that (progress again).
 A failure prints the seed; `--seed` runs the same fault plan again.
 """
@@ -42,6 +44,7 @@ def _figures(values: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=30)
+    parser.add_argument("--replicas", type=int, default=2, help="operator replicas (one Lease; the leader is killed)")
     parser.add_argument("--operator-kills", type=int, default=6)
     parser.add_argument("--component-restarts", type=int, default=1, help="restarts of each of " + ", ".join(RESTARTABLE))
     parser.add_argument("--gap", type=float, nargs=2, default=(2.0, 20.0), metavar=("MIN", "MAX"))
@@ -49,22 +52,24 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for every LoRAJob to finish after the last fault")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
-    print(f"chaos seed {seed}: {args.jobs} LoRAJobs, {args.operator_kills} operator kills, "
+    print(f"chaos seed {seed}: {args.jobs} LoRAJobs, {args.replicas} operator replica(s), {args.operator_kills} leader kills, "
           f"{args.component_restarts} restart(s) each of {', '.join(RESTARTABLE)}; operator defaults", flush=True)
 
     from lorajob_devcluster import ControlPlaneConfig, SimCluster
-    from lorajob_operator.local import OperatorProcess
+    from lorajob_operator.local import OperatorProcess, OperatorReplicas
 
     started = time.monotonic()
     with SimCluster.start(plane_config=ControlPlaneConfig(crd_dirs=(REPO_ROOT / "crds",))) as cluster:
         print(f"simulated cluster up in {time.monotonic() - started:.1f} s", flush=True)
         cluster.create_namespace_with_queue(NAMESPACE)
         cluster.kubectl("-n", NAMESPACE, "create", "secret", "generic", HF_SECRET, "--from-literal=HF_TOKEN=hf_bench")
-        log = Path(tempfile.mkdtemp(prefix="lorajob-chaos-")) / "operator.log"
-        with OperatorProcess(cluster.kubeconfig, [NAMESPACE], log) as operator:
+        logs = Path(tempfile.mkdtemp(prefix="lorajob-chaos-"))
+        operators = (OperatorReplicas(cluster.kubeconfig, [NAMESPACE], logs, count=args.replicas) if args.replicas > 1
+                     else OperatorProcess(cluster.kubeconfig, [NAMESPACE], logs / "operator.log"))
+        with operators as operator:
             outcome = run(cluster, NAMESPACE, operator, seed, args.jobs, args.operator_kills, args.timeout,
                           restarts=RESTARTABLE * args.component_restarts, gap=tuple(args.gap))
-    print(f"operator log: {log}")
+    print(f"operator logs: {logs}")
     jobsets = {obj["metadata"]["uid"] for _, obj in outcome.record.versions("jobsets")}
     print(f"all {args.jobs} LoRAJobs Succeeded, nothing broken; {len(outcome.injected)} faults injected; "
           f"{len(jobsets)} JobSets ever created; watch relists {outcome.record.relists}; "

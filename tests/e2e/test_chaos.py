@@ -1,7 +1,7 @@
-"""Control-plane chaos at CI scale: 6 LoRAJobs through convert -> train -> export while the operator is
-SIGKILLed 3 times and kube-apiserver, JobSet and Kueue are each SIGKILLed and restarted once, at seeded
-random moments (LORAJOB_CHAOS_SEED picks another run; a failure names its seed). The large run is
-bench/chaos.py. The checks themselves are tested first, on hand-made histories."""
+"""Control-plane chaos at CI scale: 6 LoRAJobs through convert -> train -> export while the leader of two
+operator replicas is SIGKILLed 3 times (a standby takes over) and kube-apiserver, JobSet and Kueue are each
+SIGKILLed and restarted once, at seeded random moments (LORAJOB_CHAOS_SEED picks another run; a failure
+names its seed). The large run is bench/chaos.py. The checks themselves are tested first, on hand-made histories."""
 
 from __future__ import annotations
 
@@ -87,8 +87,8 @@ def test_the_plan_is_seeded():
 
 
 @pytest.mark.cluster
-def test_lorajobs_survive_operator_kills_and_control_plane_restarts(sim_cluster, namespace, operator):
-    outcome = run(sim_cluster, namespace, operator, SEED, jobs=6, operator_kills=3, timeout=300)
+def test_lorajobs_survive_leader_kills_and_control_plane_restarts(sim_cluster, namespace, replicas):
+    outcome = run(sim_cluster, namespace, replicas, SEED, jobs=6, operator_kills=3, timeout=300)
 
     assert sorted(item.fault.target for item in outcome.injected) == sorted([OPERATOR] * 3 + list(RESTARTABLE))
     assert set(outcome.record.latest("lorajobs")) == set(outcome.names)

@@ -50,16 +50,26 @@ def test_default_install_objects(defaults):
     kinds = sorted(o["kind"] for o in defaults)
     assert kinds == sorted([
         "CustomResourceDefinition", "CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRole",
-        "ClusterRoleBinding", "ClusterRoleBinding", "Deployment", "Service", "ValidatingAdmissionPolicy",
-        "ValidatingAdmissionPolicyBinding",
+        "ClusterRoleBinding", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment", "PodDisruptionBudget",
+        "Service", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
     ])
 
 
-def test_deployment_is_one_recreated_hardened_replica(defaults):
+def test_deployment_is_two_hardened_replicas_electing_a_leader(defaults):
     deployment = one(defaults, "Deployment")
     spec = deployment["spec"]
-    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    assert spec["replicas"] == 2
+    assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     pod = spec["template"]["spec"]
+    selector = spec["selector"]["matchLabels"]
+    (spread,) = pod["topologySpreadConstraints"]
+    assert spread == {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+                      "labelSelector": {"matchLabels": selector}}
+    budget = one(defaults, "PodDisruptionBudget")["spec"]
+    assert budget == {"minAvailable": 1, "selector": {"matchLabels": selector}}
+    leader = OperatorSettings.from_env(_env(defaults)).leader
+    assert (leader.lease_name, leader.lease_namespace, leader.identity) == (FULLNAME, RELEASE_NAMESPACE, "<metadata.name>")
+    assert (leader.lease_duration_seconds, leader.renew_deadline_seconds, leader.retry_period_seconds) == (15, 10, 2)
     assert pod["serviceAccountName"] == one(defaults, "ServiceAccount")["metadata"]["name"] == FULLNAME
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0
     (container,) = pod["containers"]
@@ -80,8 +90,14 @@ def test_probes_hit_the_operators_liveness_endpoint(defaults):
 
 
 def _env(objects: list[dict]) -> dict[str, str]:
+    """The container's environment; a variable the downward API fills reads `<its fieldPath>`."""
     (container,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
-    return {e["name"]: e["value"] for e in container["env"]}
+    return {e["name"]: e["value"] if "value" in e else f"<{e['valueFrom']['fieldRef']['fieldPath']}>" for e in container["env"]}
+
+
+def test_one_replica_has_no_disruption_budget(helm):
+    objects = helm.template("operator.replicas=1")
+    assert one(objects, "Deployment")["spec"]["replicas"] == 1 and by_kind(objects, "PodDisruptionBudget") == []
 
 
 def test_operator_settings_from_values_are_ones_the_operator_reads(helm):
@@ -106,7 +122,7 @@ def test_operator_settings_from_values_are_ones_the_operator_reads(helm):
 
 def test_watching_namespaces_binds_permissions_per_namespace(helm):
     objects = helm.template("operator.watchNamespaces={team-a,team-b}")
-    bindings = by_kind(objects, "RoleBinding")
+    bindings = [b for b in by_kind(objects, "RoleBinding") if b["roleRef"]["kind"] == "ClusterRole"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     assert {b["roleRef"]["name"] for b in bindings} == {f"{FULLNAME}-namespaced"}
     assert [b["roleRef"]["name"] for b in by_kind(objects, "ClusterRoleBinding")] == [f"{FULLNAME}-cluster"]
@@ -117,7 +133,7 @@ def test_watching_namespaces_binds_permissions_per_namespace(helm):
 def test_optional_parts_can_be_switched_off(helm):
     objects = helm.template(
         "admissionPolicy.enabled=false", "rbac.create=false", "serviceAccount.create=false", "serviceAccount.name=existing",
-        "metrics.service.enabled=false",
+        "metrics.service.enabled=false", "podDisruptionBudget.enabled=false",
     )
     assert sorted(o["kind"] for o in objects) == ["Deployment"]
     assert one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "existing"

@@ -55,6 +55,11 @@ CLUSTER_CALLS = [
     ("list", "customresourcedefinitions.apiextensions.k8s.io"),  # kopf (the process host) watches CRDs
     ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
 ]
+LEASE_CALLS = [
+    ("get", "leases.coordination.k8s.io"),  # leader election, in the release's namespace only (leader.py)
+    ("update", "leases.coordination.k8s.io"),  # renew, take over, release
+    ("create", "leases.coordination.k8s.io"),  # the first replica ever
+]
 NOT_ALLOWED = [
     ("update", "lorajobs.lorajob.dev"),  # the operator never writes spec (Git stays the truth)
     ("patch", "lorajobs.lorajob.dev"),
@@ -78,13 +83,14 @@ NOT_ALLOWED = [
 ]
 
 
-def allowed(kube, verb: str, resource: str, namespace: str | None) -> bool:
+def allowed(kube, verb: str, resource: str, namespace: str | None, name: str | None = None) -> bool:
     """A SubjectAccessReview for the operator's ServiceAccount (no discovery: CRDs need not exist)."""
-    name, _, subresource = resource.partition("/")
-    plural, _, group = name.partition(".")
+    kind, _, subresource = resource.partition("/")
+    plural, _, group = kind.partition(".")
     attributes = {"verb": verb, "group": group, "resource": plural}
     attributes.update({"subresource": subresource} if subresource else {})
     attributes.update({"namespace": namespace} if namespace else {})
+    attributes.update({"name": name} if name else {})
     review = {
         "apiVersion": "authorization.k8s.io/v1",
         "kind": "SubjectAccessReview",
@@ -120,6 +126,14 @@ def test_cluster_scoped_calls_are_allowed(kube, scoped_release, verb, resource):
     assert allowed(kube, verb, resource, None)
 
 
+@pytest.mark.parametrize("verb, resource", LEASE_CALLS, ids=lambda v: str(v))
+def test_the_lease_is_reachable_in_the_release_namespace_only(kube, scoped_release, verb, resource):
+    assert allowed(kube, verb, resource, RELEASE_NAMESPACE, name=FULLNAME)
+    assert not allowed(kube, verb, resource, NAMESPACE, name=FULLNAME)
+    if verb != "create":  # create cannot be limited to a name
+        assert not allowed(kube, verb, resource, RELEASE_NAMESPACE, name="another-lease")
+
+
 @pytest.mark.parametrize("verb, resource", NOT_ALLOWED, ids=lambda v: str(v))
 def test_nothing_else_is_allowed(kube, scoped_release, verb, resource):
     assert not allowed(kube, verb, resource, NAMESPACE)
@@ -127,8 +141,10 @@ def test_nothing_else_is_allowed(kube, scoped_release, verb, resource):
 
 def _granted(kube) -> set[tuple[str, str]]:
     granted = set()
-    for role in (f"{FULLNAME}-namespaced", f"{FULLNAME}-cluster"):
-        rules = json.loads(kube.kubectl("get", "clusterrole", role, "-o", "json").stdout)["rules"]
+    roles = [("clusterrole", f"{FULLNAME}-namespaced"), ("clusterrole", f"{FULLNAME}-cluster"),
+             ("role", f"{FULLNAME}-leader", "-n", RELEASE_NAMESPACE)]
+    for kind, role, *where in roles:
+        rules = json.loads(kube.kubectl("get", kind, role, *where, "-o", "json").stdout)["rules"]
         for rule in rules:
             for group in rule["apiGroups"]:
                 for resource in rule["resources"]:
@@ -140,7 +156,7 @@ def _granted(kube) -> set[tuple[str, str]]:
 
 
 def test_the_roles_grant_exactly_the_operator_calls(kube, scoped_release):
-    assert _granted(kube) == set(OPERATOR_CALLS) | set(CLUSTER_CALLS)
+    assert _granted(kube) == set(OPERATOR_CALLS) | set(CLUSTER_CALLS) | set(LEASE_CALLS)
 
 
 def test_no_role_of_the_chart_can_read_secrets(kube, scoped_release):
@@ -179,7 +195,8 @@ def _deployment_args(release) -> list[str]:
     manifest = release.run("get", "manifest", RELEASE, "--namespace", RELEASE_NAMESPACE).stdout
     (deployment,) = [d for d in yaml.safe_load_all(manifest) if d and d["kind"] == "Deployment"]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    return container["args"], {e["name"]: e["value"] for e in container.get("env", [])}
+    # The one variable the downward API fills is the replica's name in the Lease (the pod's name).
+    return container["args"], {e["name"]: e.get("value", "operator-under-test") for e in container.get("env", [])}
 
 
 @pytest.fixture
