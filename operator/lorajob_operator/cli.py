@@ -55,19 +55,53 @@ def validate_files(paths: list[Path]) -> int:
     return 1 if failed else 0
 
 
-def render_files(paths: list[Path], namespace: str, namespace_labels: dict[str, str], policy_paths: list[Path]) -> int:
+class ClusterFacts:
+    """What rendering needs from a cluster: its LoRAJobPolicies and its namespaces' labels (read once each)."""
+
+    def __init__(self, kubeconfig: Path | None, context: str | None):
+        from kubernetes import client, config
+
+        from lorajob_operator import api, policy
+
+        api_client = config.new_client_from_config(config_file=str(kubeconfig) if kubeconfig else None, context=context)
+        self.policies = client.CustomObjectsApi(api_client).list_cluster_custom_object(
+            api.GROUP, api.VERSION, policy.PLURAL)["items"]
+        self._core = client.CoreV1Api(api_client)
+        self._labels: dict[str, dict[str, str]] = {}
+
+    def namespace_labels(self, namespace: str) -> dict[str, str]:
+        from kubernetes.client.exceptions import ApiException
+
+        if namespace not in self._labels:
+            try:
+                self._labels[namespace] = self._core.read_namespace(namespace).metadata.labels or {}
+            except ApiException as error:
+                if error.status != 404:
+                    raise
+                raise RenderError(f"namespace {namespace!r} does not exist in the cluster") from None
+        return self._labels[namespace]
+
+
+class RenderError(Exception):
+    """Rendering cannot go on (said on stderr, exit 2)."""
+
+
+def render_files(paths: list[Path], namespace: str, namespace_labels: dict[str, str], policy_paths: list[Path],
+                 cluster: ClusterFacts | None = None) -> int:
     """Print the JobSets the operator would create for each LoRAJob (all steps, first tries), with the defaults of
-    the LoRAJobPolicies (in `policy_paths`, or among the files) that govern its namespace applied, as the operator
-    applies them."""
+    the LoRAJobPolicies (the `cluster`'s, in `policy_paths`, or among the files) that govern its namespace applied,
+    as the operator applies them. The namespace's labels are the cluster's, overridden by `namespace_labels`."""
     from lorajob_operator import api, policy, reconcile, render
     from lorajob_operator.settings import OperatorSettings
 
     settings = OperatorSettings.from_env().render
     documents = [(path, doc) for path in paths for doc in _documents(path)]
     policy_documents = [doc for path in policy_paths for doc in _documents(path)] + [doc for _, doc in documents]
+    policy_documents += cluster.policies if cluster else []
     policies = [policy.LoRAJobPolicy.from_object(doc) for doc in policy_documents if doc.get("kind") == policy.KIND]
     if not policies:
-        print("no LoRAJobPolicy applied (give the namespace's with --policy FILE)", file=sys.stderr)
+        where = "in the cluster" if cluster else "(give the namespace's with --policy FILE, or read the cluster's with --from-cluster)"
+        print(f"no LoRAJobPolicy applied {where}", file=sys.stderr)
     manifests, failed = [], 0
     for path, doc in documents:
         if doc.get("kind") == policy.KIND:
@@ -75,7 +109,13 @@ def render_files(paths: list[Path], namespace: str, namespace_labels: dict[str, 
         metadata = doc.get("metadata", {})
         spec, errors = render.parse_spec(doc) if doc.get("kind") == api.KIND else (None, (f"not a {api.KIND}",))
         owner_namespace = metadata.get("namespace", namespace)
-        labels = {"kubernetes.io/metadata.name": owner_namespace, **namespace_labels}
+        try:
+            found = cluster.namespace_labels(owner_namespace) if cluster else {}
+        except RenderError as error:
+            print(f"{path}: cannot render {metadata.get('name', '?')!r}: {error}", file=sys.stderr)
+            failed += 1
+            continue
+        labels = {"kubernetes.io/metadata.name": owner_namespace, **found, **namespace_labels}
         if spec is not None:
             errors = tuple(violation.message for violation in policy.violations(policies, labels, spec))
         if errors:
@@ -87,6 +127,17 @@ def render_files(paths: list[Path], namespace: str, namespace_labels: dict[str, 
         manifests += render.render_all(spec, owner, settings)
     print(yaml.safe_dump_all(manifests, sort_keys=False), end="")
     return 1 if failed else 0
+
+
+def render_command(args) -> int:
+    cluster = None
+    if args.from_cluster or args.kubeconfig or args.context:
+        try:
+            cluster = ClusterFacts(args.kubeconfig, args.context)
+        except Exception as error:  # noqa: BLE001 - no kubeconfig, no answer, no permission: all said the same way
+            print(f"lorajob render: cannot read the cluster's LoRAJobPolicies: {error}", file=sys.stderr)
+            return 2
+    return render_files(args.files, args.namespace, args.namespace_labels, args.policy, cluster)
 
 
 def _labels(text: str) -> dict[str, str]:
@@ -138,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="labels of the namespace, for the policies' namespaceSelector")
     render.add_argument("--policy", type=Path, action="append", default=[], metavar="FILE",
                         help="a YAML file of LoRAJobPolicies whose defaults and rules apply (repeatable)")
+    render.add_argument("--from-cluster", action="store_true",
+                        help="apply the cluster's LoRAJobPolicies and use its namespaces' labels (current kubeconfig context)")
+    render.add_argument("--kubeconfig", type=Path, default=None, metavar="PATH", help="the cluster's kubeconfig (implies --from-cluster)")
+    render.add_argument("--context", default=None, help="kubeconfig context to use (implies --from-cluster)")
     plan = commands.add_parser(
         "plan", help="compile each LoRAJob's train step for its TPU chips (no TPU needed): does it fit, how fast")
     plan.add_argument("files", nargs="+", type=Path, metavar="FILE", help="YAML files holding LoRAJob documents")
@@ -151,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         return validate_files(args.files)
     if args.command == "render":
-        return render_files(args.files, args.namespace, args.namespace_labels, args.policy)
+        return render_command(args)
     if args.command == "plan":
         return plan_files(args.files, args.json)
     parser.error(f"unknown command {args.command}")

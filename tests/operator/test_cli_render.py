@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from lorajob_operator import render
@@ -84,6 +85,33 @@ def test_render_applies_the_policies_of_the_namespace_as_the_operator_does(tmp_p
     files[1].write_text(yaml.safe_dump(lorajob))
     refused = _lorajob_cli("render", *map(str, files), "--namespace-labels", "team=a")
     assert refused.returncode == 1 and 'LoRAJobPolicy "team-a" rule tpu.allowed' in refused.stderr, refused.stderr
+
+
+@pytest.mark.apiserver
+def test_render_from_a_cluster_applies_its_policies_and_namespace_labels(kube, tmp_path):
+    kube.kubectl("create", "namespace", "render-team-a")
+    kube.kubectl("label", "namespace", "render-team-a", "team=a")
+    kube.kubectl("apply", "-f", "-", input=TEAM_POLICY)
+    try:
+        lorajob = yaml.safe_load((REPO_ROOT / "examples" / "qwen3-gsm8k.yaml").read_text())
+        del lorajob["spec"]["scheduling"]["queueName"]
+        lorajob["metadata"]["namespace"] = "render-team-a"
+        path = tmp_path / "lorajob.yaml"
+        path.write_text(yaml.safe_dump(lorajob))
+        governed = _lorajob_cli("render", str(path), "--kubeconfig", str(kube.kubeconfig))
+        assert governed.returncode == 0 and "no LoRAJobPolicy applied" not in governed.stderr, governed.stderr
+        jobsets = [doc for doc in yaml.safe_load_all(governed.stdout) if doc]
+        assert {js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] for js in jobsets} == {"team-a-queue"}
+
+        lorajob["metadata"]["namespace"] = "render-nowhere"
+        path.write_text(yaml.safe_dump(lorajob))
+        missing = _lorajob_cli("render", str(path), "--kubeconfig", str(kube.kubeconfig))
+        assert missing.returncode == 1 and "namespace 'render-nowhere' does not exist in the cluster" in missing.stderr
+    finally:
+        kube.kubectl("delete", "lorajobpolicy", "team-a", "--wait=false")
+        kube.kubectl("delete", "namespace", "render-team-a", "--wait=false")
+    unreachable = _lorajob_cli("render", str(path), "--kubeconfig", str(tmp_path / "no-such-kubeconfig"))
+    assert unreachable.returncode == 2 and "cannot read the cluster's LoRAJobPolicies" in unreachable.stderr
 
 
 def test_render_refuses_an_invalid_lorajob_with_the_reason(tmp_path):
