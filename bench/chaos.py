@@ -1,6 +1,6 @@
 """Control-plane chaos at scale, on a fresh simulated cluster.
 
-    python bench/chaos.py [--jobs 30] [--replicas 2] [--operator-kills 6] [--component-restarts 1] [--gap 2 20] [--seed N]
+    python bench/chaos.py [--jobs 60] [--replicas 2] [--operator-kills 6] [--component-restarts 1] [--gap 1 8] [--seed N]
 
 Creates `--jobs` full-chain LoRAJobs (convert -> train -> export) and, at seeded random moments, SIGKILLs
 the operator's leader `--operator-kills` times (with `--replicas 1`: the only operator, then a new process)
@@ -43,11 +43,11 @@ def _figures(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--jobs", type=int, default=30)
+    parser.add_argument("--jobs", type=int, default=60)
     parser.add_argument("--replicas", type=int, default=2, help="operator replicas (one Lease; the leader is killed)")
     parser.add_argument("--operator-kills", type=int, default=6)
     parser.add_argument("--component-restarts", type=int, default=1, help="restarts of each of " + ", ".join(RESTARTABLE))
-    parser.add_argument("--gap", type=float, nargs=2, default=(2.0, 20.0), metavar=("MIN", "MAX"))
+    parser.add_argument("--gap", type=float, nargs=2, default=(1.0, 8.0), metavar=("MIN", "MAX"))
     parser.add_argument("--seed", type=int, default=None, help="default: a fresh one, printed")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for every LoRAJob to finish after the last fault")
     args = parser.parse_args()

@@ -237,6 +237,8 @@ class LoRASpec(_Model):
     """alpha scales the adapter output by alpha/rank (alpha/sqrt(rank) with rsLoRA)."""
     rs_lora: bool = Field(default=False, alias="rsLoRA")
     """rsLoRA scales the adapter output by alpha/sqrt(rank) instead of alpha/rank (rank-stabilised LoRA, PEFT's use_rslora), so the update keeps its size at large ranks. An adapter in restoreFrom must have been trained the same way."""
+    dora: bool = False
+    """dora trains DoRA adapters (PEFT's use_dora): besides A and B, a magnitude per output feature of each adapted weight, W' = m * (W + scale*B*A) / ||W + scale*B*A||. It adapts attention and dense MLP projections, not routed experts: for a mixture-of-experts model set targetModules to leave the experts out. An adapter in restoreFrom must be a DoRA one too."""
     target_modules: str | None = Field(default=None, max_length=PATH_MAX)
     """targetModules is a regular expression over module paths that overrides the model family's default (attention q/k/v/o and MLP gate/up/down)."""
     restore_from: LoRARestore | None = None

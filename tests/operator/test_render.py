@@ -329,11 +329,12 @@ def test_the_fit_check_tries_the_cheapest_changes_first():
     assert render.plan_request(parsed(lorajob(spec=spec_dict(training={"steps": 10, "remat": "full"})))).targets[1].remat_policy == "full"
 
 
-def test_rslora_reaches_the_trainer():
-    spec = parsed(lorajob(spec=spec_dict(lora={"rank": 64, "alpha": 16, "rsLoRA": True})))
-    assert spec.lora.rs_lora and render.train_config(spec, "r").lora.use_rslora
-    assert "lora.use_rslora=true" in render.train_command(spec, "r")
-    assert not render.train_config(parsed(lorajob()), "r").lora.use_rslora
+@pytest.mark.parametrize(("field", "option"), [("rsLoRA", "use_rslora"), ("dora", "use_dora")])
+def test_lora_variants_reach_the_trainer(field, option):
+    spec = parsed(lorajob(spec=spec_dict(lora={"rank": 64, "alpha": 16, field: True})))
+    assert getattr(render.train_config(spec, "r").lora, option)
+    assert f"lora.{option}=true" in render.train_command(spec, "r")
+    assert not getattr(render.train_config(parsed(lorajob()), "r").lora, option)
 
 
 def test_eval_interval_is_its_own_setting_and_defaults_to_the_checkpoint_period():

@@ -84,12 +84,14 @@ def test_an_adapter_of_another_rank(run, tmp_path):
     assert_fails(run("lora.lora_rank=8", f"lora.lora_restore_path={earlier}"), exit_codes.MODEL, "rank")
 
 
-def test_an_adapter_scaled_another_way(run, tmp_path):
-    """An rsLoRA adapter restored into a plain LoRA run: the same weights would make another update."""
-    assert run("checkpoint_period=1", "async_checkpointing=False", "lora.use_rslora=true",
+@pytest.mark.parametrize("option", ["use_rslora", "use_dora"])
+def test_an_adapter_of_another_variant(run, tmp_path, option):
+    """An rsLoRA or DoRA adapter (trained here) restored into a plain LoRA run: the same weights would make
+    another update."""
+    assert run("checkpoint_period=1", "async_checkpointing=False", f"lora.{option}=true",
                output=tmp_path / "earlier")[0] == 0
     earlier = tmp_path / "earlier" / "run" / "checkpoints" / "2"
-    assert_fails(run(f"lora.lora_restore_path={earlier}"), exit_codes.MODEL, "use_rslora=True", "lora.use_rslora=False")
+    assert_fails(run(f"lora.lora_restore_path={earlier}"), exit_codes.MODEL, f"{option}=True", f"lora.{option}=False")
 
 
 def test_a_truncated_safetensors_file(run, tiny_model, tmp_path):

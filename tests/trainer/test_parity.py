@@ -83,26 +83,45 @@ def test_unpatched_tunix_rope_is_wrong(family, mesh, tmp_path):
 
 
 def random_lora(model, seed: int) -> dict[str, np.ndarray]:
+    """Random A and B; a DoRA magnitude moved randomly off its start (the weight's norms) by up to ~30 %."""
     rng = np.random.default_rng(seed)
     return {
-        key: 0.3 * rng.standard_normal(value.shape).astype(np.float32)
+        key: (np.asarray(value) * (1 + 0.3 * rng.standard_normal(value.shape)) if key.endswith(lora.MAGNITUDE)
+              else 0.3 * rng.standard_normal(value.shape)).astype(np.float32)
         for key, value in lora.get_lora_params(model).items()
     }
 
 
-def lora_model_with_random_adapters(family, directory, mesh, rank=4, alpha=8.0, rslora=False):
+VARIANTS = pytest.mark.parametrize("variant", ["lora", "rslora", "dora"])
+
+
+def _alpha(variant: str) -> float:
+    """Scale 2 either way (8/4; rsLoRA 4/√4), so float32 rounding stays as small; plain LoRA at alpha 4 would
+    scale by 1, so a lost use_rslora shows."""
+    return 4.0 if variant == "rslora" else 8.0
+
+
+def variant_targets(family: str, variant: str) -> list[str]:
+    """The family's default targets; for DoRA without routed experts (DoRA adapts projections only)."""
+    targets = lora.default_targets(family)
+    return [t.name for t in lora.target_modules(family, targets) if not t.parameter] if variant == "dora" else targets
+
+
+def lora_model_with_random_adapters(family, directory, mesh, variant="lora", rank=4):
     model, spec = models.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
-    regex = lora.module_path_regex(family)
-    model = lora.apply_lora(model, rank=rank, alpha=alpha, target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0),
-                            rslora=rslora)
+    targets = variant_targets(family, variant)
+    regex = lora.module_path_regex(family, targets)
+    model = lora.apply_lora(model, rank=rank, alpha=_alpha(variant), target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0),
+                            rslora=variant == "rslora", dora=variant == "dora")
     params = random_lora(model, seed=5)
     lora.set_lora_params(model, params)
     metadata = CheckpointMetadata(
         step=7,
         lora_rank=rank,
-        lora_alpha=alpha,
-        use_rslora=rslora,
-        target_modules=lora.default_targets(family),
+        lora_alpha=_alpha(variant),
+        use_rslora=variant == "rslora",
+        use_dora=variant == "dora",
+        target_modules=targets,
         lora_module_path="",
         base_model=f"tiny-{family}",
         family=family,
@@ -111,21 +130,12 @@ def lora_model_with_random_adapters(family, directory, mesh, rank=4, alpha=8.0, 
     return model, params, metadata
 
 
-RSLORA = pytest.mark.parametrize("rslora", [False, True], ids=["lora", "rslora"])
-
-
-def _alpha(rslora: bool) -> float:
-    """Scale 2 either way (8/4; rsLoRA 4/√4), so float32 rounding stays as small; plain LoRA at alpha 4 would
-    scale by 1, so a lost use_rslora shows."""
-    return 4.0 if rslora else 8.0
-
-
-@RSLORA
-def test_exported_adapter_matches_peft(checkpoint, mesh, tmp_path, rslora):
+@VARIANTS
+def test_exported_adapter_matches_peft(checkpoint, mesh, tmp_path, variant):
     from peft import PeftModel
 
     family, directory = checkpoint
-    model, params, metadata = lora_model_with_random_adapters(family, directory, mesh, alpha=_alpha(rslora), rslora=rslora)
+    model, params, metadata = lora_model_with_random_adapters(family, directory, mesh, variant)
     step_dir = lora.save_adapter_checkpoint(tmp_path / "ckpt", params, metadata)
     out = export.export_adapter(step_dir, tmp_path / "adapter")
     base = load_hf(directory)
@@ -137,25 +147,25 @@ def test_exported_adapter_matches_peft(checkpoint, mesh, tmp_path, rslora):
     np.testing.assert_allclose(ours, torch_logits(peft_model, ids), atol=ATOL, rtol=0)
 
 
-@RSLORA
-def test_merged_export_matches_lora_model(checkpoint, mesh, tmp_path, rslora):
+@VARIANTS
+def test_merged_export_matches_lora_model(checkpoint, mesh, tmp_path, variant):
     family, directory = checkpoint
-    model, params, metadata = lora_model_with_random_adapters(family, directory, mesh, alpha=_alpha(rslora), rslora=rslora)
+    model, params, metadata = lora_model_with_random_adapters(family, directory, mesh, variant)
     step_dir = lora.save_adapter_checkpoint(tmp_path / "ckpt", params, metadata)
     merged = export.export_merged(step_dir, tmp_path / "merged")
     ids = tokens()
     np.testing.assert_allclose(jax_logits(model, ids), torch_logits(load_hf(merged), ids), atol=ATOL, rtol=0)
 
 
-@RSLORA
-def test_peft_made_adapter_converts_to_peft_logits(checkpoint, mesh, tmp_path, rslora):
+@VARIANTS
+def test_peft_made_adapter_converts_to_peft_logits(checkpoint, mesh, tmp_path, variant):
     """An adapter PEFT wrote (k_proj and v_proj with their own lora_A) converts in and gives PEFT's logits."""
     from peft import PeftModel
     from safetensors.numpy import load_file
     from test_convert_export import make_peft_adapter
 
     family, directory = checkpoint
-    adapter = make_peft_adapter(family, directory, tmp_path / "adapter", rslora=rslora)
+    adapter = make_peft_adapter(family, directory, tmp_path / "adapter", variant=variant)
     tensors = load_file(adapter / "adapter_model.safetensors")
     attn = f"{lora.PEFT_PREFIX}.0.self_attn"
     assert not np.array_equal(tensors[f"{attn}.k_proj.lora_A.weight"], tensors[f"{attn}.v_proj.lora_A.weight"])
@@ -164,10 +174,10 @@ def test_peft_made_adapter_converts_to_peft_logits(checkpoint, mesh, tmp_path, r
     )
     model, _ = models.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
     regex = lora.module_path_regex(family, metadata.target_modules)
-    assert metadata.use_rslora == rslora
+    assert (metadata.use_rslora, metadata.use_dora) == (variant == "rslora", variant == "dora")
     model = lora.apply_lora(
         model, rank=metadata.lora_rank, alpha=metadata.lora_alpha, target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0),
-        rslora=metadata.use_rslora,
+        rslora=metadata.use_rslora, dora=metadata.use_dora,
     )
     lora.set_lora_params(model, params)
     ids = tokens()

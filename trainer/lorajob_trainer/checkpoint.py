@@ -71,6 +71,8 @@ class CheckpointMetadata:
     has no config.json of its own); empty = load_parameters_path."""
     use_rslora: bool = False
     """The adapter's scale is alpha/√r (rsLoRA), not alpha/r."""
+    use_dora: bool = False
+    """DoRA: the adapter also holds a magnitude per output feature of each adapted weight."""
     train_loss: float | None = None
     """Training loss at this step."""
     eval_loss: float | None = None

@@ -41,6 +41,9 @@ class LoraConfig(_Section):
     """Adapter scale numerator: the update is (alpha / r) * B A."""
     use_rslora: bool = False
     """rsLoRA (PEFT's use_rslora): the update is (alpha / sqrt(r)) * B A, which keeps its size as r grows."""
+    use_dora: bool = False
+    """DoRA (PEFT's use_dora): each adapted weight's output features also get a learned magnitude,
+    W' = m * (W + s B A) / ||W + s B A||. Not on routed experts."""
     lora_module_path: str = ""
     """Expert override: a regex over model module paths selecting the adapted layers."""
     target_modules: list[str] | None = None

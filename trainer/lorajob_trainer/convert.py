@@ -35,7 +35,6 @@ log = logging.getLogger("lorajob_trainer.convert")  # not __name__: run as __mai
 # adapter_config.json options that change the adapter's meaning, with the only value we accept
 # (an absent or empty value means the default too).
 _UNSUPPORTED_PEFT_OPTIONS = {
-    "use_dora": False,
     "bias": "none",
     "layers_to_transform": None,
     "modules_to_save": None,
@@ -100,13 +99,15 @@ def read_peft_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, np.n
     return config, load_file(tensors_path)
 
 
-def lora_template(family: models.Family, tunix_config: Any, hf_config: dict, rank: int, regex: str) -> dict[str, Any]:
+def lora_template(family: models.Family, tunix_config: Any, hf_config: dict, rank: int, regex: str,
+                  dora: bool = False) -> dict[str, Any]:
     """Shapes of the LoRA params Qwix creates for this model, without loading any weights."""
     mesh = mesh_lib.host_mesh(jax.devices()[:1])
 
     def build() -> nnx.Module:
         model = family.build(tunix_config, hf_config, nnx.Rngs(0))
-        return lora.apply_lora(model, rank=rank, alpha=float(rank), target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0))
+        return lora.apply_lora(model, rank=rank, alpha=float(rank), target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0),
+                               dora=dora)
 
     return lora.get_lora_params(nnx.eval_shape(build))
 
@@ -139,13 +140,15 @@ def _write_adapter(model_name: str, base: str | Path, base_dir: Path, adapter: P
     names = list(modules) + list(config.get("target_parameters") or [])
     tensors = lora.peft_names_from_base(tensors, hf_config)
     targets = lora.target_modules(family.name, names)
-    template = lora_template(family, tunix_config, hf_config, rank, lora.target_regex(family.name, names))
+    dora = bool(config.get("use_dora"))
+    template = lora_template(family, tunix_config, hf_config, rank, lora.target_regex(family.name, names), dora)
     params = lora.from_peft(tensors, targets, template)
     metadata = CheckpointMetadata(
         step=0,
         lora_rank=rank,
         lora_alpha=float(config["lora_alpha"]),
         use_rslora=bool(config.get("use_rslora")),
+        use_dora=dora,
         target_modules=names,
         lora_module_path="",
         base_model=model_name,

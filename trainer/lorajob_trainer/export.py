@@ -63,7 +63,7 @@ def adapter_config(metadata: CheckpointMetadata, target_modules: list[str], base
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": metadata.use_rslora,
-        "use_dora": False,
+        "use_dora": metadata.use_dora,
         "inference_mode": True,
         "modules_to_save": None,
     }
@@ -186,7 +186,7 @@ def _write_merged(
     regex = lora.target_regex(spec.family.name, metadata.target_modules, metadata.lora_module_path)
     model = lora.apply_lora(
         model, rank=metadata.lora_rank, alpha=metadata.lora_alpha, target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0),
-        rslora=metadata.use_rslora,
+        rslora=metadata.use_rslora, dora=metadata.use_dora,
     )
     lora.set_lora_params(model, params)
     merged = lora.merged_base_params(

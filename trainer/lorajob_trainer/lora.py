@@ -7,7 +7,8 @@ LoRA parameters as a flat dict
     Shapes follow Qwix: for an einsum weight, A is [contracting dims..., r] and B is
     [r, remaining dims...] (q_proj: A [D, r], B [r, N, H]; o_proj: A [N, H, r], B [r, D]); for
     nnx.Linear, A [in, r], B [r, out]. The update is x·A·B·scale, scale = alpha/r, or alpha/√r with
-    rsLoRA (`scale`), as in PEFT.
+    rsLoRA (`scale`), as in PEFT. With DoRA each adapted weight also has `<weight>_lora_magnitude`, shaped
+    like its output axes (q_proj [N, H], o_proj [D]; PEFT's lora_magnitude_vector [out] row-major).
 
 Trainer LoRA checkpoint layout (Orbax; checkpoint.py writes it during training, convert.py writes
 a single step from an HF PEFT adapter, export.py reads it):
@@ -17,9 +18,9 @@ a single step from an HF PEFT adapter, export.py reads it):
                                           `load_adapter_checkpoint` also accepts it nested on "."
     <root>/<step>/optimizer/, data/       training runs only (checkpoint.py)
     <root>/<step>/_CHECKPOINT_METADATA    custom metadata = checkpoint.CheckpointMetadata:
-                                          step, lora_rank, lora_alpha, use_rslora, target_modules
-                                          (HF names), lora_module_path, base_model, family,
-                                          load_parameters_path
+                                          step, lora_rank, lora_alpha, use_rslora, use_dora,
+                                          target_modules (HF names), lora_module_path, base_model,
+                                          family, load_parameters_path
 
 HF PEFT adapter: `base_model.model.model.layers.<i>.<hf module>.lora_A.weight` [r, in] and
 `lora_B.weight` [out, r], where `lora_A = A.reshape(-1, r).T` and `lora_B = B.reshape(r, -1).T`
@@ -48,6 +49,8 @@ import yaml
 from flax import nnx
 from flax.nnx import initializers
 from jax.sharding import Mesh
+from qwix._src.providers import ptq  # Qwix's own LoRA provider finds adapted weights with these two
+from qwix._src.utils import flax_util
 
 from lorajob_trainer import weights
 from lorajob_trainer.checkpoint import CheckpointMetadata
@@ -142,11 +145,85 @@ def scale(alpha: float, rank: int, rslora: bool = False) -> float:
     return alpha / math.sqrt(rank) if rslora else alpha / rank
 
 
+MAGNITUDE = "_lora_magnitude"
+"""Suffix of a DoRA magnitude (`<weight>_lora_magnitude`, one value per output feature of the weight)."""
+CONTRACTING = "_dora_contracting"
+"""Suffix of the module attribute naming the weight's input (contracting) axes, which DoRA's norm sums over."""
+
+
+def _wide(dtype) -> jnp.dtype:
+    """float32, or the wider `dtype`: what DoRA's norms and factors are computed in."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def weight_norm(weight: jax.Array, contracting: tuple[int, ...]) -> jax.Array:
+    """The norm of each output feature's column of `weight` (over its input axes `contracting`), in at least float32."""
+    return jnp.sqrt(jnp.sum(jnp.square(weight.astype(_wide(weight.dtype))), axis=contracting))
+
+
+class DoraProvider(qwix.LoraProvider):
+    """Qwix's LoRA, with DoRA's decomposition on top (PEFT's use_dora): each adapted weight W gets a learned
+    magnitude m (one per output feature, initially the norms of W's columns), and the layer computes
+    (m / ‖W + s·A·B‖) ⊙ (x·W + s·x·A·B), the norm taken per output feature and held constant in the backward
+    pass (as PEFT does, section 4.3 of the DoRA paper)."""
+
+    def einsum(self, einsum_str: str, *operands, **kwargs) -> jax.Array:
+        result = super().einsum(einsum_str, *operands, **kwargs)
+        rule, name = self._adapted_weight(operands[1], "einsum")
+        if name is None:
+            return result
+        module = flax_util.get_current_module()
+        inputs, output = einsum_str.replace(" ", "").split("->")
+        lhs, rhs = inputs.split(",")
+        _, a_str, b_str = getattr(module, name + "_lora_einsum_str").split("->")[0].split(",")
+        contracting = tuple(i for i, c in enumerate(rhs) if c in lhs)
+        delta = jnp.einsum(f"{a_str},{b_str}->{rhs}", getattr(module, name + "_lora_a").get_value(),
+                           getattr(module, name + "_lora_b").get_value())
+        factor = self._factor(module, name, operands[1], delta * (rule.alpha / rule.rank), contracting)
+        remaining = "".join(c for c in rhs if c not in lhs)
+        return jnp.einsum(f"{output},{remaining}->{output}", result, factor.astype(result.dtype))
+
+    def dot_general(self, lhs, rhs, dimension_numbers, *args, **kwargs) -> jax.Array:
+        result = super().dot_general(lhs, rhs, dimension_numbers, *args, **kwargs)
+        rule, name = self._adapted_weight(rhs, "dot_general")
+        if name is None:
+            return result
+        (_, contracting), (_, batch) = dimension_numbers
+        if batch:
+            raise LoraError("DoRA does not support batched matmuls (routed experts); target other modules")
+        module = flax_util.get_current_module()
+        remaining = tuple(i for i in range(rhs.ndim) if i not in contracting)
+        shape = tuple(rhs.shape[i] for i in (*contracting, *remaining))
+        delta = (getattr(module, name + "_lora_a").get_value() @ getattr(module, name + "_lora_b").get_value()).reshape(shape)
+        delta = jnp.transpose(delta, np.argsort((*contracting, *remaining)))
+        scaled = delta * (rule.alpha / rule.rank)
+        # The remaining axes of the weight are the result's last ones, in order: the factor broadcasts.
+        return result * self._factor(module, name, rhs, scaled, tuple(contracting)).astype(result.dtype)
+
+    def _adapted_weight(self, rhs, op: str) -> tuple[Any, str | None]:
+        """The LoRA rule of this op and the name of the weight it adapts (None: no rule here, or `rhs` is no weight)."""
+        rule, _ = self._get_current_rule_and_op_id(op, repeated_call=True)
+        return rule, flax_util.find_param(rhs, ptq.WithAux) if isinstance(rule, qwix.LoraRule) else None
+
+    @staticmethod
+    def _factor(module: nnx.Module, name: str, weight: jax.Array, scaled_delta: jax.Array,
+                contracting: tuple[int, ...]) -> jax.Array:
+        """m / ‖W + s·A·B‖ per output feature; the magnitude is made (‖W‖) on first use."""
+        if not hasattr(module, name + CONTRACTING):
+            setattr(module, name + CONTRACTING, contracting)
+        magnitude = flax_util.get_or_create_param(
+            name + MAGNITUDE, lambda: weight_norm(weight, contracting).astype(weight.dtype), nnx_param_type=nnx.LoRAParam)
+        wide = _wide(weight.dtype)
+        adapted = weight.astype(wide) + scaled_delta.astype(wide)
+        return magnitude.astype(wide) / jax.lax.stop_gradient(weight_norm(adapted, contracting))
+
+
 def apply_lora(
     model: nnx.Module, *, rank: int, alpha: float, target_regex: str, mesh: Mesh, rngs: nnx.Rngs,
-    rslora: bool = False,
+    rslora: bool = False, dora: bool = False,
 ) -> nnx.Module:
-    """A copy of `model` with LoRA adapters (nnx.LoRAParam, A random, B zero) on matching modules.
+    """A copy of `model` with LoRA adapters (nnx.LoRAParam, A random, B zero) on matching modules, and with
+    `dora` a DoRA magnitude per adapted weight (DoraProvider).
 
     `target_regex` is matched in full against `/`-joined module paths (`layers/0/attn/q_proj`);
     see `module_path_regex`. Adapters take the sharding of their base weight over `mesh`.
@@ -155,11 +232,14 @@ def apply_lora(
     if rank <= 0:
         raise LoraError(f"LoRA rank must be positive, got {rank}")
     expert_paths = ["/".join(map(str, p)) for p, m in nnx.iter_graph(model) if isinstance(m, experts.ExpertsLinear)]
+    if dora and any(re.fullmatch(target_regex, path) for path in expert_paths):
+        raise LoraError("DoRA is supported on attention and dense MLP projections, not on routed experts: "
+                        "leave the experts out of the targets, or train them without DoRA")
     # Routed experts carry their own adapters; Qwix must not also adapt the matmuls inside them.
     qwix_regex = "".join(f"(?!{re.escape(p)}$)" for p in expert_paths) + f"(?:{target_regex})"
     # Qwix and the experts scale by alpha/rank: the alpha that gives `scale`.
     alpha = scale(alpha, rank, rslora) * rank
-    provider = qwix.LoraProvider(module_path=qwix_regex, rank=rank, alpha=alpha)
+    provider = (DoraProvider if dora else qwix.LoraProvider)(module_path=qwix_regex, rank=rank, alpha=alpha)
     batch = mesh.devices.size
     inputs = (jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1), jnp.int32), None, jnp.ones((batch, 1, 1), bool))
     graphdef, base = nnx.split(model)
@@ -195,11 +275,21 @@ def _fill(lora_model: nnx.Module, base: nnx.State, mesh: Mesh, rngs: nnx.Rngs) -
     # One jitted initialiser per kind, shape, dtype and sharding, which the layers' adapters share: a jit of a new
     # function object compiles anew (0.13 s per adapter on CPU, against 3 ms for a call of a compiled one).
     made: dict[tuple, Callable[[jax.Array], jax.Array]] = {}
+    modules = dict(nnx.iter_graph(lora_model))
     for path, variable in sorted(nnx.to_flat_state(state), key=lambda item: tuple(map(str, item[0]))):
         if path in weights_by_path:
             variable.set_value(weights_by_path[path].get_value())
             continue
         value = variable.get_value()
+        if str(path[-1]).endswith(MAGNITUDE):  # DoRA starts at the weight's own norms: the model is unchanged
+            name = str(path[-1])[: -len(MAGNITUDE)]
+            contracting = getattr(modules[path[:-1]], name + CONTRACTING)
+            kind = ("magnitude", contracting, value.dtype, variable_sharding(mesh, variable))
+            if kind not in made:
+                made[kind] = jax.jit(lambda w, axes=contracting, dtype=value.dtype: weight_norm(w, axes).astype(dtype),
+                                     out_shardings=kind[-1])
+            variable.set_value(made[kind](weights_by_path[(*path[:-1], name)].get_value()))
+            continue
         kind = (str(path[-1]).endswith("_lora_a"), value.shape, value.dtype, variable_sharding(mesh, variable))
         if kind not in made:
             is_a, shape, dtype, sharding = kind
@@ -217,8 +307,10 @@ def _check_rank_fits(flat: list, rank: int) -> None:
     """LoraError when `rank` exceeds a side of an adapted weight: such an adapter is no longer low-rank
     (it holds more parameters than the weight it adapts and can express no more)."""
     for path, variable in flat:
+        if str(path[-1]).endswith(MAGNITUDE):
+            continue
         shape = variable.get_value().shape
-        side = math.prod(shape[:-1]) if path[-1] == "lora_a" else math.prod(shape[1:])
+        side = math.prod(shape[:-1]) if str(path[-1]).endswith("_lora_a") else math.prod(shape[1:])
         if rank > side:
             module = "/".join(str(part) for part in path[:-1])
             raise LoraError(f"lora.lora_rank={rank} does not fit {module}: that weight has a side of {side}")
@@ -258,6 +350,8 @@ def _peft_key(layer: int, target: TargetModule, which: str, targets: list[Target
     which lists a module's parameters in that order."""
     later = [t for t in targets[targets.index(target) + 1 :] if t.parameter and t.hf_path == target.hf_path]
     nesting = "base_layer." * len(later) if target.parameter else ""
+    if which == "magnitude":  # DoRA's, one value per output feature
+        return f"{PEFT_PREFIX}.{layer}.{target.hf_path}.lora_magnitude_vector"
     return f"{PEFT_PREFIX}.{layer}.{target.hf_path}.{nesting}lora_{which}.weight"
 
 
@@ -304,6 +398,10 @@ def to_peft(
                 lora_a, lora_b = a.reshape(-1, rank).T, b.reshape(rank, -1).T
             tensors[_peft_key(layer, target, "A", present)] = np.ascontiguousarray(lora_a)
             tensors[_peft_key(layer, target, "B", present)] = np.ascontiguousarray(lora_b)
+            magnitude_key = _our_key(layer, target, weight, "magnitude")
+            if magnitude_key in params:  # laid out like B's output side: row-major over the weight's output axes
+                tensors[_peft_key(layer, target, "magnitude", present)] = np.asarray(params[magnitude_key]).reshape(-1)
+                used.add(magnitude_key)
     found = [t.name for t in present]
     leftover = sorted(set(params) - used)
     if leftover:
@@ -346,6 +444,14 @@ def from_peft(
                     f"model needs {a_shape}/{b_shape} (rank {a_shape[-1]})"
                 )
             params[a_key], params[b_key] = a.reshape(a_shape), b.reshape(b_shape)
+            magnitude_key = _our_key(layer, target, weight, "magnitude")
+            if magnitude_key in template:
+                name = _peft_key(layer, target, "magnitude", targets)
+                shape = tuple(template[magnitude_key].shape)
+                if name not in tensors or np.asarray(tensors[name]).size != math.prod(shape):
+                    raise LoraError(f"a DoRA adapter needs {name} with {math.prod(shape)} values (one per output feature)")
+                params[magnitude_key] = np.asarray(tensors[name]).reshape(shape)
+                used.add(name)
     unexpected = sorted(set(tensors) - used)
     if unexpected:
         raise LoraError(f"adapter tensors with no place in the model: {unexpected[:4]}")
@@ -400,7 +506,8 @@ def names_for_peft_regex(family: str, regex: str, num_layers: int, hf_config: Ma
 
 
 def merged_base_params(model: nnx.Module, rank: int, lora_scale: float) -> dict[str, np.ndarray]:
-    """The model's base params (host arrays) with each adapter folded in: W += (A·B)·lora_scale (`scale`)."""
+    """The model's base params (host arrays) with each adapter folded in: W += (A·B)·lora_scale (`scale`), and
+    with DoRA each output feature's column of that rescaled to its magnitude, m·W'/‖W'‖."""
     base = {
         weights.path_key(path): np.asarray(v.get_value())
         for path, v in nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))
@@ -411,17 +518,24 @@ def merged_base_params(model: nnx.Module, rank: int, lora_scale: float) -> dict[
     }
     for key in (k for k in lora if k.endswith("_lora_a")):
         module_path, weight = key[: -len("_lora_a")].rsplit(".", 1)
+        module = modules[module_path]
         a = np.asarray(lora[key], np.float32)
         b = np.asarray(lora[f"{module_path}.{weight}_lora_b"], np.float32)
-        if isinstance(modules[module_path], experts.ExpertsLinear):
-            delta = modules[module_path].lora_delta(a, b) * lora_scale
+        if isinstance(module, experts.ExpertsLinear):
+            delta = module.lora_delta(a, b) * lora_scale
         else:
             delta = (a.reshape(-1, rank) @ b.reshape(rank, -1) * lora_scale).reshape(*a.shape[:-1], *b.shape[1:])
-        einsum_str = getattr(modules[module_path], "einsum_str", None)
+        einsum_str = getattr(module, "einsum_str", None)
         if einsum_str is not None:
             delta = delta.transpose(_einsum_weight_order(einsum_str))
         w = base[f"{module_path}.{weight}"]
-        base[f"{module_path}.{weight}"] = (w.astype(np.float32) + delta).astype(w.dtype)
+        adapted = w.astype(np.float32) + delta
+        magnitude = lora.get(f"{module_path}.{weight}{MAGNITUDE}")
+        if magnitude is not None:  # DoRA: each output feature's column rescaled to its learned magnitude
+            axes = getattr(module, weight + CONTRACTING)
+            norm = np.sqrt(np.sum(np.square(adapted), axis=axes, keepdims=True))
+            adapted = np.expand_dims(np.asarray(magnitude, np.float32), axes) / norm * adapted
+        base[f"{module_path}.{weight}"] = adapted.astype(w.dtype)
     return base
 
 

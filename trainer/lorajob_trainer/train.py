@@ -100,7 +100,7 @@ def load_lora_model(config: TrainConfig, mesh: Mesh, dtype: jnp.dtype) -> LoraMo
         targets = lora_lib.names_for_regex(family, regex, spec.tunix_config.num_layers) or None
     model = lora_lib.apply_lora(
         model, rank=config.lora.lora_rank, alpha=config.lora.lora_alpha, target_regex=regex, mesh=mesh,
-        rngs=nnx.Rngs(config.seed), rslora=config.lora.use_rslora,
+        rngs=nnx.Rngs(config.seed), rslora=config.lora.use_rslora, dora=config.lora.use_dora,
     )
     return LoraModel(
         model, targets, attention_width(spec.tunix_config), experts.active_shares(model),
@@ -499,6 +499,7 @@ class Trainer:
             lora_rank=c.lora.lora_rank,
             lora_alpha=c.lora.lora_alpha,
             use_rslora=c.lora.use_rslora,
+            use_dora=c.lora.use_dora,
             target_modules=self.lora_model.target_modules,
             lora_module_path=c.lora.lora_module_path,
             base_model=c.model_name,
@@ -527,15 +528,16 @@ class Trainer:
     def _adapter_from(self, path: str) -> dict[str, jax.Array]:
         """LoRA weights of an earlier adapter checkpoint, placed like the current ones."""
         params, metadata = lora_lib.load_adapter_checkpoint(path)
+        for option in ("use_rslora", "use_dora"):
+            if getattr(metadata, option) != getattr(self.config.lora, option):
+                raise lora_lib.LoraError(
+                    f"lora.lora_restore_path {path}: adapter has {option}={getattr(metadata, option)}, this run has "
+                    f"lora.{option}={getattr(self.config.lora, option)}; the same weights would mean another update"
+                )
         if metadata.lora_rank != self.config.lora.lora_rank or set(params) != set(self.lora):
             raise lora_lib.LoraError(
                 f"lora.lora_restore_path {path}: adapter has rank {metadata.lora_rank} and "
                 f"{len(params)} tensors, this run has lora.lora_rank={self.config.lora.lora_rank} and {len(self.lora)}"
-            )
-        if metadata.use_rslora != self.config.lora.use_rslora:
-            raise lora_lib.LoraError(
-                f"lora.lora_restore_path {path}: adapter has use_rslora={metadata.use_rslora}, this run has "
-                f"lora.use_rslora={self.config.lora.use_rslora}; the same weights would mean another update"
             )
         log.info("starting from adapter %s (step %d of %s)", path, metadata.step, metadata.base_model)
         return {
