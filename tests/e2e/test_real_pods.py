@@ -193,3 +193,26 @@ def test_a_token_that_cannot_arrive_fails_the_first_cpu_step_with_the_reason(lor
     steps = {js["metadata"]["labels"]["lorajob.dev/phase"] for js in lorajobs.jobsets()
              if js["metadata"]["labels"].get("lorajob.dev/run-name") == run}
     assert steps == {"check"}, steps
+
+
+@pytest.mark.torch
+def test_a_dora_lorajob_trains_its_magnitudes_and_exports_an_adapter_peft_loads(lorajobs, operator, assets):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = "dora-real"
+    body = localjob.lorajob(run, assets, steps=STEPS)
+    body["spec"]["lora"]["dora"] = True
+    lorajobs.apply(body)
+    lorajobs.wait_phase(run, "Succeeded", timeout=TIMEOUT)
+
+    config = json.loads((assets.adapter(run) / "adapter_config.json").read_text())
+    assert config["use_dora"] is True
+    base = AutoModelForCausalLM.from_pretrained(assets.model, dtype=torch.float32)
+    q_proj = base.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    adapted = PeftModel.from_pretrained(base, assets.adapter(run))
+    magnitude = adapted.base_model.model.model.layers[0].self_attn.q_proj.lora_magnitude_vector["default"].weight
+    start = torch.linalg.norm(q_proj, dim=1)  # where training started: the base weight's norms
+    moved = ((magnitude - start).abs() / start).median().item()
+    assert magnitude.shape == start.shape and moved > 1e-3, f"the magnitudes were trained (median change {moved:.1e})"
