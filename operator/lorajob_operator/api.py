@@ -18,7 +18,14 @@ from pydantic.alias_generators import to_camel
 
 from lorajob_operator import accelerators, rules
 from lorajob_trainer import catalog
-from lorajob_trainer.contract import BOUNDS, CHECKPOINT_SELECTORS, COLUMN_LAYOUTS, DEFAULTS
+from lorajob_trainer.contract import (
+    BASE_QUANTIZATIONS,
+    BOUNDS,
+    CHECKPOINT_SELECTORS,
+    COLUMN_LAYOUTS,
+    DEFAULTS,
+    DORA_NEEDS_FULL_PRECISION,
+)
 
 GROUP = "lorajob.dev"
 VERSION = "v1alpha1"
@@ -231,6 +238,15 @@ class LoRARestore(_Model):
 class LoRASpec(_Model):
     """The low-rank adapters to train."""
 
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            {
+                "rule": "!(has(self.dora) && self.dora) || !has(self.baseQuantization) || self.baseQuantization == 'none'",
+                "message": DORA_NEEDS_FULL_PRECISION,
+            }
+        )
+    )
+
     rank: int = Field(default=DEFAULTS.lora_rank, ge=BOUNDS.lora_rank[0], le=BOUNDS.lora_rank[1])
     """rank (r) of the adapters."""
     alpha: float = Field(default=DEFAULTS.lora_alpha, gt=0, le=65536)
@@ -239,6 +255,8 @@ class LoRASpec(_Model):
     """rsLoRA scales the adapter output by alpha/sqrt(rank) instead of alpha/rank (rank-stabilised LoRA, PEFT's use_rslora), so the update keeps its size at large ranks. An adapter in restoreFrom must have been trained the same way."""
     dora: bool = False
     """dora trains DoRA adapters (PEFT's use_dora): besides A and B, a magnitude per output feature of each adapted weight, W' = m * (W + scale*B*A) / ||W + scale*B*A||. It adapts attention and dense MLP projections, not routed experts: for a mixture-of-experts model set targetModules to leave the experts out. An adapter in restoreFrom must be a DoRA one too."""
+    base_quantization: Literal[BASE_QUANTIZATIONS] = Field(default="none", alias="baseQuantization")  # type: ignore[valid-type]
+    """baseQuantization holds the frozen base model quantised while the adapters train (QLoRA): none keeps the weights as loaded (bf16); int8, int4, nf4 (4-bit NormalFloat) and fp8 (float8 e4m3) quantise every decoder projection per output channel, which cuts the weights' HBM to about a half (int8, fp8) or a quarter (int4, nf4). Routed experts stay in bf16. The adapters stay in full precision and export as an ordinary PEFT adapter for the unquantised base."""
     target_modules: str | None = Field(default=None, max_length=PATH_MAX)
     """targetModules is a regular expression over module paths that overrides the model family's default (attention q/k/v/o and MLP gate/up/down)."""
     restore_from: LoRARestore | None = None

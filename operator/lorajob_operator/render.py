@@ -180,6 +180,7 @@ def train_config(spec: api.LoRAJobSpec, run: str) -> TrainConfig:
             "lora_alpha": lora.alpha,
             "use_rslora": lora.rs_lora,
             "use_dora": lora.dora,
+            "base_quantization": lora.base_quantization,
             "lora_module_path": lora.target_modules or "",
             "lora_restore_path": paths.restore_adapter or "",
         },

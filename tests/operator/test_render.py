@@ -337,6 +337,12 @@ def test_lora_variants_reach_the_trainer(field, option):
     assert not getattr(render.train_config(parsed(lorajob()), "r").lora, option)
 
 
+def test_base_quantization_reaches_the_trainer():
+    spec = parsed(lorajob(spec=spec_dict(lora={"baseQuantization": "nf4"})))
+    assert render.train_config(spec, "r").lora.base_quantization == "nf4"
+    assert render.train_config(parsed(lorajob()), "r").lora.base_quantization == "none"
+
+
 def test_eval_interval_is_its_own_setting_and_defaults_to_the_checkpoint_period():
     dataset = {"name": "openai/gsm8k", "dataDir": "main", "columns": ["question", "answer"], "evalSplit": "test"}
     own = parsed(lorajob(spec=spec_dict(dataset=dataset, training={"steps": 20, "checkpointPeriod": 10, "evalInterval": 4})))

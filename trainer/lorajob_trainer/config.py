@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lorajob_trainer import catalog
-from lorajob_trainer.contract import BOUNDS, COLUMN_LAYOUTS, DEFAULTS, RunLayout
+from lorajob_trainer.contract import BASE_QUANTIZATIONS, BOUNDS, COLUMN_LAYOUTS, DEFAULTS, DORA_NEEDS_FULL_PRECISION, RunLayout
 
 
 
@@ -44,6 +44,15 @@ class LoraConfig(_Section):
     use_dora: bool = False
     """DoRA (PEFT's use_dora): each adapted weight's output features also get a learned magnitude,
     W' = m * (W + s B A) / ||W + s B A||. Not on routed experts."""
+    base_quantization: Literal[BASE_QUANTIZATIONS] = "none"  # type: ignore[valid-type]
+    """QLoRA: hold the frozen decoder projections quantised (contract.BASE_QUANTIZATIONS); the adapters stay
+    in the base's dtype."""
+
+    @model_validator(mode="after")
+    def _variants_combine(self) -> "LoraConfig":
+        if self.use_dora and self.base_quantization != "none":
+            raise ValueError(DORA_NEEDS_FULL_PRECISION)
+        return self
     lora_module_path: str = ""
     """Expert override: a regex over model module paths selecting the adapted layers."""
     target_modules: list[str] | None = None

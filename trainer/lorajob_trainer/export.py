@@ -79,7 +79,9 @@ def export_adapter(checkpoint: str | Path, out: str | Path, *, base_name: str | 
     tensors = lora.peft_names_for_base(tensors, base_config)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    # PEFT reads no quantisation from an adapter: a QLoRA adapter is an ordinary one, its base's quantisation noted here.
+    save_file(tensors, out / "adapter_model.safetensors",
+              metadata={"format": "pt", "lorajob.base_quantization": metadata.base_quantization})
     config = adapter_config(metadata, found, base_name or base_model_name_or_path(metadata))
     config["target_modules"] = lora.peft_target_modules(config["target_modules"], base_config)
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

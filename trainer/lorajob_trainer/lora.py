@@ -49,7 +49,8 @@ import yaml
 from flax import nnx
 from flax.nnx import initializers
 from jax.sharding import Mesh
-from qwix._src.providers import ptq  # Qwix's own LoRA provider finds adapted weights with these two
+from qwix._src.core import qarray  # how Qwix's own providers quantise a weight and find adapted ones
+from qwix._src.providers import ptq
 from qwix._src.utils import flax_util
 
 from lorajob_trainer import weights
@@ -218,12 +219,35 @@ class DoraProvider(qwix.LoraProvider):
         return magnitude.astype(wide) / jax.lax.stop_gradient(weight_norm(adapted, contracting))
 
 
+class QuantizedBaseLoraProvider(qwix.LoraProvider):
+    """Qwix's (Q)LoRA, also letting a quantised weight through `jnp.astype`: Tunix's projections cast their
+    weight to the compute dtype that way (Qwix intercepts `jnp.asarray`, not `jnp.astype`), which for a
+    quantised weight casts its scale and keeps it quantised."""
+
+    def astype(self, x, dtype, *args, **kwargs):
+        if isinstance(x, (ptq.WithAux, qarray.QArray)):
+            return self.asarray(x, dtype=dtype)
+        return jnp.astype(x, dtype, *args, **kwargs)
+
+    def get_intercept_map(self):
+        return super().get_intercept_map() | {"jax.numpy.astype": self.astype}
+
+
+QUANTIZED_TYPES: dict[str, Any] = {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4", "fp8": jnp.float8_e4m3fn}
+"""contract.BASE_QUANTIZATIONS (but none) -> Qwix's weight qtype."""
+DECODER_LAYERS = "layers/.*"
+"""Module paths of the decoder layers: what QLoRA quantises (the embedding, read by index, stays as loaded)."""
+NOT_ROUTERS = "(?!.*/router$)"
+"""Nor the MoE routers: a few MB, and the top-k choice of experts is the most rounding-sensitive part of the layer."""
+
+
 def apply_lora(
     model: nnx.Module, *, rank: int, alpha: float, target_regex: str, mesh: Mesh, rngs: nnx.Rngs,
-    rslora: bool = False, dora: bool = False,
+    rslora: bool = False, dora: bool = False, base_quantization: str = "none",
 ) -> nnx.Module:
-    """A copy of `model` with LoRA adapters (nnx.LoRAParam, A random, B zero) on matching modules, and with
-    `dora` a DoRA magnitude per adapted weight (DoraProvider).
+    """A copy of `model` with LoRA adapters (nnx.LoRAParam, A random, B zero) on matching modules, with
+    `dora` a DoRA magnitude per adapted weight (DoraProvider), and with a `base_quantization` (QLoRA) every
+    decoder projection but the routed experts held quantised per output channel (Qwix's PTQ).
 
     `target_regex` is matched in full against `/`-joined module paths (`layers/0/attn/q_proj`);
     see `module_path_regex`. Adapters take the sharding of their base weight over `mesh`.
@@ -239,7 +263,12 @@ def apply_lora(
     qwix_regex = "".join(f"(?!{re.escape(p)}$)" for p in expert_paths) + f"(?:{target_regex})"
     # Qwix and the experts scale by alpha/rank: the alpha that gives `scale`.
     alpha = scale(alpha, rank, rslora) * rank
-    provider = (DoraProvider if dora else qwix.LoraProvider)(module_path=qwix_regex, rank=rank, alpha=alpha)
+    qtype = QUANTIZED_TYPES.get(base_quantization)
+    rules = [qwix.LoraRule(module_path=qwix_regex, rank=rank, alpha=alpha, weight_qtype=qtype)]
+    if qtype is not None:  # the frozen projections that carry no adapter, the first matching rule applying
+        not_experts = "".join(f"(?!{re.escape(p)}$)" for p in expert_paths)
+        rules.append(qwix.QtRule(module_path=not_experts + NOT_ROUTERS + DECODER_LAYERS, weight_qtype=qtype))
+    provider = (DoraProvider if dora else QuantizedBaseLoraProvider if qtype is not None else qwix.LoraProvider)(rules)
     batch = mesh.devices.size
     inputs = (jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1), jnp.int32), None, jnp.ones((batch, 1, 1), bool))
     graphdef, base = nnx.split(model)
@@ -276,9 +305,18 @@ def _fill(lora_model: nnx.Module, base: nnx.State, mesh: Mesh, rngs: nnx.Rngs) -
     # function object compiles anew (0.13 s per adapter on CPU, against 3 ms for a call of a compiled one).
     made: dict[tuple, Callable[[jax.Array], jax.Array]] = {}
     modules = dict(nnx.iter_graph(lora_model))
+    quantized = {(*path, name): value for path, module in modules.items() if isinstance(module, nnx.Module)
+                 for name, value in vars(module).items() if isinstance(value, ptq.WithAux)}
+    done: dict[tuple, Any] = {}
     for path, variable in sorted(nnx.to_flat_state(state), key=lambda item: tuple(map(str, item[0]))):
         if path in weights_by_path:
             variable.set_value(weights_by_path[path].get_value())
+            continue
+        if path[:-2] in quantized:  # (<weight>, "array", "qvalue" | "scale"): the base weight, quantised in place
+            weight = path[:-2]
+            if weight not in done:
+                done[weight] = _quantizer(quantized[weight], mesh, made)(weights_by_path[weight].get_value())
+            variable.set_value(getattr(done[weight], str(path[-1])))
             continue
         value = variable.get_value()
         if str(path[-1]).endswith(MAGNITUDE):  # DoRA starts at the weight's own norms: the model is unchanged
@@ -297,6 +335,17 @@ def _fill(lora_model: nnx.Module, base: nnx.State, mesh: Mesh, rngs: nnx.Rngs) -
                                  out_shardings=sharding)
         variable.set_value(made[kind](rngs.params()))
     nnx.update(lora_model, state)
+
+
+def _quantizer(abstract: ptq.WithAux, mesh: Mesh, made: dict) -> Callable[[jax.Array], Any]:
+    """A jitted function quantising a base weight as Qwix's `abstract` says, each part (qvalue, scale) made in its
+    sharding over `mesh`; one per shape and way, shared by the layers."""
+    shardings = jax.tree.map(lambda part: variable_sharding(mesh, part), abstract.array,
+                             is_leaf=lambda x: isinstance(x, nnx.Variable))
+    kind = ("quantize", tuple(abstract.shape), repr(abstract.how), repr(shardings))
+    if kind not in made:
+        made[kind] = jax.jit(lambda w: qarray.quantize(w.reshape(abstract.shape), abstract.how), out_shardings=shardings)
+    return made[kind]
 
 
 _ADAPTER_INITIALIZERS = {True: initializers.he_uniform(), False: initializers.zeros}

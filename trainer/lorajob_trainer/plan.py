@@ -118,7 +118,7 @@ def abstract_lora_model(config: TrainConfig, hf_config: dict[str, Any], mesh: ja
         model = family.build(tunix_config, hf_config, nnx.Rngs(0))
         return lora_lib.apply_lora(
             model, rank=config.lora.lora_rank, alpha=config.lora.lora_alpha, target_regex=regex, mesh=mesh,
-            rslora=config.lora.use_rslora, dora=config.lora.use_dora,
+            rslora=config.lora.use_rslora, dora=config.lora.use_dora, base_quantization=config.lora.base_quantization,
             rngs=nnx.Rngs(config.seed),
         )
 

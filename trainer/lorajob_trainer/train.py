@@ -101,6 +101,7 @@ def load_lora_model(config: TrainConfig, mesh: Mesh, dtype: jnp.dtype) -> LoraMo
     model = lora_lib.apply_lora(
         model, rank=config.lora.lora_rank, alpha=config.lora.lora_alpha, target_regex=regex, mesh=mesh,
         rngs=nnx.Rngs(config.seed), rslora=config.lora.use_rslora, dora=config.lora.use_dora,
+        base_quantization=config.lora.base_quantization,
     )
     return LoraModel(
         model, targets, attention_width(spec.tunix_config), experts.active_shares(model),
@@ -500,6 +501,7 @@ class Trainer:
             lora_alpha=c.lora.lora_alpha,
             use_rslora=c.lora.use_rslora,
             use_dora=c.lora.use_dora,
+            base_quantization=c.lora.base_quantization,
             target_modules=self.lora_model.target_modules,
             lora_module_path=c.lora.lora_module_path,
             base_model=c.model_name,
