@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from lorajobs import condition
 
@@ -216,3 +217,26 @@ def test_a_dora_lorajob_trains_its_magnitudes_and_exports_an_adapter_peft_loads(
     start = torch.linalg.norm(q_proj, dim=1)  # where training started: the base weight's norms
     moved = ((magnitude - start).abs() / start).median().item()
     assert magnitude.shape == start.shape and moved > 1e-3, f"the magnitudes were trained (median change {moved:.1e})"
+
+
+@pytest.mark.torch
+def test_an_int8_qlora_lorajob_runs_the_chain_and_its_adapter_merges_into_the_full_precision_base(lorajobs, operator, assets):
+    import torch
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    run = "qlora-real"
+    body = localjob.lorajob(run, assets, steps=STEPS)
+    body["spec"]["lora"]["baseQuantization"] = "int8"
+    lorajobs.apply(body)
+    done = lorajobs.wait_phase(run, "Succeeded", timeout=TIMEOUT)
+
+    assert done["status"]["progress"]["step"] == STEPS
+    losses = [r["loss"] for r in metrics.read_metrics(assets.metrics(run)) if "loss" in r]
+    assert len(losses) == STEPS and all(np.isfinite(losses)), losses
+    with safe_open(assets.adapter(run) / "adapter_model.safetensors", "np") as tensors:
+        assert tensors.metadata()["lorajob.base_quantization"] == "int8"
+    base = AutoModelForCausalLM.from_pretrained(assets.model, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, assets.adapter(run)).merge_and_unload()
+    assert merged.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
