@@ -100,9 +100,14 @@ def per_chip_bytes(tree: Any) -> int:
     return total
 
 
+LOADED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+"""The dtypes of weights as a checkpoint holds them (the trainer loads them in its compute dtype); a quantised
+weight's own type (int8, uint4, float8) stays."""
+
+
 def _abstract(variable: nnx.Variable, mesh: jax.sharding.Mesh, dtype: Any) -> jax.ShapeDtypeStruct:
     value = variable.get_value()
-    value_dtype = dtype if jnp.issubdtype(value.dtype, jnp.floating) else value.dtype
+    value_dtype = dtype if jnp.dtype(value.dtype) in LOADED_DTYPES else value.dtype
     return jax.ShapeDtypeStruct(value.shape, value_dtype, sharding=mesh_lib.variable_sharding(mesh, variable))
 
 
