@@ -1,6 +1,6 @@
 """QLoRA on CPU: loss after N steps and host peak RSS for the base held as loaded vs quantised (benchmark).
 
-    .venv/bin/python bench/qlora_loss.py [--steps 60] [--quantizations none int8 fp8 int4 nf4]
+    .venv/bin/python bench/qlora_loss.py [--family qwen3] [--steps 60] [--quantizations none int8 fp8 int4 nf4]
 
 Each quantisation trains the same LoRA (rank 8, q/k/v/o and MLP) on the same arithmetic question/answer rows
 from the same seed, on a small generated Qwen3 (random weights, float32 on CPU), in a fresh process, and the
@@ -31,8 +31,8 @@ sys.exit(code)
 """
 
 
-def run(model: Path, data: Path, out: Path, steps: int, quantization: str) -> dict:
-    args = base_args(model, out, data, f"steps={steps}", "checkpoint_period=100000", "enable_tensorboard=False",
+def run(model: Path, family: str, data: Path, out: Path, steps: int, quantization: str) -> dict:
+    args = base_args(model, out, data, f"model_name=tiny-{family}", f"steps={steps}", "checkpoint_period=100000", "enable_tensorboard=False",
                      "lora.lora_rank=8", "lora.lora_alpha=16", f"lora.base_quantization={quantization}")
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True,
                           env={"JAX_PLATFORMS": "cpu", **dict(__import__("os").environ)})
@@ -45,16 +45,17 @@ def run(model: Path, data: Path, out: Path, steps: int, quantization: str) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", default="qwen3", help="a tiny family: qwen3, llama3, gemma3, qwen3-moe, ...")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--quantizations", nargs="+", default=["none", "int8", "fp8", "int4", "nf4"])
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="lorajob-qlora-"))
-    model = tiny_checkpoint(root / "model")
+    model = tiny_checkpoint(root / "model", args.family)
     data = write_jsonl(root / "train.jsonl", arithmetic_rows(400))
     print(f"{'base':<6} {'loss first 10':>14} {'loss last 10':>13} {'vs none':>8} {'peak RSS MiB':>13}", flush=True)
     reference = None
     for quantization in args.quantizations:
-        row = run(model, data, root / quantization, args.steps, quantization)
+        row = run(model, args.family, data, root / quantization, args.steps, quantization)
         if "error" in row:
             print(f"{quantization:<6} {row['error']}", flush=True)
             continue

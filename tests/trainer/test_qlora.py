@@ -55,6 +55,31 @@ def test_every_decoder_projection_is_held_quantised_and_adapters_only_on_the_tar
     assert {value.dtype for value in adapters.values()} == {jnp.dtype(jnp.float32)}
 
 
+def test_routed_experts_are_held_quantised_and_the_routers_as_loaded(tmp_path):
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    directory = tiny_checkpoint(tmp_path / "moe", "qwen3-moe")
+    model, _ = models.load_model("tiny-qwen3-moe", directory, mesh=mesh, dtype=jnp.float32)
+    loaded = _weights(model, nnx.Param)
+    adapted = lora.apply_lora(model, rank=4, alpha=8.0, target_regex=lora.module_path_regex("qwen3-moe"), mesh=mesh,
+                              rngs=nnx.Rngs(0), base_quantization="int8")
+    held = _weights(adapted, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+    experts = sorted(key.removesuffix(".w_scale") for key in held if key.endswith(".w_scale"))
+    assert experts and all(".experts." in key or "_proj" in key for key in experts), experts
+    for key in experts:
+        qvalue, scale = held[f"{key}.w"], held[f"{key}.w_scale"]
+        assert qvalue.dtype == jnp.int8 and scale.shape == (qvalue.shape[0], 1, qvalue.shape[2])
+        error = np.abs(np.asarray(qvalue, np.float32) * np.asarray(scale) - np.asarray(loaded[f"{key}.w"], np.float32))
+        assert np.all(error <= np.asarray(scale) / 2 + 1e-7), key
+    routers = [key for key in held if key.endswith("router.kernel")]
+    assert routers and all(held[key].dtype == jnp.float32 for key in routers)
+    adapters = _weights(adapted, nnx.LoRAParam)
+    assert any(key.endswith("w_lora_a") and ".w_lora_a" in key for key in adapters)
+    assert {value.dtype for value in adapters.values()} == {jnp.dtype(jnp.float32)}
+    ids = jnp.zeros((1, 8), jnp.int32)
+    logits = models.forward(adapted, ids, jnp.arange(8)[None], jnp.ones((1, 8), jnp.int32))
+    assert np.all(np.isfinite(np.asarray(logits)))
+
+
 def test_dora_on_a_quantised_base_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="needs the base weights in full precision"):
         config_lib.LoraConfig(use_dora=True, base_quantization="int8")

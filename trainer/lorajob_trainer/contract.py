@@ -61,8 +61,8 @@ class Bounds:
 BOUNDS = Bounds()
 
 BASE_QUANTIZATIONS = ("none", "int8", "int4", "nf4", "fp8")
-"""How the frozen base is held while the adapters train (QLoRA): as loaded (none), or each decoder projection
-quantised per output channel (int8, int4, nf4: 4-bit NormalFloat, fp8: float8 e4m3), computed by Qwix."""
+"""How the frozen base is held while the adapters train (QLoRA): as loaded (none), or each decoder projection and
+routed expert quantised per output channel (int8, int4, nf4: 4-bit NormalFloat, fp8: float8 e4m3), as Qwix does."""
 DORA_NEEDS_FULL_PRECISION = (
     "lora.dora needs the base weights in full precision (it takes their norms at every step): set "
     "baseQuantization to none, or train without DoRA"

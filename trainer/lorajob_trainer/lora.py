@@ -247,7 +247,8 @@ def apply_lora(
 ) -> nnx.Module:
     """A copy of `model` with LoRA adapters (nnx.LoRAParam, A random, B zero) on matching modules, with
     `dora` a DoRA magnitude per adapted weight (DoraProvider), and with a `base_quantization` (QLoRA) every
-    decoder projection but the routed experts held quantised per output channel (Qwix's PTQ).
+    decoder projection but the MoE routers held quantised per output channel (Qwix's PTQ; the routed experts
+    by `ExpertsLinear.quantize`).
 
     `target_regex` is matched in full against `/`-joined module paths (`layers/0/attn/q_proj`);
     see `module_path_regex`. Adapters take the sharding of their base weight over `mesh`.
@@ -285,6 +286,10 @@ def apply_lora(
     for path, module in nnx.iter_graph(lora_model):
         if isinstance(module, experts.ExpertsLinear) and re.fullmatch(target_regex, "/".join(map(str, path))):
             module.add_lora(rank, alpha, rngs)
+    if qtype is not None:
+        for _, module in nnx.iter_graph(lora_model):
+            if isinstance(module, experts.ExpertsLinear):
+                module.quantize(qtype, mesh)
     state = nnx.state(lora_model, nnx.LoRAParam)
     flat = nnx.to_flat_state(state)
     if not flat:

@@ -23,11 +23,14 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.nn import initializers
+from qwix._src.core import qarray  # QLoRA's experts quantise as Qwix quantises the other projections
 
 
 EXPERT_AXES = ("expert", "fsdp")
@@ -171,10 +174,39 @@ class ExpertsLinear(nnx.Module):
         self.w = nnx.Param(initializers.normal()(rngs.params(), shape, param_dtype), sharding=sharding)
         self.sharding = sharding
         self.lora_scale: float | None = None
+        self.quantized_type: Any = None
+        """QLoRA: `w` holds the quantised values of this type and `w_scale` one scale per matrix and output."""
+
+    def quantize(self, qtype: Any, mesh: jax.sharding.Mesh) -> None:
+        """Hold `w` quantised per matrix and output channel (QLoRA; `qtype` as Qwix names it), made by a jitted
+        function in the shardings of `w` and its scales; each call dequantises it for its matmul."""
+        from lorajob_trainer.mesh import named_sharding  # noqa: PLC0415 - mesh imports the models package
+
+        weight = self.w.get_value()
+        how = qarray.HowToQuantize(qtype=qtype, channelwise_axes=(0, 2), tiled_axes={}, calibration_method="absmax")
+        scale_axes = (self.sharding[0], None, self.sharding[2])
+        scale_shape = (weight.shape[0], 1, weight.shape[2])
+        shardings = (named_sharding(mesh, self.sharding, weight.shape), named_sharding(mesh, scale_axes, scale_shape))
+
+        def quantized(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+            q = qarray.quantize(w, how)
+            return q.qvalue, q.scale
+
+        qvalue, scale = jax.jit(quantized, out_shardings=shardings)(weight)
+        self.w = nnx.Param(qvalue, sharding=self.sharding)
+        self.w_scale = nnx.Param(scale, sharding=scale_axes)
+        self.quantized_type = qtype
+
+    def weight(self) -> jax.Array:
+        """`w` in the compute dtype, dequantised if it is held quantised."""
+        if self.quantized_type is None:
+            return self.w.get_value().astype(self.dtype)
+        held = qarray.QArray(self.w.get_value(), self.w_scale.get_value(), None, self.quantized_type)
+        return qarray.dequantize(held).astype(self.dtype)
 
     def stacked(self) -> jax.Array:
         """The weights as [E, in, parts * out]."""
-        w = self.w.get_value().astype(self.dtype)
+        w = self.weight()
         _, d_in, d_out = w.shape
         w = w.reshape(self.num_experts, self.parts, d_in, d_out).transpose(0, 2, 1, 3)
         return w.reshape(self.num_experts, d_in, self.parts * d_out)
@@ -194,6 +226,8 @@ class ExpertsLinear(nnx.Module):
         _, d_in, d_out = self.w.get_value().shape
         expert_axis, in_axis, out_axis = self.sharding
         dtype = self.w.get_value().dtype
+        if self.quantized_type is not None:
+            raise ValueError("add the adapters before quantising the experts: they take the weights' dtype")
         a = initializers.he_uniform()(rngs.params(), (self.num_experts, d_in, rank), dtype)
         self.w_lora_a = nnx.LoRAParam(a, sharding=(expert_axis, in_axis, None))
         self.w_lora_b = nnx.LoRAParam(
