@@ -521,10 +521,10 @@ class Controller:
         for thread in self._threads:
             thread.start()
         self.resync.start()
-        self._running.set()
         log.info("caches synced: %s", ", ".join(f"{r.name}={len(s)}" for r, s in self.caches.stores.items()))
         # Only a replica with full caches campaigns: a leader with half-filled ones would re-create children.
         self.leadership.start(self._lead, lambda: None)
+        self._running.set()
 
     def _lead(self) -> None:
         """This replica has just become the leader: every LoRAJob gets a pass."""
