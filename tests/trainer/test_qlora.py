@@ -102,3 +102,11 @@ def test_a_qlora_run_trains_and_exports_an_ordinary_adapter_for_the_unquantised_
     with safe_open(adapter / "adapter_model.safetensors", "np") as tensors:
         assert tensors.metadata()["lorajob.base_quantization"] == quantization
         assert all(tensors.get_tensor(name).dtype == np.float32 for name in tensors.keys())
+
+
+def test_planning_counts_four_bit_weights_at_half_a_byte():
+    from lorajob_trainer import plan
+
+    four_bit = [jax.ShapeDtypeStruct((1024, 3), dtype) for dtype in (jnp.int4, jnp.uint4)]
+    assert plan.per_chip_bytes(four_bit) == 2 * 1536
+    assert plan.per_chip_bytes([jax.ShapeDtypeStruct((1024, 3), jnp.int8)]) == 3072

@@ -91,12 +91,22 @@ class CompiledStep:
     """Decoder layers inside the scan (0: unrolled)."""
 
 
+def bits(dtype: Any) -> int:
+    """Bits per element as a TPU holds them: 4 for int4 and NF4's uint4, whose numpy itemsize says 8."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.iinfo(dtype).bits
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.finfo(dtype).bits
+    return 8 * dtype.itemsize
+
+
 def per_chip_bytes(tree: Any) -> int:
     """Bytes one device holds of a tree of arrays or ShapeDtypeStructs with shardings."""
     total = 0
     for leaf in jax.tree.leaves(tree):
         shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+        total += math.ceil(math.prod(shape) * bits(leaf.dtype) / 8)
     return total
 
 
