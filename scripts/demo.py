@@ -10,7 +10,8 @@ under DIR and applies a LoRAJob over them (DIR/lorajob.yaml): convert, multi-con
 2 fake v6e hosts (2 jax.distributed processes) and export run for real, as local processes on the
 pod runner's nodes, with exactly the command lines the operator renders. `kubectl get lj -o wide -w`
 shows the phase, progress and loss; at the end the demo writes the loss curve and prints where the
-PEFT adapter and the curve are. `--fast` applies examples/qwen3-gsm8k.yaml instead, whose pods kwok
+PEFT adapter and the curve are, and the evaluation the train step ran after its last step: base model
+against adapter on the eval prompts (score, stop rate, samples side by side), which gates the export. `--fast` applies examples/qwen3-gsm8k.yaml instead, whose pods kwok
 plays (nothing is trained).
 """
 
@@ -33,6 +34,9 @@ SAMPLE = REPO_ROOT / "examples" / "qwen3-gsm8k.yaml"
 NAMESPACE = "demo"
 RUN = "tiny-qwen3-demo"
 FINAL_PHASES = ("Succeeded", "Failed")
+EVALUATED_FORM = r"^(the answer is) \d+\.$"
+"""What the demo's evaluation scores: an answer of the trained form, and nothing after it."""
+SAMPLES_SHOWN = 3
 
 
 def _watch_until_final(kubectl: list[str], name: str, timeout: float) -> str:
@@ -58,16 +62,27 @@ def _real_lorajob(out: Path, steps: int) -> tuple[str, Path, object]:
     assets = localjob.write_assets(out)
     shutil.rmtree(assets.run_directory(RUN), ignore_errors=True)  # a fresh run: convert refuses to overwrite
     manifest = out / "lorajob.yaml"
-    manifest.write_text(yaml.safe_dump(localjob.lorajob(RUN, assets, steps=steps, checkpoint_period=max(steps // 3, 1)), sort_keys=False))
+    body = localjob.lorajob(RUN, assets, steps=steps, checkpoint_period=max(steps // 3, 1))
+    # The random base cannot answer "what is a plus b?" with "the answer is <number>."; the adapter learns the form
+    # (the sum itself is beyond a 2-layer model trained this briefly): score each answer by that form, and export
+    # the adapter only if it beats the base.
+    body["spec"]["evaluation"] = {"scorer": "regex", "pattern": EVALUATED_FORM, "maxNewTokens": 16, "examples": 40}
+    body["spec"]["export"] = {"requireImprovement": True}
+    manifest.write_text(yaml.safe_dump(body, sort_keys=False))
     return RUN, manifest, assets
 
 
 def _report(assets, run: str, out: Path) -> None:
-    from lorajob_trainer import metrics
+    from lorajob_trainer import evaluate, metrics
 
     losses = [record["loss"] for record in metrics.read_metrics(assets.metrics(run)) if "loss" in record]
     png = metrics.plot_loss_curve(assets.metrics(run), out / "loss.png")
     print(f"\ntraining loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps")
+    record = evaluate.read_record(assets.layout(run).evaluation)
+    if record is not None:
+        print(f"evaluation ({record.scorer} '{EVALUATED_FORM}' on {record.examples} prompts, {record.seconds:.1f} s): "
+              f"base {record.base.score:.0%} -> adapter {record.adapter.score:.0%}; stop rate base "
+              f"{record.base.stop_rate:.0%} -> adapter {record.adapter.stop_rate:.0%}")
     print(f"PEFT adapter: {assets.adapter(run)}")
     print(f"loss curve:   {png}")
     print(f"checkpoints:  {assets.layout(run).checkpoints}")
@@ -108,7 +123,8 @@ def main() -> int:
             chain = time.monotonic() - applied
             subprocess.run([*kubectl, "get", "jobsets.jobset.x-k8s.io,workloads.kueue.x-k8s.io"], check=False)
             # The run as `lorajob status` tells it: steps, loss, checkpoints, outputs and events.
-            subprocess.run([str(Path(sys.executable).parent / "lorajob"), "status", name, "-n", NAMESPACE],
+            subprocess.run([str(Path(sys.executable).parent / "lorajob"), "status", name, "-n", NAMESPACE,
+                            "--samples", str(SAMPLES_SHOWN)],
                            env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}, check=False)
         print(f"operator log: {log}")
         if assets is not None:

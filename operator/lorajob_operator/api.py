@@ -25,6 +25,7 @@ from lorajob_trainer.contract import (
     COLUMN_LAYOUTS,
     DEFAULTS,
     DORA_NEEDS_FULL_PRECISION,
+    ExportGate,
 )
 
 GROUP = "lorajob.dev"
@@ -357,10 +358,53 @@ class ExportSpec(_Model):
     """merged also writes the base model with the adapter merged in, as Hugging Face safetensors."""
     step: str | None = Field(default=None, max_length=16, pattern=f"^({'|'.join(CHECKPOINT_SELECTORS)}|[0-9]+)$")
     """step is the checkpoint to export: latest (the default), best (lowest eval loss; needs dataset.evalSplit; the default with training.earlyStopping) or a step number. The exported step is recorded in status.outputs.exportedStep."""
+    require_improvement: bool = Field(default=False, alias="requireImprovement")
+    """requireImprovement skips the export unless the adapter scores above the base model in spec.evaluation; the LoRAJob then ends Failed with reason NoImprovement (the checkpoints stay)."""
+    minimum_score: float | None = Field(default=None, ge=0, le=1, alias="minimumScore")
+    """minimumScore (0 to 1) skips the export unless the adapter's evaluation score reaches it."""
+    minimum_stop_rate: float | None = Field(default=None, ge=0, le=1, alias="minimumStopRate")
+    """minimumStopRate (0 to 1) skips the export unless that share of the adapter's answers ends with an end-of-turn token."""
+
+    def gate(self) -> ExportGate:
+        return ExportGate(self.require_improvement, self.minimum_score, self.minimum_stop_rate)
 
     def checkpoint(self, training: TrainingSpec) -> str:
         """The checkpoint export takes, defaults applied."""
         return self.step or ("best" if training.early_stopping else "latest")
+
+
+SCORERS = {"exactMatch": "exact_match", "contains": "contains", "regex": "regex", "gsm8k": "gsm8k"}
+"""spec.evaluation.scorer -> the trainer's generation_eval.scorer (contract.EVAL_SCORERS)."""
+
+
+class EvaluationSpec(_Model):
+    """Evaluation of the base model against the trained adapter by generated answers, after the last training step
+    (on the train step's accelerators, with the model it has loaded): greedy answers to the first `examples` prompts
+    of dataset.evalSplit, each scored against the split's answer."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            {
+                "rule": "!has(self.scorer) || self.scorer != 'regex' || has(self.pattern)",
+                "message": "evaluation.scorer regex needs evaluation.pattern: the regex that extracts the answer",
+                "fieldPath": ".pattern",
+            },
+        )
+    )
+
+    scorer: Literal[tuple(SCORERS)] = "exactMatch"  # type: ignore[valid-type]
+    """scorer: exactMatch (equal after lower-casing, whitespace and end punctuation normalised), contains (the reference within the answer), regex (what pattern extracts from both is equal) or gsm8k (the number after `####`)."""
+    pattern: str | None = Field(default=None, min_length=1, max_length=1024)
+    """pattern is the regex of scorer regex; its first group, else the whole match, is the answer."""
+    max_new_tokens: int = Field(default=256, ge=1, le=32_768)
+    """maxNewTokens bounds each generated answer; one that reaches it without an end-of-turn token counts against the stop rate."""
+    examples: int = Field(default=64, ge=1, le=100_000)
+    """examples: the first N examples of the eval split are evaluated (all when fewer)."""
+    samples: int = Field(default=3, ge=0, le=20)
+    """samples: how many prompts with both models' answers status.evaluation keeps (all are written to <run>/evaluation-samples.jsonl)."""
+
+    def trainer_scorer(self) -> str:
+        return SCORERS[self.scorer]
 
 
 class SchedulingSpec(_Model):
@@ -412,6 +456,17 @@ class LoRAJobSpec(_Model):
                 "fieldPath": ".training.earlyStopping",
             },
             {
+                "rule": "!has(self.evaluation) || has(self.dataset.evalSplit)",
+                "message": "evaluation needs dataset.evalSplit: its prompts and answers are what both models are scored on",
+                "fieldPath": ".evaluation",
+            },
+            {
+                "rule": "has(self.evaluation) || !has(self.export) || ((!has(self.export.requireImprovement) "
+                "|| !self.export.requireImprovement) && !has(self.export.minimumScore) && !has(self.export.minimumStopRate))",
+                "message": "export.requireImprovement, minimumScore and minimumStopRate need spec.evaluation: the gate judges its scores",
+                "fieldPath": ".export",
+            },
+            {
                 "rule": "!has(self.export) || !has(self.export.step) || self.export.step != 'best' "
                 "|| has(self.dataset.evalSplit)",
                 "message": "export.step best needs dataset.evalSplit: best is the checkpoint with the lowest eval loss",
@@ -447,6 +502,8 @@ class LoRAJobSpec(_Model):
     """compute for the train step."""
     output: OutputSpec
     """output location."""
+    evaluation: EvaluationSpec | None = None
+    """evaluation of base model and adapter by generated answers after training (status.evaluation); export can be gated on it."""
     export: ExportSpec = Field(default_factory=ExportSpec)
     """export to Hugging Face PEFT format."""
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
@@ -581,6 +638,41 @@ class PlanStatus(_Model):
     """compileSeconds is how long the compile took on the CPU step's pod."""
 
 
+class ModelEvaluation(_Model):
+    """One model's results on the evaluated prompts."""
+
+    score: float | None = None
+    """score is the share (0 to 1) of answers the scorer counts as right."""
+    stop_rate: float | None = None
+    """stopRate is the share (0 to 1) of answers that ended with an end-of-turn or EOS token before maxNewTokens."""
+    mean_length: float | None = None
+    """meanLength is the mean answer length in tokens."""
+
+
+class EvaluationSample(_Model):
+    """One evaluated prompt with both models' answers (each cut to 300 characters)."""
+
+    prompt: str = Field(default="", max_length=1024)
+    reference: str = Field(default="", max_length=1024)
+    base: str = Field(default="", max_length=1024)
+    adapter: str = Field(default="", max_length=1024)
+
+
+class EvaluationStatus(_Model):
+    """The evaluation of base and adapter (spec.evaluation), run by the train step after its last step."""
+
+    scorer: str | None = None
+    examples: int | None = None
+    """examples evaluated."""
+    step: int | None = None
+    """step is the training step whose adapter was evaluated."""
+    seconds: float | None = None
+    """seconds both models' generations and the scoring took."""
+    base: ModelEvaluation | None = None
+    adapter: ModelEvaluation | None = None
+    samples: list[EvaluationSample] = Field(default_factory=list, max_length=20)
+
+
 class ResolvedImages(_Model):
     """The images the steps run with."""
 
@@ -634,6 +726,8 @@ class LoRAJobStatus(_Model):
     """data holds the data check's figures, once the check or convert step has run it."""
     plan: PlanStatus | None = None
     """plan holds the fit check's figures (TPU backends), once the check or convert step has run it."""
+    evaluation: EvaluationStatus | None = None
+    """evaluation holds base and adapter scores, once the train step has evaluated them (spec.evaluation)."""
     checkpoints: list[CheckpointStatus] = Field(default_factory=list, max_length=CHECKPOINTS_LISTED)
     """checkpoints are the complete checkpoints the run keeps (the newest few and the best by eval loss), oldest first."""
     resolved: Resolved | None = None
@@ -648,6 +742,7 @@ PRINTER_COLUMNS = [
     {"name": "Backend", "type": "string", "jsonPath": ".spec.compute.backend", "priority": 1},
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss", "priority": 1},
     {"name": "Eval Loss", "type": "number", "jsonPath": ".status.progress.evalLoss", "priority": 1},
+    {"name": "Score", "type": "number", "jsonPath": ".status.evaluation.adapter.score"},
     {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

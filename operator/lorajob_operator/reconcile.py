@@ -42,6 +42,10 @@ Mechanisms, in one place:
 * Data and plan figures: the data check and the fit check (the check step, or first in the convert step) print
   one data line and (TPU backends) one plan line; the completed step's pod log is read once (on a resync
   pass, while status.data is unset) and the lines lifted into status.data and status.plan.
+* Evaluation (spec.evaluation): the train step evaluates base and adapter after its last step (progress state
+  evaluating, which is not final, so the log is read again after the step ends) and prints one evaluation line,
+  lifted into status.evaluation. The export gate is the export step's: it exits NoImprovement (a user error, so
+  the LoRAJob fails with the trainer's message, both scores in it) before writing anything.
 """
 
 from __future__ import annotations
@@ -61,8 +65,8 @@ from lorajob_operator.render import (
 from lorajob_operator.settings import ReconcileSettings, RenderSettings
 from lorajob_trainer import exit_codes
 from lorajob_trainer.contract import (
-    FINISHED_STATES, STOPPED_EARLY, CheckpointRecord, ProgressRecord, RunLayout, choose_checkpoint, last_data,
-    last_plan, last_progress,
+    EVALUATING, FINISHED_STATES, STOPPED_EARLY, CheckpointRecord, ProgressRecord, RunLayout, choose_checkpoint,
+    last_data, last_evaluation, last_plan, last_progress,
 )
 
 RUNNING_PHASE = {step: api.Phase(phase) for step, phase in rules.PHASE_WHILE_RUNNING.items()}
@@ -411,9 +415,12 @@ def _status_progress(record: ProgressRecord) -> api.Progress:
 
 
 def _final_progress(progress: dict) -> bool:
-    """Whether the trainer reported the end of training (its last step, or an early stop)."""
+    """Whether the trainer reported the end of its step (its last step, or an early stop; an evaluation after the
+    last step still to come)."""
     if progress.get("state") in FINISHED_STATES:
         return True
+    if progress.get("state") == EVALUATING:
+        return False
     return bool(progress.get("totalSteps")) and progress.get("step") == progress.get("totalSteps")
 
 
@@ -458,6 +465,19 @@ def _plan(o: Observed) -> dict | None:
         target=record.target, hbm_bytes_per_chip=record.hbm_bytes_per_chip, capacity_bytes=record.capacity_bytes,
         step_seconds=record.step_seconds, tokens_per_second=tokens, mfu=record.mfu, bound=record.bound,
         compile_seconds=record.compile_seconds,
+    ).model_dump(by_alias=True, exclude_none=True)
+
+
+def _evaluation(o: Observed) -> dict | None:
+    """status.evaluation: the evaluation line in this pass's train log, else kept."""
+    record = last_evaluation(o.train_log) if o.train_log else None
+    if record is None:
+        return o.status.get("evaluation")
+    scores = {name: api.ModelEvaluation(score=s.score, stop_rate=s.stop_rate, mean_length=round(s.mean_length, 1))
+              for name, s in (("base", record.base), ("adapter", record.adapter))}
+    return api.EvaluationStatus(
+        scorer=record.scorer, examples=record.examples, step=record.step, seconds=record.seconds, **scores,
+        samples=[api.EvaluationSample(**dataclasses.asdict(sample)) for sample in record.samples],
     ).model_dump(by_alias=True, exclude_none=True)
 
 
@@ -596,7 +616,7 @@ class _Draft:
         progress = _watched(_progress(o, record), self.advanced_time)
         if progress:
             status["progress"] = progress
-        for key, lifted in (("data", _data(o)), ("plan", _plan(o))):
+        for key, lifted in (("data", _data(o)), ("plan", _plan(o)), ("evaluation", _evaluation(o))):
             if lifted:
                 status[key] = lifted
         if o.spec is not None:
@@ -870,7 +890,8 @@ def _watch_progress(o: Observed, draft: _Draft, decision: Decision, child: Child
     previous = o.status.get("progress") or {}
     record = last_progress(o.train_log) if o.train_log else None
     advanced = previous.get("advancedTime")
-    if advanced is None or (record is not None and record.step != previous.get("step")):
+    changed = record is not None and (record.step != previous.get("step") or record.state != previous.get("state"))
+    if advanced is None or changed:
         advanced = format_time(o.now)
     idle = (o.now - parse_time(advanced)).total_seconds()
     if idle < deadline:

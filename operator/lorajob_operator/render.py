@@ -175,6 +175,7 @@ def train_config(spec: api.LoRAJobSpec, run: str) -> TrainConfig:
         "progress_lines": True,
         "checkpoint_storage_use_zarr3": spec.model.checkpoint_storage.use_zarr3,
         "checkpoint_storage_use_ocdbt": spec.model.checkpoint_storage.use_ocdbt,
+        "generation_eval": _generation_eval(spec.evaluation),
         "lora": {
             "lora_rank": lora.rank,
             "lora_alpha": lora.alpha,
@@ -186,6 +187,15 @@ def train_config(spec: api.LoRAJobSpec, run: str) -> TrainConfig:
         },
     }
     return TrainConfig.from_dict(values)
+
+
+def _generation_eval(evaluation: api.EvaluationSpec | None) -> dict:
+    if evaluation is None:
+        return {}
+    return {
+        "enabled": True, "scorer": evaluation.trainer_scorer(), "pattern": evaluation.pattern or "",
+        "max_new_tokens": evaluation.max_new_tokens, "examples": evaluation.examples, "samples": evaluation.samples,
+    }
 
 
 def train_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
@@ -285,6 +295,12 @@ def export_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
         command += ["--merged", "--base", paths.base_checkpoint]
     if spec.export.hub_repo:
         command += ["--hub-repo", spec.export.hub_repo]
+    gate = spec.export.gate()
+    if gate.active:
+        command += ["--evaluation", RunLayout(spec.output.base_output_directory, run).evaluation]
+        command += ["--require-improvement"] if gate.require_improvement else []
+        command += ["--minimum-score", str(gate.minimum_score)] if gate.minimum_score is not None else []
+        command += ["--minimum-stop-rate", str(gate.minimum_stop_rate)] if gate.minimum_stop_rate is not None else []
     return command
 
 

@@ -104,8 +104,8 @@ def _gb(value: int | None) -> str:
     return "?" if value is None else f"{value / 1e9:.2f} GB"
 
 
-def format_status(view: RunView, now: datetime | None = None) -> str:
-    """What `lorajob status` prints."""
+def format_status(view: RunView, now: datetime | None = None, samples: int = 0) -> str:
+    """What `lorajob status` prints; `samples`: that many evaluated prompts with both models' answers."""
     now = now or datetime.now(timezone.utc)
     obj = view.lorajob
     metadata, spec, status = obj["metadata"], obj.get("spec") or {}, obj.get("status") or {}
@@ -154,6 +154,8 @@ def format_status(view: RunView, now: datetime | None = None) -> str:
     if evaluated:
         lines.append(f"eval loss {sparkline([p.eval_loss for p in evaluated])}  last {evaluated[-1].eval_loss:.4f} at step {evaluated[-1].step}")
 
+    lines += _evaluation_lines(status.get("evaluation"), samples)
+
     for checkpoint in status.get("checkpoints") or []:
         losses_text = ", ".join(
             f"{label} {checkpoint[key]:.4f}" for label, key in (("loss", "trainLoss"), ("eval", "evalLoss")) if checkpoint.get(key) is not None
@@ -177,6 +179,34 @@ def format_status(view: RunView, now: datetime | None = None) -> str:
             text = f"  {age:>10}  {event.get('type', ''):8} {event.get('reason', ''):16} {event.get('message', '')}"
             lines.append(text if len(text) <= EVENT_WIDTH else text[:EVENT_WIDTH - 1] + "…")
     return "\n".join(lines)
+
+
+def _evaluation_lines(evaluation: dict | None, samples: int) -> list[str]:
+    """Base against adapter (status.evaluation), and up to `samples` prompts with both answers side by side."""
+    if not evaluation:
+        return []
+    scorer, count = evaluation.get("scorer", "?"), evaluation.get("examples", 0)
+
+    def figures(name: str) -> str:
+        model = evaluation.get(name) or {}
+        return (f"{name:8} {model.get('score', 0):7.1%}   stop rate {model.get('stopRate', 0):6.1%}   "
+                f"mean length {model.get('meanLength', 0):.1f} tokens")
+
+    lines = [f"evaluation step {evaluation.get('step', '?')}, {scorer} on {count} examples "
+             f"({duration(evaluation.get('seconds', 0))}):", "  " + figures("base"), "  " + figures("adapter")]
+    kept = evaluation.get("samples") or []
+    for number, sample in enumerate(kept[:samples], 1):
+        lines.append(f"  sample {number}: {_one_line(sample.get('prompt', ''))}")
+        for label in ("reference", "base", "adapter"):
+            lines.append(f"    {label:9} {_one_line(sample.get(label, ''))}")
+    if samples > len(kept):
+        lines.append(f"  ({len(kept)} samples kept in status: spec.evaluation.samples; all answers are in "
+                     "<run>/evaluation-samples.jsonl)")
+    return lines
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split()) or "(empty)"
 
 
 # --- I/O through the API server ----------------------------------------------------------------------
@@ -291,6 +321,9 @@ def add_commands(commands) -> None:
         sub.add_argument("--context", default=None, help="kubeconfig context to use")
         if command == "logs":
             sub.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the trainer exits")
+        if command == "status":
+            sub.add_argument("--samples", type=int, default=0, metavar="K",
+                             help="also show K evaluated prompts with the base's and the adapter's answers")
         if command == "plot":
             sub.add_argument("-o", "--output", type=Path, default=Path("loss.png"), help="PNG file to write (default: loss.png)")
         sub.set_defaults(run=_run)
@@ -313,7 +346,7 @@ def _run(args) -> int:
         cluster = Client(args.context)
         namespace = _namespace(args)
         if args.command == "status":
-            print(format_status(cluster.view(namespace, args.name)))
+            print(format_status(cluster.view(namespace, args.name), samples=args.samples))
         elif args.command == "logs":
             pod = cluster.lead_pod(namespace, cluster.lorajob(namespace, args.name))
             if args.follow:

@@ -240,3 +240,27 @@ def test_an_int8_qlora_lorajob_runs_the_chain_and_its_adapter_merges_into_the_fu
     base = AutoModelForCausalLM.from_pretrained(assets.model, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, assets.adapter(run)).merge_and_unload()
     assert merged.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
+
+
+def test_the_evaluation_lands_in_status_and_its_gate_keeps_the_adapter_from_export(lorajobs, operator, assets):
+    """A pattern no answer holds scores both models 0: requireImprovement refuses the adapter, so the export step
+    exits NoImprovement before writing, and the LoRAJob fails with both scores; the checkpoints stay."""
+    run = "gated-real"
+    body = localjob.lorajob(run, assets, steps=STEPS)
+    body["spec"]["evaluation"] = {"scorer": "regex", "pattern": "(no answer says this)", "maxNewTokens": 8,
+                                  "examples": 6, "samples": 2}
+    body["spec"]["export"] = {"requireImprovement": True}
+    lorajobs.apply(body)
+    failed = lorajobs.wait_phase(run, "Failed", timeout=TIMEOUT)
+
+    evaluation = failed["status"]["evaluation"]
+    assert (evaluation["scorer"], evaluation["examples"], evaluation["step"]) == ("regex", 6, STEPS), evaluation
+    assert evaluation["base"]["score"] == evaluation["adapter"]["score"] == 0.0
+    assert 0 < evaluation["adapter"]["meanLength"] <= 8 and len(evaluation["samples"]) == 2
+    reason = condition(failed, "Failed")
+    assert reason["reason"] == "NoImprovement", reason
+    assert reason["message"].startswith(f"the export step failed (JobSet {run}-to-hf"), reason["message"]
+    assert f"the adapter of step {STEPS} is not exported: it does not score above the base model" in reason["message"]
+    assert not assets.adapter(run).exists()
+    assert (assets.outputs / run / "checkpoints" / str(STEPS)).is_dir()
+    assert failed["status"]["progress"]["state"] == "succeeded"

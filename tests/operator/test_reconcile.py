@@ -13,7 +13,7 @@ from lorajob_operator.reconcile import (
 )
 from lorajob_operator.render import parse_spec
 from lorajob_operator.settings import ReconcileSettings
-from lorajob_trainer.contract import ProgressRecord
+from lorajob_trainer.contract import EvalRecord, ModelScore, ProgressRecord
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 SETTINGS = ReconcileSettings(retry_backoff_seconds=10, retry_backoff_max_seconds=60)
@@ -352,7 +352,7 @@ def _at(seconds: float) -> datetime:
 
 def _stuck_at_step_7(*, restarts: int, infrastructure_restarts: int) -> tuple[dict, dict]:
     """A LoRAJob on train attempt `restarts` whose step counter last moved (to 7) at NOW."""
-    progress = {"step": 7, "totalSteps": 20, "summary": "7/20 (35%)", "advancedTime": "2026-01-01T12:00:00Z"}
+    progress = {"step": 7, "totalSteps": 20, "summary": "7/20 (35%)", "state": "running", "advancedTime": "2026-01-01T12:00:00Z"}
     body = lorajob(spec=WATCHED, status={
         "phase": "Training", "progress": progress,
         "restarts": {"convert": 0, "train": restarts, "export": 0},
@@ -446,3 +446,26 @@ def test_a_stall_with_the_infrastructure_budget_used_up_fails_the_lorajob_and_st
     assert failed["message"].endswith("no new step for 90s (last step 7; scheduling.progressDeadlineSeconds=60); "
                                       "an infrastructure failure; giving up after 2 retries")
     assert [(e.type, e.reason) for e in decision.events] == [("Warning", "Failed")]
+
+
+def test_the_evaluation_after_the_last_step_restarts_the_stall_clock_and_its_line_lands_in_status():
+    body, children = _stuck_at_step_7(restarts=0, infrastructure_restarts=0)
+    evaluating = ProgressRecord(step=7, total_steps=20, loss=1.0, state="evaluating").line()
+    decision = decide(_observe(body, children, now=_at(59), train_log=evaluating), SETTINGS)
+    assert decision.delete == [] and decision.status["progress"]["advancedTime"] == "2026-01-01T12:00:59Z"
+    record = EvalRecord(scorer="contains", examples=4, step=7, max_new_tokens=8, seconds=2.0,
+                        base=ModelScore(0.25, 0.5, 8.0), adapter=ModelScore(0.75, 1.0, 3.25))
+    status = decide(_observe(body, children, now=_at(60), train_log=evaluating + "\n" + record.line()), SETTINGS).status
+    assert status["evaluation"] == {
+        "scorer": "contains", "examples": 4, "step": 7, "seconds": 2.0, "samples": [],
+        "base": {"score": 0.25, "stopRate": 0.5, "meanLength": 8.0}, "adapter": {"score": 0.75, "stopRate": 1.0, "meanLength": 3.2},
+    }
+    kept = decide(_observe(lorajob(spec=WATCHED, status=status), children, now=_at(61), train_log=None), SETTINGS).status
+    assert kept["evaluation"] == status["evaluation"]
+
+
+def test_an_evaluating_train_step_is_not_finished_so_its_log_is_read_after_it_ends():
+    train = reconcile.ChildState(name="r", phase="train", attempt=0, owned=True, deleting=False, completed=True, failed=False,
+                                 failed_at=None, failure_reason="", failure_message="", suspended=False, lead_pod_selector="x=y")
+    assert reconcile.train_log_wanted({"progress": {"step": 20, "totalSteps": 20, "state": "evaluating"}}, train)
+    assert not reconcile.train_log_wanted({"progress": {"step": 20, "totalSteps": 20, "state": "succeeded"}}, train)

@@ -350,3 +350,19 @@ def test_eval_interval_is_its_own_setting_and_defaults_to_the_checkpoint_period(
     default = parsed(lorajob(spec=spec_dict(dataset=dataset, training={"steps": 20, "checkpointPeriod": 10})))
     assert render.train_config(default, "r").eval_interval == 10
     assert render.train_config(parsed(lorajob()), "r").eval_interval == 0  # no evalSplit: no evaluation
+
+
+def test_evaluation_reaches_the_trainer_and_the_export_gate_the_export_step():
+    dataset = {"name": "openai/gsm8k", "dataDir": "main", "columns": ["question", "answer"], "evalSplit": "test"}
+    spec = parsed(lorajob(spec=spec_dict(
+        dataset=dataset, evaluation={"scorer": "gsm8k", "maxNewTokens": 300, "examples": 100},
+        export={"requireImprovement": True, "minimumStopRate": 0.95}, output={"baseOutputDirectory": "/runs"},
+    )))
+    settings = render.train_config(spec, "r").generation_eval
+    assert (settings.enabled, settings.scorer, settings.max_new_tokens, settings.examples, settings.samples) == (
+        True, "gsm8k", 300, 100, 3)
+    command = render.export_command(spec, "r")
+    gate = command[command.index("--evaluation"):]
+    assert gate == ["--evaluation", "/runs/r/evaluation.json", "--require-improvement", "--minimum-stop-rate", "0.95"]
+    assert not render.train_config(parsed(lorajob()), "r").generation_eval.enabled
+    assert "--evaluation" not in render.export_command(parsed(lorajob()), "r")

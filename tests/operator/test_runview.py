@@ -81,3 +81,24 @@ def test_a_failed_step_is_marked_where_it_failed():
     ).splitlines()
     done = _training(phase="Succeeded", completionTime="2026-01-01T00:05:00Z")
     assert "✓ convert   ✓ train (1 retries)   ✓ export   (5m00s)" in runview.format_status(runview.RunView(done), now=NOW)
+
+
+def test_status_text_shows_base_against_adapter_and_samples_side_by_side():
+    evaluation = {
+        "scorer": "gsm8k", "examples": 64, "step": 100, "seconds": 95.0,
+        "base": {"score": 0.125, "stopRate": 0.5, "meanLength": 240.2},
+        "adapter": {"score": 0.6875, "stopRate": 1.0, "meanLength": 88.0},
+        "samples": [{"prompt": "Natalia sold 48 clips.\nHow many?", "reference": "#### 72", "base": "", "adapter": "#### 72"}],
+    }
+    text = runview.format_status(runview.RunView(_training(evaluation=evaluation), [], []), now=NOW, samples=2)
+    assert text.splitlines()[4:12] == [
+        "evaluation step 100, gsm8k on 64 examples (1m35s):",
+        "  base       12.5%   stop rate  50.0%   mean length 240.2 tokens",
+        "  adapter    68.8%   stop rate 100.0%   mean length 88.0 tokens",
+        "  sample 1: Natalia sold 48 clips. How many?",
+        "    reference #### 72",
+        "    base      (empty)",
+        "    adapter   #### 72",
+        "  (1 samples kept in status: spec.evaluation.samples; all answers are in <run>/evaluation-samples.jsonl)",
+    ]
+    assert "sample 1" not in runview.format_status(runview.RunView(_training(evaluation=evaluation), [], []), now=NOW)

@@ -11,6 +11,7 @@ with a message naming the key.
 from __future__ import annotations
 
 import difflib
+import re
 import sys
 import typing
 from pathlib import Path
@@ -20,7 +21,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lorajob_trainer import catalog
-from lorajob_trainer.contract import BASE_QUANTIZATIONS, BOUNDS, COLUMN_LAYOUTS, DEFAULTS, DORA_NEEDS_FULL_PRECISION, RunLayout
+from lorajob_trainer.contract import (
+    BASE_QUANTIZATIONS, BOUNDS, COLUMN_LAYOUTS, DEFAULTS, DORA_NEEDS_FULL_PRECISION, EVAL_SCORERS, RunLayout,
+)
 
 
 
@@ -88,6 +91,35 @@ class MeshConfig(_Section):
             value = getattr(self, axis)
             if value == 0 or value < -1:
                 raise ValueError(f"mesh.{axis} must be a positive integer or -1 (fill), got {value}")
+        return self
+
+
+class GenerationEvalConfig(_Section):
+    enabled: bool = False
+    """After the last step, generate answers to the evaluation prompts with the base model and with the trained
+    adapter, score both and write <run>/evaluation.json (and print a LORAJOB_EVAL line)."""
+    scorer: Literal[EVAL_SCORERS] = "exact_match"  # type: ignore[valid-type]
+    """How an answer is scored against the reference answer (contract.EVAL_SCORERS)."""
+    pattern: str = ""
+    """scorer=regex: the regex whose first group (else whole match) is the answer, searched in both texts."""
+    max_new_tokens: int = Field(256, ge=1, le=32_768)
+    """Tokens generated per answer at most."""
+    examples: int = Field(64, ge=1, le=100_000)
+    """The first N evaluation examples are scored (all when fewer)."""
+    batch_size: int = Field(0, ge=0)
+    """Prompts generated at once; 0 = per_device_batch_size rows per device."""
+    samples: int = Field(3, ge=0, le=20)
+    """Examples whose prompt and answers the record carries."""
+
+    @model_validator(mode="after")
+    def _pattern_compiles(self) -> "GenerationEvalConfig":
+        if self.scorer == "regex" and not self.pattern:
+            raise ValueError("generation_eval.scorer=regex needs generation_eval.pattern")
+        if self.pattern:
+            try:
+                re.compile(self.pattern)
+            except re.error as error:
+                raise ValueError(f"generation_eval.pattern is not a regex: {error}") from None
         return self
 
 
@@ -191,6 +223,9 @@ class TrainConfig(_Section):
     early_stopping_min_delta: float = Field(0.0, ge=0)
     """The decrease of the eval loss that counts as an improvement."""
 
+    generation_eval: GenerationEvalConfig = GenerationEvalConfig()
+    """Base model against adapter by generated answers, after training."""
+
     enable_checkpointing: bool = True
     """Save LoRA checkpoints (adapters, optimizer state, data position) to resume from."""
     checkpoint_period: int = Field(DEFAULTS.checkpoint_period, gt=0)
@@ -230,6 +265,8 @@ class TrainConfig(_Section):
             raise ValueError("eval_interval is set but there is no evaluation data: set hf_eval_files or hf_eval_split")
         if self.early_stopping_patience and not self.eval_interval:
             raise ValueError("early_stopping_patience needs evaluations: set eval_interval (and evaluation data)")
+        if self.generation_eval.enabled and not (self.hf_eval_files or self.hf_eval_split):
+            raise ValueError("generation_eval.enabled needs evaluation data: set hf_eval_files or hf_eval_split")
         return self
 
     # Derived paths.

@@ -126,6 +126,16 @@ class RunLayout:
         return join(self.run_directory, "progress.json")
 
     @property
+    def evaluation(self) -> str:
+        """The evaluation of base and adapter (`EvalRecord.to_json`), which the export step's gate reads."""
+        return join(self.run_directory, "evaluation.json")
+
+    @property
+    def evaluation_samples(self) -> str:
+        """Every evaluated example with the base's and the adapter's answers, one JSON line each."""
+        return join(self.run_directory, "evaluation-samples.jsonl")
+
+    @property
     def tensorboard(self) -> str:
         return join(self.run_directory, "tensorboard")
 
@@ -138,6 +148,8 @@ class RunLayout:
 STOPPED_EARLY = "stopped_early"
 """The progress state of a run that ended before its last step because the eval loss stopped improving."""
 FINISHED_STATES = ("succeeded", STOPPED_EARLY)
+EVALUATING = "evaluating"
+"""The progress state while the train step evaluates base and adapter after its last step (not finished yet)."""
 
 PROGRESS_LINE_PREFIX = "LORAJOB_PROGRESS "
 """Starts the stdout line that repeats each progress record as compact JSON: the operator reads it from the
@@ -388,6 +400,128 @@ class PlanRecord:
 def last_plan(log: str) -> PlanRecord | None:
     """The last readable plan record in a log (None when it holds none)."""
     return _last_record(log, PlanRecord.from_line)
+
+
+EVAL_SCORERS = ("exact_match", "contains", "regex", "gsm8k")
+"""How an answer is scored against the reference (lorajob_trainer.evaluate): equal after normalisation, the
+reference within the answer, the answer a regex extracts from both equal, or GSM8K's `#### <number>` as that regex."""
+EVAL_LINE_PREFIX = "LORAJOB_EVAL "
+"""Starts the evaluation's one machine-readable line (`EvalRecord.line`), which the operator lifts into status.evaluation."""
+EVAL_SAMPLE_CHARACTERS = 300
+"""A sample's prompt and answers are cut to this many characters in the record (the samples file keeps them whole)."""
+
+
+@dataclass(frozen=True)
+class ModelScore:
+    """One model's results on the evaluated examples."""
+
+    score: float
+    """Share (0 to 1) of the examples the scorer counts as right."""
+    stop_rate: float
+    """Share of the generations that ended with an end-of-turn or EOS token before max_new_tokens."""
+    mean_length: float
+    """Mean generated tokens per example."""
+
+
+@dataclass(frozen=True)
+class EvalSample:
+    prompt: str
+    reference: str
+    base: str
+    adapter: str
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """Base model against the trained adapter, greedy generations on the same prompts (lorajob_trainer.evaluate)."""
+
+    scorer: str
+    examples: int
+    step: int
+    """The training step whose adapter was evaluated."""
+    max_new_tokens: int
+    seconds: float
+    """Wall time of both models' generations and the scoring."""
+    base: ModelScore
+    adapter: ModelScore
+    samples: tuple[EvalSample, ...] = ()
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        return EVAL_LINE_PREFIX + json.dumps(self.to_json(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, values: object) -> EvalRecord | None:
+        """The record of a JSON object; None for one that is not a whole, well-formed record."""
+        if not isinstance(values, dict) or values.get("scorer") not in EVAL_SCORERS:
+            return None
+        if not all(_count(values.get(name)) for name in ("examples", "step", "max_new_tokens")) or not _finite(values.get("seconds")):
+            return None
+        scores = [_model_score(values.get(name)) for name in ("base", "adapter")]
+        samples = values.get("samples", [])
+        if None in scores or not isinstance(samples, (list, tuple)):
+            return None
+        fields = ("prompt", "reference", "base", "adapter")
+        if not all(isinstance(s, dict) and all(isinstance(s.get(f), str) for f in fields) for s in samples):
+            return None
+        return cls(scorer=values["scorer"], examples=values["examples"], step=values["step"],
+                   max_new_tokens=values["max_new_tokens"], seconds=values["seconds"], base=scores[0], adapter=scores[1],
+                   samples=tuple(EvalSample(**{f: s[f] for f in fields}) for s in samples))
+
+    @classmethod
+    def from_line(cls, line: str) -> EvalRecord | None:
+        values = _json_after(EVAL_LINE_PREFIX, line)
+        return None if values is None else cls.from_json(values)
+
+
+def _model_score(values: object) -> ModelScore | None:
+    if not isinstance(values, dict):
+        return None
+    numbers = [values.get(name) for name in ("score", "stop_rate", "mean_length")]
+    if not all(_finite(number) and number >= 0 for number in numbers) or numbers[0] > 1 or numbers[1] > 1:
+        return None
+    return ModelScore(*numbers)
+
+
+def last_evaluation(log: str) -> EvalRecord | None:
+    """The last readable evaluation record in a log (None when it holds none)."""
+    return _last_record(log, EvalRecord.from_line)
+
+
+@dataclass(frozen=True)
+class ExportGate:
+    """What the evaluation must show for the export step to run (LoRAJob spec.export)."""
+
+    require_improvement: bool = False
+    """The adapter's score must be above the base's."""
+    minimum_score: float | None = None
+    minimum_stop_rate: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.require_improvement or self.minimum_score is not None or self.minimum_stop_rate is not None
+
+    def refusal(self, record: EvalRecord) -> str | None:
+        """Why the adapter of `record` must not be exported (both models' figures in it); None: export it."""
+        base, adapter = record.base, record.adapter
+        reasons = []
+        if self.require_improvement and adapter.score <= base.score:
+            reasons.append("it does not score above the base model")
+        if self.minimum_score is not None and adapter.score < self.minimum_score:
+            reasons.append(f"its score is below export.minimumScore={self.minimum_score:g}")
+        if self.minimum_stop_rate is not None and adapter.stop_rate < self.minimum_stop_rate:
+            reasons.append(f"its stop rate is below export.minimumStopRate={self.minimum_stop_rate:g}")
+        if not reasons:
+            return None
+        return (f"the adapter of step {record.step} is not exported: {' and '.join(reasons)} "
+                f"({record.scorer} on {record.examples} examples: adapter {_percent(adapter.score)}, base "
+                f"{_percent(base.score)}; stop rate adapter {_percent(adapter.stop_rate)}, base {_percent(base.stop_rate)})")
+
+
+def _percent(share: float) -> str:
+    return f"{100 * share:.1f}%"
 
 
 HF_TOKEN_ENV = "HF_TOKEN"

@@ -38,6 +38,7 @@ DIVERGED = 6
 CHECKPOINT_WRITE = 7
 PREEMPTED = 8
 DOES_NOT_FIT = 9
+NO_IMPROVEMENT = 10
 
 TABLE = (
     ExitCode(SUCCEEDED, "Succeeded", Kind.unknown, "every requested step ran"),
@@ -60,6 +61,9 @@ TABLE = (
     ExitCode(DOES_NOT_FIT, "DoesNotFit", Kind.user,
              "the train step, compiled for the LoRAJob's TPU chips before any is held, needs more HBM per chip "
              "than they have (the message gives the figures and the smallest change that fits)"),
+    ExitCode(NO_IMPROVEMENT, "NoImprovement", Kind.user,
+             "the export gate (export.requireImprovement, minimumScore, minimumStopRate) refused the adapter: the "
+             "message gives the base's and the adapter's scores; the checkpoints stay"),
 )
 BY_CODE = {entry.code: entry for entry in TABLE}
 

@@ -1,7 +1,7 @@
 """Export a trainer LoRA checkpoint as a Hugging Face PEFT adapter, optionally also merged weights.
 
     python -m lorajob_trainer.export --checkpoint CKPT --out DIR [--merged [--base BASE] [--base-config CFG]]
-        [--hub-repo ORG/NAME]
+        [--hub-repo ORG/NAME] [--require-improvement] [--minimum-score S] [--minimum-stop-rate R] [--evaluation EVAL]
 
 CKPT is a step directory (`.../checkpoints/<step>`) or a checkpoint root (its latest step is
 used); the checkpoint metadata supplies rank, alpha, target modules, family and base model.
@@ -11,7 +11,8 @@ DIR receives `adapter_model.safetensors` + `adapter_config.json` (loadable with
 any base the trainer reads (HF safetensors, our Orbax base, a MaxText checkpoint); a MaxText base
 takes config.json and the tokenizer from CFG (default: the run's tokenizer_path in the metadata).
 CKPT, DIR, BASE and CFG are local directories or gs:// URIs (CFG also a Hub repo id). `--hub-repo`
-also pushes DIR to that Hugging Face Hub model repo with the token in HF_TOKEN.
+also pushes DIR to that Hugging Face Hub model repo with the token in HF_TOKEN. The gate options refuse the
+export (exit 10, nothing written) unless EVAL, the train step's evaluation of base and adapter, shows them.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ import contextlib
 import json
 import logging
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
 
-from lorajob_trainer import catalog, lora, stages, storage
+from lorajob_trainer import catalog, evaluate, exit_codes, lora, stages, storage
 from lorajob_trainer.checkpoint import CheckpointError, CheckpointMetadata, complete_checkpoints
 from lorajob_trainer.console import configure_logging
-from lorajob_trainer.contract import choose_checkpoint, join
+from lorajob_trainer.contract import ExportGate, choose_checkpoint, join
 
 log = logging.getLogger("lorajob_trainer.export")  # not __name__: run as __main__
 
@@ -230,6 +232,23 @@ def _hf_dtype(hf_config: dict) -> np.dtype:
     return {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(name, np.float32)
 
 
+def _gate(gate: ExportGate, evaluation: str) -> None:
+    """Exit before writing anything when the gate refuses the adapter (or has no evaluation to judge it by)."""
+    if not gate.active:
+        return
+    record = evaluate.read_record(evaluation)
+    if record is None:
+        print(f"export refused: the export gate needs the evaluation of base and adapter at {evaluation}, which is "
+              "missing or unreadable (the train step writes it with generation_eval.enabled)", file=sys.stderr)
+        raise SystemExit(exit_codes.CONFIG)
+    refusal = gate.refusal(record)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        raise SystemExit(exit_codes.NO_IMPROVEMENT)
+    log.info("export gate passed: adapter %.3f, base %.3f (stop rate %.2f)", record.adapter.score, record.base.score,
+             record.adapter.stop_rate)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="step directory or checkpoint root (or gs:// URI)")
@@ -245,8 +264,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--base-model-name-or-path", help="adapter_config.json base_model_name_or_path")
     parser.add_argument("--hub-repo", help="also push OUT to this Hugging Face Hub model repo (org/name)")
+    gate = parser.add_argument_group("export gate", "refuse to export (exit 10, NoImprovement) unless the evaluation "
+                                     "of base and adapter (the train step's generation_eval) shows:")
+    gate.add_argument("--require-improvement", action="store_true", help="the adapter scores above the base")
+    gate.add_argument("--minimum-score", type=float, help="the adapter's score is at least this (0 to 1)")
+    gate.add_argument("--minimum-stop-rate", type=float, help="the adapter's stop rate is at least this (0 to 1)")
+    gate.add_argument("--evaluation", help="the evaluation record, <run>/evaluation.json (needed with the above)")
     args = parser.parse_args(argv)
+    export_gate = ExportGate(args.require_improvement, args.minimum_score, args.minimum_stop_rate)
+    if export_gate.active and not args.evaluation:
+        parser.error("--require-improvement, --minimum-score and --minimum-stop-rate need --evaluation")
     configure_logging()
+    _gate(export_gate, args.evaluation)
     try:
         export(
             args.checkpoint,

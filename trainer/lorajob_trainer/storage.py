@@ -49,6 +49,19 @@ def exists(location: str | os.PathLike) -> bool:
     return epath.Path(location).exists()
 
 
+def write_text(location: str | os.PathLike, text: str) -> None:
+    """Write one small file, a local path or a gs:// URI, its directory made when missing."""
+    target = epath.Path(location)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+
+
+def read_text(location: str | os.PathLike) -> str | None:
+    """One small file's text, a local path or a gs:// URI; None when it does not exist."""
+    source = epath.Path(location)
+    return source.read_text() if source.exists() else None
+
+
 def join(location: str | os.PathLike, *parts: str) -> str | Path:
     """`location`/parts, kept a URI string for gs:// and a Path otherwise."""
     if is_remote(location):

@@ -31,6 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from lorajob_trainer import checkpoint as ckpt
 from lorajob_trainer import data as data_lib
 from lorajob_trainer import distributed, exit_codes, preemption
+from lorajob_trainer import evaluate as evaluate_lib
+from lorajob_trainer import generate as generate_lib
 from lorajob_trainer import lora as lora_lib
 from lorajob_trainer import loss as loss_lib
 from lorajob_trainer import mesh as mesh_lib
@@ -40,7 +42,7 @@ from lorajob_trainer import models, weights
 from lorajob_trainer.models import decoder, experts
 from lorajob_trainer.config import TrainConfig, describe_keys, parse_or_report, resolve_target_modules
 from lorajob_trainer.console import ConsoleProgress, configure_logging
-from lorajob_trainer.contract import STOPPED_EARLY, CheckpointRecord
+from lorajob_trainer.contract import EVALUATING, STOPPED_EARLY, CheckpointRecord
 from lorajob_trainer.optim import build_optimizer, learning_rate_per_step
 
 log = logging.getLogger("lorajob_trainer.train")
@@ -422,14 +424,17 @@ class Trainer:
         self.lora_model = lora_model
         self.flops = model_flops(lora_model.model, lora_model.attention_width, config.max_target_length,
                                  lora_model.active)
-        graphdef, self.layout, lora, base = split_for_step(lora_model.model, lora_model.layer_period)
+        self.graphdef, self.layout, lora, base = split_for_step(lora_model.model, lora_model.layer_period)
         self.lora = trainable_adapters(self.layout, lora)
         self.base = base
+        self.base_adapters = jax.tree.map(jnp.copy, self.lora) if config.generation_eval.enabled else None
+        """The adapters as they start (B = 0, DoRA magnitudes = the weights' norms): the base model, for evaluate.py."""
         self.optimizer = build_optimizer(config)
         self.learning_rates = learning_rate_per_step(config)
         self.opt_state = init_optimizer_state(self.optimizer, self.lora, mesh)
+        self.shardings = step_shardings(self.lora, self.opt_state, base, mesh)
         self.steps = build_step_functions(
-            graphdef, self.layout, self.optimizer, self.dtype, step_shardings(self.lora, self.opt_state, base, mesh),
+            self.graphdef, self.layout, self.optimizer, self.dtype, self.shardings,
             config.loss_chunk_length, config.remat_policy, lora_model.aux_loss_coef,
         )
         self.tokenizer = data_lib.load_tokenizer(
@@ -556,6 +561,10 @@ class Trainer:
         result = RunResult(final_step=start, final_loss=None, resumed_from=start or None)
         if start >= total:
             log.info("nothing to do: checkpoint step %d >= steps=%d", start, total)
+            if self.config.generation_eval.enabled:
+                loss = next((c.train_loss for c in self.kept_checkpoints if c.step == start), None)
+                self._evaluate_generations(start, loss)
+                self.report_progress(start, loss=loss, tokens_per_second=0.0, eta_seconds=0.0, state="succeeded")
             return result
         timer = metrics_lib.StepTimer()
         pending: tuple[int, dict[str, jax.Array]] | None = None
@@ -594,6 +603,8 @@ class Trainer:
                 result.final_loss = self._report(*pending, timer)
         if self.checkpointer:
             self._finish_checkpoints()
+        if self.config.generation_eval.enabled:
+            self._evaluate_generations(result.final_step, result.final_loss)
         if result.stopped_early:
             self.report_progress(result.final_step, loss=result.final_loss, tokens_per_second=self.last_tokens_per_second,
                                  eta_seconds=0.0, state=STOPPED_EARLY, message=self.plateau.describe())
@@ -692,6 +703,23 @@ class Trainer:
         self.last_eval = (step, eval_loss)
         log.info("step %d eval loss %.4f", step, eval_loss)
         return eval_loss
+
+    def _evaluate_generations(self, step: int, loss: float | None) -> None:
+        self.report_progress(step, loss=loss, tokens_per_second=0.0, eta_seconds=0.0, state=EVALUATING,
+                             message="generating answers with the base model and with the adapter")
+        with jax.set_mesh(self.mesh):
+            evaluate_lib.evaluate(self, step)
+
+    def eval_loaded(self) -> tuple[Any, Callable[[int], data_lib.EncodedExample]]:
+        """The evaluation split (loaded once)."""
+        if self.eval_data is None:
+            self.eval_data = self._load(data_lib.eval_source(self.config))
+        return self.eval_data
+
+    def generator(self, max_new_tokens: int, stop_ids: list[int]) -> generate_lib.Generator:
+        """Greedy generation with this run's model, adapters and shardings (generate.py)."""
+        return generate_lib.Generator(self.graphdef, self.layout, self.dtype, self.mesh, self.shardings["lora"],
+                                      self.shardings["base"], max_new_tokens, stop_ids)
 
     def close(self) -> None:
         self.train_feed.close()
