@@ -1,15 +1,18 @@
 """Per-chip HBM of our train step and of MaxText's, both compiled deviceless by the real TPU compiler (benchmark).
 
     .venv/bin/python bench/tpu_plan.py                       # the default table
-    .venv/bin/python bench/tpu_plan.py --cases llama3.1-8b:v6e-8:1024 --remat full --no-maxtext
+    .venv/bin/python bench/tpu_plan.py --cases llama3.1-8b:v6e-8:1024 llama3.1-8b:v5p-8:1024 llama3.1-8b:v6e-8:1024:2
+    .venv/bin/python bench/tpu_plan.py --smallest qwen3-8b:1024 gemma3-27b:2048 --no-maxtext
 
-For each case (catalogue model, MaxText topology name, sequence length; batch 1 row per chip, LoRA rank 16,
-alpha 32 on the default targets, bf16 base weights as the trainer loads them on TPU) it compiles our step
-(`lorajob_trainer.plan.compile_train_step`, the trainer's own jitted step with the layers scanned) and, in the
-same run, MaxText 0.2.5's LoRA step (`bench/maxtext/train_compile.py`, MaxText's venv from
-`bench/maxtext/setup.sh`; float32 weights, MaxText's default, unless `--maxtext-weight-dtype`), and prints
-one row per case: arguments, temporaries and total per chip for both, the ratio, whether ours fits the
-chip's HBM, and the compile times. Total = arguments + outputs not aliased to them + temporaries.
+A case is model:slice:seq[:slices] (catalogue model, MaxText's slice name such as v6e-8, v5p-8 or tpu7x-8, sequence
+length, number of slices); batch 1 row per chip, LoRA rank 16, alpha 32 on the default targets, bf16 base weights
+as the trainer loads them on TPU. For each it compiles our step (`fit.compile_attempt`: the trainer's own jitted
+step, layers scanned, and the plan's roofline: predicted tokens/s per chip and MFU ceiling) and, in the same run,
+MaxText 0.2.5's LoRA step (`bench/maxtext/train_compile.py`, MaxText's venv from `bench/maxtext/setup.sh`; float32
+weights, MaxText's default, unless `--maxtext-weight-dtype`), and prints one row per case: arguments, temporaries
+and total per chip for both, the ratio, whether ours fits the chip's HBM less the plan's margin, and the compile
+times. Total = arguments + outputs not aliased to them + temporaries. `--smallest model:seq` compiles ours on
+v6e slices from the smallest up and reports the first that fits (then MaxText on that slice).
 """
 
 from __future__ import annotations
@@ -21,16 +24,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "maxtext"))
 
-from lorajob_operator.accelerators import TPU_CHIPS  # noqa: E402  (JAX-free)
+from lorajob_operator.accelerators import TPU_CHIPS, chips_in  # noqa: E402  (JAX-free)
 
-TOPOLOGIES = {"v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4", "v6e-16": "v6e:4x4", "v6e-32": "v6e:4x8", "v6e-64": "v6e:8x8", "v6e-128": "v6e:8x16"}
-"""MaxText's compile_topology names -> libtpu's topology names."""
+SLICES = {
+    "v6e-1": ("v6e", "1x1"), "v6e-4": ("v6e", "2x2"), "v6e-8": ("v6e", "2x4"), "v6e-16": ("v6e", "4x4"),
+    "v6e-32": ("v6e", "4x8"), "v6e-64": ("v6e", "8x8"), "v6e-128": ("v6e", "8x16"), "v6e-256": ("v6e", "16x16"),
+    "v5p-8": ("v5p", "2x2x1"), "v5p-16": ("v5p", "2x2x2"), "v5p-32": ("v5p", "2x2x4"),
+    "tpu7x-8": ("v7x", "2x2x1"), "tpu7x-16": ("v7x", "2x2x2"), "tpu7x-32": ("v7x", "2x2x4"),
+}
+"""MaxText's slice names -> (our chip catalogue's generation, libtpu's topology)."""
+V6E_ASCENDING = [name for name in SLICES if name.startswith("v6e-")]
 DEFAULT_CASES = ["qwen3-0.6b:v6e-4:1024", "qwen3-0.6b:v6e-4:2048", "llama3.1-8b:v6e-8:1024",
-                 "llama3.1-8b:v6e-8:2048", "qwen3-30b-a3b:v6e-16:1024"]
+                 "llama3.1-8b:v6e-8:2048", "qwen3-30b-a3b:v6e-16:1024", "qwen3-30b-a3b:v6e-16:2048",
+                 "gemma4-26b:v6e-16:1024", "gemma4-26b:v6e-16:2048"]
 
 
-def ours(model: str, topology: str, seq: int, remat: str, base_quantization: str = "none") -> dict:
-    from lorajob_trainer import catalog, plan
+def ours(model: str, slice_name: str, seq: int, remat: str, base_quantization: str = "none", slices: int = 1) -> dict:
+    from lorajob_trainer import catalog, fit
     from lorajob_trainer.config import TrainConfig
 
     config = TrainConfig.from_dict({
@@ -39,40 +49,61 @@ def ours(model: str, topology: str, seq: int, remat: str, base_quantization: str
         "per_device_batch_size": 1, "remat_policy": remat,
         "lora": {"lora_rank": 16, "lora_alpha": 32, "base_quantization": base_quantization},
     })
-    try:
-        step = plan.compile_train_step(config, catalog.released_config(model), plan.topology_devices(topology))
-    except Exception as error:  # the compiler's RESOURCE_EXHAUSTED and friends: a row, not a crash
-        return {"error": str(error).splitlines()[0][:200]}
-    memory = step.memory
-    return {"base_weights_gb": memory.base_weights / 1e9, "arguments_gb": memory.arguments / 1e9,
-            "temporaries_gb": memory.temporaries / 1e9,
-            "total_gb": memory.total / 1e9, "compile_s": step.compile_seconds, "flops": step.flops}
+    generation, topology = SLICES[slice_name]
+    chip = TPU_CHIPS[generation]
+    chips = chips_in(topology) * slices
+    target = fit.Target(slice_name, topology, slices, chips, 1, 1, remat)
+    attempt = fit.compile_attempt(config, catalog.released_config(model), chip, 4, target)
+    if attempt.error:  # the compiler's RESOURCE_EXHAUSTED and friends: a row, not a crash
+        return {"error": attempt.error[:200]}
+    memory = attempt.memory
+    return {"base_weights_gb": memory["base_weights"] / 1e9, "arguments_gb": memory["arguments"] / 1e9,
+            "temporaries_gb": memory["temporaries"] / 1e9, "total_gb": attempt.total_bytes / 1e9, "fits": attempt.fits,
+            "compile_s": attempt.compile_seconds, "flops": attempt.compiler_flops,
+            "tokens_per_second_per_chip": attempt.tokens_per_second_per_chip, "mfu": attempt.mfu, "bound": attempt.bound}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="model:maxtext-topology:seq")
+    parser.add_argument("--cases", nargs="+", default=None, help="model:slice:seq[:slices]")
+    parser.add_argument("--smallest", nargs="+", default=[], help="model:seq: the smallest v6e slice ours fits")
     parser.add_argument("--remat", default="full", choices=["none", "minimal", "full"],
                         help="our remat policy (MaxText's default is full)")
     parser.add_argument("--no-maxtext", action="store_true")
     parser.add_argument("--maxtext-weight-dtype", default="float32")
     parser.add_argument("--base-quantization", default="none", help="ours: lora.base_quantization (QLoRA)")
     args = parser.parse_args(argv)
+    cases = args.cases if args.cases is not None else ([] if args.smallest else DEFAULT_CASES)
     rows = []
-    header = ("model", "topology", "seq", "base", "ours weights", "ours args", "ours temp", "ours total", "fits", "ours compile s",
-              "MaxText total", "MaxText temp", "ratio", "MaxText compile s")
-    print(" | ".join(header))
-    for case in args.cases:
-        model, topology, seq = case.split(":")
-        row = {"model": model, "topology": topology, "seq": int(seq), "remat": args.remat,
-               "base_quantization": args.base_quantization,
-               "ours": ours(model, TOPOLOGIES[topology], int(seq), args.remat, args.base_quantization)}
+    header = ("model", "slice", "seq", "base", "ours weights", "ours args", "ours temp", "ours total", "fits",
+              "tok/s/chip", "MFU", "ours compile s", "MaxText total", "MaxText temp", "ratio", "MaxText compile s")
+    print(" | ".join(header), flush=True)
+
+    def report(model: str, slice_name: str, seq: int, slices: int, mine: dict) -> None:
+        row = {"model": model, "slice": slice_name, "slices": slices, "seq": seq, "remat": args.remat,
+               "base_quantization": args.base_quantization, "ours": mine}
         if not args.no_maxtext:
             import train_compile
 
-            row["maxtext"] = train_compile.run(model, topology, seq=int(seq), weight_dtype=args.maxtext_weight_dtype)
+            row["maxtext"] = train_compile.run(model, slice_name, num_slices=slices, seq=seq,
+                                               weight_dtype=args.maxtext_weight_dtype)
         rows.append(row)
         print(_line(row), flush=True)
+
+    for case in cases:
+        model, slice_name, seq, *rest = case.split(":")
+        slices = int(rest[0]) if rest else 1
+        report(model, slice_name, int(seq), slices,
+               ours(model, slice_name, int(seq), args.remat, args.base_quantization, slices))
+    for wanted in args.smallest:
+        model, seq = wanted.split(":")
+        for slice_name in V6E_ASCENDING:
+            mine = ours(model, slice_name, int(seq), args.remat, args.base_quantization)
+            if mine.get("fits") or slice_name == V6E_ASCENDING[-1]:
+                report(model, slice_name, int(seq), 1, mine)
+                break
+            why = mine.get("error") or f"{mine['total_gb']:.2f} GB per chip"
+            print(f"  {model} {seq}: {slice_name} does not fit ({why})", flush=True)
     print(json.dumps(rows))
     return 0
 
@@ -80,11 +111,12 @@ def main(argv: list[str] | None = None) -> int:
 def _line(row: dict) -> str:
     ours_row, theirs = row["ours"], row.get("maxtext") or {}
     if "error" in ours_row:
-        mine = ["", ours_row["error"], "", "", "no", ""]
+        mine = ["", ours_row["error"], "", "", "no", "", "", ""]
     else:
-        hbm = TPU_CHIPS[row["topology"].split("-")[0]].hbm_bytes / 1e9
-        mine = [f"{ours_row['base_weights_gb']:.2f}", f"{ours_row['arguments_gb']:.2f}", f"{ours_row['temporaries_gb']:.2f}", f"{ours_row['total_gb']:.2f}",
-                "yes" if ours_row["total_gb"] <= hbm else "no", f"{ours_row['compile_s']:.0f}"]
+        mine = [f"{ours_row['base_weights_gb']:.2f}", f"{ours_row['arguments_gb']:.2f}", f"{ours_row['temporaries_gb']:.2f}",
+                f"{ours_row['total_gb']:.2f}", "yes" if ours_row["fits"] else "no",
+                f"{ours_row['tokens_per_second_per_chip']:,.0f}", f"{ours_row['mfu']:.0%} ({ours_row['bound']})",
+                f"{ours_row['compile_s']:.0f}"]
     their_total = theirs.get("total_per_chip_bytes")
     if theirs.get("ok") and their_total:
         theirs_cols = [f"{their_total / 1e9:.2f}", f"{theirs.get('temp_bytes', 0) / 1e9:.2f}",
@@ -92,7 +124,8 @@ def _line(row: dict) -> str:
                        f"{theirs.get('compile_s', float('nan')):.0f}"]
     else:
         theirs_cols = [str(theirs.get("reason") or "-")[:80], "", "", ""]
-    return " | ".join([row["model"], row["topology"], str(row["seq"]), row["base_quantization"], *mine, *theirs_cols])
+    slice_name = row["slice"] + (f" x {row['slices']}" if row["slices"] > 1 else "")
+    return " | ".join([row["model"], slice_name, str(row["seq"]), row["base_quantization"], *mine, *theirs_cols])
 
 
 if __name__ == "__main__":

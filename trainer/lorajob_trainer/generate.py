@@ -30,10 +30,12 @@ class Generation:
     """A stop token ended it before max_new_tokens."""
 
 
-def greedy_tokens(model: nnx.Module, tokens: jax.Array, lengths: jax.Array, max_new_tokens: int,
+def greedy_tokens(make_model: Callable[[], nnx.Module], tokens: jax.Array, lengths: jax.Array, max_new_tokens: int,
                   stop_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(buffer, lengths, stopped) after `max_new_tokens` greedy steps over `tokens` [B, T] whose row b holds its
-    prompt in the first `lengths[b]` places (T >= max(lengths) + max_new_tokens)."""
+    prompt in the first `lengths[b]` places (T >= max(lengths) + max_new_tokens). The model is made inside each
+    step (`make_model`): Qwix's LoRA modules set attributes when called, which NNX allows only at the trace level
+    the module was made at."""
     batch, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     mask = models.attention_mask(jnp.ones((batch, width), jnp.int32))
@@ -41,6 +43,7 @@ def greedy_tokens(model: nnx.Module, tokens: jax.Array, lengths: jax.Array, max_
 
     def step(carry, _):
         tokens, lengths, stopped = carry
+        model = make_model()
         hidden, _ = model(tokens, positions, None, mask, hidden=True)
         logits = model.logits(hidden[rows, lengths - 1][:, None])[:, 0]
         chosen = jnp.argmax(logits, axis=-1).astype(tokens.dtype)
@@ -66,7 +69,7 @@ class Generator:
 
         def run(lora, base, tokens, lengths, stop_ids):
             adapters = layout.state({name: value.astype(dtype) for name, value in lora.items()})
-            return greedy_tokens(nnx.merge(graphdef, adapters, base), tokens, lengths, max_new_tokens, stop_ids)
+            return greedy_tokens(lambda: nnx.merge(graphdef, adapters, base), tokens, lengths, max_new_tokens, stop_ids)
 
         self._run: Callable = jax.jit(
             run, in_shardings=(lora_shardings, base_shardings, self.rows, self.rows, replicated),
