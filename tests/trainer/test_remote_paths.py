@@ -87,10 +87,10 @@ def test_gs_uris_reach_storage_intact_and_round_trip(qwen3_dir, gcs, tmp_path, c
 
 
 def test_a_failed_conversion_leaves_nothing_at_the_uri(qwen3_dir, gcs, tmp_path):
-    adapter = write_peft_adapter(tmp_path / "adapter")
+    adapter = write_peft_adapter(tmp_path / "adapter")  # says DoRA, but holds no magnitudes: refused mid-way
     config = json.loads((adapter / "adapter_config.json").read_text()) | {"use_dora": True}
     (adapter / "adapter_config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="use_dora"):
+    with pytest.raises(ValueError, match="a DoRA adapter needs .*lora_magnitude_vector"):
         convert.convert_adapter("tiny-qwen3", qwen3_dir, adapter, "gs://bucket/checkpoints")
     assert not (gcs / "bucket").exists()
 

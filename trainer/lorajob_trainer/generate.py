@@ -1,10 +1,13 @@
 """Greedy generation with the model the step trains: the same graphdef, adapters and base state, on the same mesh.
 
-Prompts are right-padded into one `[batch, prompt + max_new_tokens]` buffer; each new token comes from a forward
-over the whole buffer, read at each row's own last position (causal attention makes the padding after it
-irrelevant), and is written after it. Rows that emitted a stop token keep their length. One jitted function runs
-every new token (`lax.scan`), so it compiles once per buffer shape. There is no KV cache yet: each token costs a
-forward over the buffer (see docs/user-guide.md, "Evaluation").
+With a KV cache (`cached_greedy_tokens`, every family whose decoder supports it: models/decoder.py): the prompts
+are left-padded to one length P, so every row writes its next token's keys and values at the same cache position;
+one forward over the prompts fills the caches (prefill), then each new token is one forward of one position per
+row. Positions count each row's own tokens; the masks hide the padding. Without one (Gemma 4, whose layers share
+keys and values across layers: `full_greedy_tokens`): prompts are right-padded into one [batch, P + new] buffer and
+each new token is a forward over the whole buffer, read at each row's own last position.
+Either way one jitted function runs every new token (`lax.scan`) and compiles once per prompt length; a row that
+emitted a stop token is done (later tokens are computed and dropped).
 """
 
 from __future__ import annotations
@@ -30,7 +33,39 @@ class Generation:
     """A stop token ended it before max_new_tokens."""
 
 
-def greedy_tokens(make_model: Callable[[], nnx.Module], tokens: jax.Array, lengths: jax.Array, max_new_tokens: int,
+def cached_greedy_tokens(make_model: Callable[[], nnx.Module], tokens: jax.Array, pads: jax.Array, max_new_tokens: int,
+                         stop_ids: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(new tokens [B, max_new_tokens], how many of them each row generated, stopped) for prompts `tokens` [B, P]
+    whose row b starts with `pads[b]` padding tokens."""
+    batch, prompt = tokens.shape
+    size = prompt + max_new_tokens
+    slots = jnp.arange(size)
+    real = slots[None, :] >= pads[:, None]
+    steps = jnp.arange(prompt)
+    positions = jnp.maximum(steps[None, :] - pads[:, None], 0)
+    mask = real[:, None, :] & (slots[None, None, :] <= steps[None, :, None])
+    model = make_model()
+    logits, caches = model(tokens, positions, model.init_caches(batch, size, dtype), mask)
+    lengths = prompt - pads
+
+    def step(carry, t):
+        caches, chosen, stopped, counts, out = carry
+        active = ~stopped
+        out = out.at[:, t].set(chosen)
+        counts = counts + active.astype(counts.dtype)
+        stopped = stopped | (active & jnp.isin(chosen, stop_ids))
+        # The next token's logits (after the last step they are not used).
+        mask = (real & (slots[None, :] <= prompt + t))[:, None, :]
+        logits, caches = make_model()(chosen[:, None], (lengths + t)[:, None], caches, mask)
+        return (caches, jnp.argmax(logits, axis=-1).astype(tokens.dtype), stopped, counts, out), None
+
+    start = (caches, jnp.argmax(logits, axis=-1).astype(tokens.dtype), jnp.zeros((batch,), bool),
+             jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, max_new_tokens), tokens.dtype))
+    _, _, stopped, counts, out = jax.lax.scan(step, start, jnp.arange(max_new_tokens))[0]
+    return out, counts, stopped
+
+
+def full_greedy_tokens(make_model: Callable[[], nnx.Module], tokens: jax.Array, lengths: jax.Array, max_new_tokens: int,
                   stop_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(buffer, lengths, stopped) after `max_new_tokens` greedy steps over `tokens` [B, T] whose row b holds its
     prompt in the first `lengths[b]` places (T >= max(lengths) + max_new_tokens). The model is made inside each
@@ -57,19 +92,24 @@ def greedy_tokens(make_model: Callable[[], nnx.Module], tokens: jax.Array, lengt
 
 
 class Generator:
-    """Greedy answers of the model `graphdef` with given adapters (LoraLayout's flat dict) and base state."""
+    """Greedy answers of the model `graphdef` with given adapters (LoraLayout's flat dict) and base state; with a KV
+    cache when `cached`."""
 
     def __init__(self, graphdef: nnx.GraphDef, layout, dtype: jnp.dtype, mesh: Mesh, lora_shardings, base_shardings,
-                 max_new_tokens: int, stop_ids: Sequence[int]):
+                 max_new_tokens: int, stop_ids: Sequence[int], cached: bool = True):
         self.mesh = mesh
         self.max_new_tokens = max_new_tokens
+        self.cached = cached
         self.stop_ids = np.asarray(sorted(set(stop_ids)), np.int32)
         replicated = NamedSharding(mesh, PartitionSpec())
         self.rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES)) if set(BATCH_AXES) <= set(mesh.axis_names) else replicated
 
         def run(lora, base, tokens, lengths, stop_ids):
             adapters = layout.state({name: value.astype(dtype) for name, value in lora.items()})
-            return greedy_tokens(lambda: nnx.merge(graphdef, adapters, base), tokens, lengths, max_new_tokens, stop_ids)
+            make_model = lambda: nnx.merge(graphdef, adapters, base)  # noqa: E731
+            if cached:
+                return cached_greedy_tokens(make_model, tokens, lengths, max_new_tokens, stop_ids, dtype)
+            return full_greedy_tokens(make_model, tokens, lengths, max_new_tokens, stop_ids)
 
         self._run: Callable = jax.jit(
             run, in_shardings=(lora_shardings, base_shardings, self.rows, self.rows, replicated),
@@ -84,7 +124,8 @@ class Generator:
     def generate(self, lora, base, prompts: Sequence[Sequence[int]], batch_rows: int) -> list[Generation]:
         """Each prompt's greedy generation, `batch_rows` prompts at a time (the last batch padded with copies of
         its first prompt). Every process passes the same prompts."""
-        width = max(len(p) for p in prompts) + self.max_new_tokens
+        longest = max(len(p) for p in prompts)
+        width = longest if self.cached else longest + self.max_new_tokens
         results: list[Generation] = []
         for start in range(0, len(prompts), batch_rows):
             chunk = list(prompts[start : start + batch_rows])
@@ -92,11 +133,16 @@ class Generator:
             buffer = np.zeros((batch_rows, width), np.int32)
             lengths = np.asarray([len(p) for p in chunk], np.int32)
             for row, prompt in enumerate(chunk):
-                buffer[row, : len(prompt)] = prompt
-            tokens, ends, stopped = self._run(lora, base, self._global(buffer), self._global(lengths), self.stop_ids)
+                if self.cached:  # left-padded: the row's `pads` = width - len(prompt) first places are padding
+                    buffer[row, width - len(prompt) :] = prompt
+                else:
+                    buffer[row, : len(prompt)] = prompt
+            second = width - lengths if self.cached else lengths
+            tokens, ends, stopped = self._run(lora, base, self._global(buffer), self._global(second), self.stop_ids)
             tokens, ends, stopped = np.asarray(tokens), np.asarray(ends), np.asarray(stopped)
             for row in range(min(batch_rows, len(prompts) - start)):
-                results.append(Generation(tokens[row, lengths[row] : ends[row]].tolist(), bool(stopped[row])))
+                new = tokens[row, : ends[row]] if self.cached else tokens[row, lengths[row] : ends[row]]
+                results.append(Generation(new.tolist(), bool(stopped[row])))
         return results
 
     def _global(self, host: np.ndarray) -> jax.Array:

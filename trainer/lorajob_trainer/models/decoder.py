@@ -11,8 +11,9 @@ runs the layers, applies the final norm and, unless `hidden=True`, the LM head. 
 - with the residual stream **sharded on the batch axes** at every layer boundary (mesh.BATCH_AXES,
   when a mesh with those axes is set), so the compiler never replicates a layer's activations.
 
-Without `stack_layers` (conversion, export, parity tests, generation with a KV cache) the same
-layers run unrolled, one after another; both orders compute the same function.
+Without `stack_layers` (conversion, export, parity tests) the same layers run unrolled, one after another; both
+orders compute the same function. Generation (generate.py) runs them with a KV cache per layer
+(`Decoder.__call__` with `cache`), stacked like the layers.
 """
 
 from __future__ import annotations
@@ -184,9 +185,38 @@ def run_layers(layers: Any, x: jax.Array, policy: RematPolicy, fn: LayerFn) -> j
     return x
 
 
+LayerCache = dict[str, jax.Array]
+"""One attention layer's KV cache as Tunix's attention blocks take it: `k`, `v` [B, S, kv heads, head dim] and
+`end_index` [B] (the next write position, the same for every row)."""
+
+
+def run_layers_cached(layers: Any, x: jax.Array, caches: dict, fn: Callable) -> tuple[jax.Array, dict]:
+    """Every layer of `layers` on `x` with its KV cache: `fn(layer, x, cache) -> (x, cache)`; `caches` is laid out
+    as `Decoder.init_caches` makes it ({"blocks": per block, stacked like the layers; "rest": per layer})."""
+    blocks_out: list = []
+    if isinstance(layers, StackedLayers):
+        graphdef, state = nnx.split(layers.blocks)
+
+        def body(carry: jax.Array, xs):
+            rows, block_caches = xs
+            updated = []
+            for block, cache in zip(nnx.merge(graphdef, rows), block_caches):
+                carry, cache = fn(block, carry, cache)
+                updated.append(cache)
+            return carry, updated
+
+        x, blocks_out = jax.lax.scan(body, x, (state, caches["blocks"]))
+        layers = layers.rest
+    rest_out = []
+    for layer, cache in zip(layers, caches["rest"]):
+        x, cache = fn(layer, x, cache)
+        rest_out.append(cache)
+    return x, {"blocks": blocks_out, "rest": rest_out}
+
+
 class Decoder:
     """Mixin for a Tunix causal LM whose forward is embed -> layers -> final norm -> LM head (Qwen3, Llama 3,
-    Gemma 3, Gemma 4): the forward of the module docstring. With a KV cache, the Tunix class's own forward runs."""
+    Gemma 3, Gemma 4): the forward of the module docstring, with or without KV caches."""
 
     final_logit_softcap: float | None = None
     """Logits are `cap * tanh(logits / cap)` (Gemma 4); None: no capping."""
@@ -201,9 +231,12 @@ class Decoder:
         hidden: bool = False,
         remat: RematPolicy = "none",
     ) -> tuple[jax.Array, Any]:
-        """(logits [B, L, vocab], or with `hidden` the final norm's output [B, L, D]; None)."""
+        """(logits [B, L, vocab], or with `hidden` the final norm's output [B, L, D]; None). With `cache` (as
+        `init_caches` makes it): (logits [B, vocab] at the last of `tokens`, the caches with `tokens`' keys and values
+        written at their `end_index`), `attention_mask` [B, L, cache size] saying which cache positions each token
+        attends to. Both run through `__call__`, where Qwix intercepts the einsums that its LoRA adapts."""
         if cache is not None:
-            return super().__call__(tokens, positions, cache, attention_mask)
+            return self._cached_last_logits(tokens, positions, cache, attention_mask)
         x = batch_sharded(self.embedder.encode(tokens))
         x = self.final_norm(self.run_decoder_layers(x, tokens, positions, attention_mask, remat))
         if hidden:
@@ -217,6 +250,33 @@ class Decoder:
             return batch_sharded(layer(x, positions, None, mask)[1])
 
         return run_layers(self.layers, x, remat, layer_fn)
+
+    supports_kv_cache: bool = True
+    """Every layer is a Tunix attention block of one shape taking `LayerCache`s (not Gemma 4: its layers share
+    keys and values across layers and differ in shape)."""
+
+    def init_caches(self, batch: int, size: int, dtype: jnp.dtype) -> dict:
+        """Empty KV caches of `size` positions for every layer, laid out for `run_layers_cached`."""
+        config = self.config
+
+        def empty(*leading: int) -> LayerCache:
+            shape = (*leading, batch, size, config.num_kv_heads, config.head_dim)
+            return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+                    "end_index": jnp.zeros((*leading, batch), jnp.int32)}
+
+        if isinstance(self.layers, StackedLayers):
+            return {"blocks": [empty(self.layers.repeats) for _ in self.layers.blocks],
+                    "rest": [empty() for _ in self.layers.rest]}
+        return {"blocks": [], "rest": [empty() for _ in self.layers]}
+
+    def _cached_last_logits(self, tokens: jax.Array, positions: jax.Array, caches: dict, mask: jax.Array
+                            ) -> tuple[jax.Array, dict]:
+        def layer_fn(layer: nnx.Module, x: jax.Array, cache: LayerCache) -> tuple[jax.Array, LayerCache]:
+            cache, x = layer(x, positions, cache, mask)
+            return batch_sharded(x), cache
+
+        x, caches = run_layers_cached(self.layers, batch_sharded(self.embedder.encode(tokens)), caches, layer_fn)
+        return self.logits(self.final_norm(x[:, -1:]))[:, 0], caches
 
     def logits(self, x: jax.Array) -> jax.Array:
         logits = self.lm_head(x) if hasattr(self, "lm_head") else self.embedder.decode(x)

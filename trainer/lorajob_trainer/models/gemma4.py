@@ -292,6 +292,8 @@ class Gemma4(Decoder, gemma4_lib.Gemma4):
     layers (E2B/E4B) the layers run unrolled, each given its per-layer input and the keys and values of the
     layer it shares them with, as Tunix's forward does."""
 
+    supports_kv_cache = False
+
     @property
     def final_logit_softcap(self) -> float | None:
         return self.config.final_logit_softcap
