@@ -1,7 +1,7 @@
-"""Greedy generation (generate.py), with its KV cache and without, equals generating one token at a time with a full
-forward over the unpadded sequence, token for token, for every family, with the adapters as they start (the base
-model) and trained ones; ragged prompts share a batch, a batch is padded, and a row that emits a stop token stops
-there."""
+"""Greedy generation with a KV cache (generate.py) equals generating one token at a time with a full forward over the
+unpadded sequence, token for token, for every family (Gemma 4 with scanned layers, and with per-layer inputs and
+KV-shared layers), with the adapters as they start (the base model) and trained ones; ragged prompts share a batch,
+a batch is padded, and a row that emits a stop token stops there."""
 
 from __future__ import annotations
 
@@ -15,20 +15,23 @@ import pytest
 from flax import nnx
 from trainer_testkit import arithmetic_rows, base_args, gemma4_checkpoint, tiny_checkpoint, write_jsonl
 
-from lorajob_trainer import evaluate, generate, models
+from lorajob_trainer import evaluate, models
 from lorajob_trainer import train as train_lib
 from lorajob_trainer.config import TrainConfig
 
-FAMILIES = ["qwen3", "llama3", "gemma3", "qwen3-moe", "gemma4"]
+FAMILIES = ["qwen3", "llama3", "gemma3", "qwen3-moe", "gemma4", "gemma4-e2b"]
 MAX_NEW_TOKENS = 6
 
 
+GEMMA4_SHAPES = {"gemma4": "gemma4-26b", "gemma4-e2b": "gemma4-e2b"}
+
+
 def _checkpoint(directory: Path, family: str) -> Path:
-    if family != "gemma4":
+    if family not in GEMMA4_SHAPES:
         return tiny_checkpoint(directory, family)
     from lorajob_trainer import tiny
 
-    gemma4_checkpoint(directory, "gemma4-26b", seed=3)
+    gemma4_checkpoint(directory, GEMMA4_SHAPES[family], seed=3)
     tiny.write_tiny_tokenizer(directory)
     return directory
 
@@ -39,7 +42,7 @@ def trainer(request, tmp_path_factory) -> train_lib.Trainer:
     model_dir = _checkpoint(root / "model", request.param)
     data = write_jsonl(root / "data.jsonl", arithmetic_rows(8))
     config = TrainConfig.from_args(base_args(
-        model_dir, root / "out", data, f"model_name=tiny-{request.param}", f"hf_eval_files=['{data}']", "steps=1",
+        model_dir, root / "out", data, f"model_name={'tiny-gemma4' if request.param in GEMMA4_SHAPES else f'tiny-{request.param}'}", f"hf_eval_files=['{data}']", "steps=1",
         "generation_eval.enabled=true", f"generation_eval.max_new_tokens={MAX_NEW_TOKENS}",
     ))
     built = train_lib.build_trainer(config)
@@ -94,20 +97,12 @@ def test_generation_equals_one_full_forward_per_token(trainer):
             # A stop token the first prompt reaches at its third token: that row stops, the others need not.
             stop_ids = [free[0][2]]
             expected = [_one_at_a_time(forward, p, set(stop_ids), width) for p in prompts]
-            for cached in (True, False) if trainer.lora_model.model.supports_kv_cache else (False,):
-                generator = generate.Generator(trainer.graphdef, trainer.layout, trainer.dtype, trainer.mesh,
-                                               trainer.shardings["lora"], trainer.shardings["base"], MAX_NEW_TOKENS,
-                                               stop_ids, cached=cached)
-                got = generator.generate(adapters, trainer.base, prompts, batch_rows=generator.batch_rows(2))
-                assert [(g.tokens, g.stopped) for g in got] == expected, (name, cached)
-                assert got[0].stopped and len(got[0].tokens) == free[0].index(stop_ids[0]) + 1
+            generator = trainer.generator(MAX_NEW_TOKENS, stop_ids)
+            got = generator.generate(adapters, trainer.base, prompts, batch_rows=generator.batch_rows(2))
+            assert [(g.tokens, g.stopped) for g in got] == expected, name
+            assert got[0].stopped and len(got[0].tokens) == free[0].index(stop_ids[0]) + 1
             outputs[name] = free
     assert outputs["base"] != outputs["trained"], "the adapters take part in generation"
-
-
-def test_every_family_but_gemma4_generates_with_a_kv_cache(trainer):
-    assert trainer.lora_model.model.supports_kv_cache is (trainer.config.family != "gemma4")
-    assert trainer.generator(4, [1]).cached is trainer.lora_model.model.supports_kv_cache
 
 
 def test_the_base_adapters_compute_the_base_model(trainer):

@@ -1,13 +1,11 @@
-"""Greedy generation with the model the step trains: the same graphdef, adapters and base state, on the same mesh.
+"""Greedy generation with the model the step trains: the same graphdef, adapters and base state, on the same mesh,
+with a KV cache per layer (models/decoder.py).
 
-With a KV cache (`cached_greedy_tokens`, every family whose decoder supports it: models/decoder.py): the prompts
-are left-padded to one length P, so every row writes its next token's keys and values at the same cache position;
-one forward over the prompts fills the caches (prefill), then each new token is one forward of one position per
-row. Positions count each row's own tokens; the masks hide the padding. Without one (Gemma 4, whose layers share
-keys and values across layers: `full_greedy_tokens`): prompts are right-padded into one [batch, P + new] buffer and
-each new token is a forward over the whole buffer, read at each row's own last position.
-Either way one jitted function runs every new token (`lax.scan`) and compiles once per prompt length; a row that
-emitted a stop token is done (later tokens are computed and dropped).
+The prompts are left-padded to one length P, so every row writes its next token's keys and values at the same cache
+position; one forward over the prompts fills the caches (prefill), then each new token is one forward of one position
+per row. Positions count each row's own tokens; the masks hide the padding. One jitted function runs the prefill and
+every new token (`lax.scan`), so it compiles once per prompt length; a row that emitted a stop token is done (its
+later tokens are computed and dropped).
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from lorajob_trainer import models
 from lorajob_trainer.mesh import BATCH_AXES, data_parallel_size
 
 
@@ -33,10 +30,11 @@ class Generation:
     """A stop token ended it before max_new_tokens."""
 
 
-def cached_greedy_tokens(make_model: Callable[[], nnx.Module], tokens: jax.Array, pads: jax.Array, max_new_tokens: int,
-                         stop_ids: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+def greedy_tokens(make_model: Callable[[], nnx.Module], tokens: jax.Array, pads: jax.Array, max_new_tokens: int,
+                  stop_ids: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(new tokens [B, max_new_tokens], how many of them each row generated, stopped) for prompts `tokens` [B, P]
-    whose row b starts with `pads[b]` padding tokens."""
+    whose row b starts with `pads[b]` padding tokens. The model is made inside each step (`make_model`): Qwix's LoRA
+    modules set attributes when called, which NNX allows only at the trace level the module was made at."""
     batch, prompt = tokens.shape
     size = prompt + max_new_tokens
     slots = jnp.arange(size)
@@ -65,51 +63,20 @@ def cached_greedy_tokens(make_model: Callable[[], nnx.Module], tokens: jax.Array
     return out, counts, stopped
 
 
-def full_greedy_tokens(make_model: Callable[[], nnx.Module], tokens: jax.Array, lengths: jax.Array, max_new_tokens: int,
-                  stop_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(buffer, lengths, stopped) after `max_new_tokens` greedy steps over `tokens` [B, T] whose row b holds its
-    prompt in the first `lengths[b]` places (T >= max(lengths) + max_new_tokens). The model is made inside each
-    step (`make_model`): Qwix's LoRA modules set attributes when called, which NNX allows only at the trace level
-    the module was made at."""
-    batch, width = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    mask = models.attention_mask(jnp.ones((batch, width), jnp.int32))
-    rows = jnp.arange(batch)
-
-    def step(carry, _):
-        tokens, lengths, stopped = carry
-        model = make_model()
-        hidden, _ = model(tokens, positions, None, mask, hidden=True)
-        logits = model.logits(hidden[rows, lengths - 1][:, None])[:, 0]
-        chosen = jnp.argmax(logits, axis=-1).astype(tokens.dtype)
-        active = ~stopped
-        tokens = tokens.at[rows, lengths].set(jnp.where(active, chosen, tokens[rows, lengths]))
-        stopped = stopped | (active & jnp.isin(chosen, stop_ids))
-        return (tokens, lengths + active.astype(lengths.dtype), stopped), None
-
-    start = (tokens, lengths, jnp.zeros((batch,), bool))
-    return jax.lax.scan(step, start, None, length=max_new_tokens)[0]
-
-
 class Generator:
-    """Greedy answers of the model `graphdef` with given adapters (LoraLayout's flat dict) and base state; with a KV
-    cache when `cached`."""
+    """Greedy answers of the model `graphdef` with given adapters (LoraLayout's flat dict) and base state."""
 
     def __init__(self, graphdef: nnx.GraphDef, layout, dtype: jnp.dtype, mesh: Mesh, lora_shardings, base_shardings,
-                 max_new_tokens: int, stop_ids: Sequence[int], cached: bool = True):
+                 max_new_tokens: int, stop_ids: Sequence[int]):
         self.mesh = mesh
         self.max_new_tokens = max_new_tokens
-        self.cached = cached
         self.stop_ids = np.asarray(sorted(set(stop_ids)), np.int32)
         replicated = NamedSharding(mesh, PartitionSpec())
         self.rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES)) if set(BATCH_AXES) <= set(mesh.axis_names) else replicated
 
-        def run(lora, base, tokens, lengths, stop_ids):
+        def run(lora, base, tokens, pads, stop_ids):
             adapters = layout.state({name: value.astype(dtype) for name, value in lora.items()})
-            make_model = lambda: nnx.merge(graphdef, adapters, base)  # noqa: E731
-            if cached:
-                return cached_greedy_tokens(make_model, tokens, lengths, max_new_tokens, stop_ids, dtype)
-            return full_greedy_tokens(make_model, tokens, lengths, max_new_tokens, stop_ids)
+            return greedy_tokens(lambda: nnx.merge(graphdef, adapters, base), tokens, pads, max_new_tokens, stop_ids, dtype)
 
         self._run: Callable = jax.jit(
             run, in_shardings=(lora_shardings, base_shardings, self.rows, self.rows, replicated),
@@ -124,25 +91,19 @@ class Generator:
     def generate(self, lora, base, prompts: Sequence[Sequence[int]], batch_rows: int) -> list[Generation]:
         """Each prompt's greedy generation, `batch_rows` prompts at a time (the last batch padded with copies of
         its first prompt). Every process passes the same prompts."""
-        longest = max(len(p) for p in prompts)
-        width = longest if self.cached else longest + self.max_new_tokens
+        width = max(len(p) for p in prompts)
         results: list[Generation] = []
         for start in range(0, len(prompts), batch_rows):
             chunk = list(prompts[start : start + batch_rows])
             chunk += [chunk[0]] * (batch_rows - len(chunk))
             buffer = np.zeros((batch_rows, width), np.int32)
-            lengths = np.asarray([len(p) for p in chunk], np.int32)
+            pads = np.asarray([width - len(p) for p in chunk], np.int32)
             for row, prompt in enumerate(chunk):
-                if self.cached:  # left-padded: the row's `pads` = width - len(prompt) first places are padding
-                    buffer[row, width - len(prompt) :] = prompt
-                else:
-                    buffer[row, : len(prompt)] = prompt
-            second = width - lengths if self.cached else lengths
-            tokens, ends, stopped = self._run(lora, base, self._global(buffer), self._global(second), self.stop_ids)
-            tokens, ends, stopped = np.asarray(tokens), np.asarray(ends), np.asarray(stopped)
+                buffer[row, pads[row] :] = prompt
+            tokens, counts, stopped = self._run(lora, base, self._global(buffer), self._global(pads), self.stop_ids)
+            tokens, counts, stopped = np.asarray(tokens), np.asarray(counts), np.asarray(stopped)
             for row in range(min(batch_rows, len(prompts) - start)):
-                new = tokens[row, : ends[row]] if self.cached else tokens[row, lengths[row] : ends[row]]
-                results.append(Generation(new.tolist(), bool(stopped[row])))
+                results.append(Generation(tokens[row, : counts[row]].tolist(), bool(stopped[row])))
         return results
 
     def _global(self, host: np.ndarray) -> jax.Array:

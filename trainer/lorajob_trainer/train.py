@@ -719,8 +719,7 @@ class Trainer:
     def generator(self, max_new_tokens: int, stop_ids: list[int]) -> generate_lib.Generator:
         """Greedy generation with this run's model, adapters and shardings (generate.py)."""
         return generate_lib.Generator(self.graphdef, self.layout, self.dtype, self.mesh, self.shardings["lora"],
-                                      self.shardings["base"], max_new_tokens, stop_ids,
-                                      cached=self.lora_model.model.supports_kv_cache)
+                                      self.shardings["base"], max_new_tokens, stop_ids)
 
     def close(self) -> None:
         self.train_feed.close()

@@ -251,10 +251,6 @@ class Decoder:
 
         return run_layers(self.layers, x, remat, layer_fn)
 
-    supports_kv_cache: bool = True
-    """Every layer is a Tunix attention block of one shape taking `LayerCache`s (not Gemma 4: its layers share
-    keys and values across layers and differ in shape)."""
-
     def init_caches(self, batch: int, size: int, dtype: jnp.dtype) -> dict:
         """Empty KV caches of `size` positions for every layer, laid out for `run_layers_cached`."""
         config = self.config
@@ -272,7 +268,7 @@ class Decoder:
     def _cached_last_logits(self, tokens: jax.Array, positions: jax.Array, caches: dict, mask: jax.Array
                             ) -> tuple[jax.Array, dict]:
         def layer_fn(layer: nnx.Module, x: jax.Array, cache: LayerCache) -> tuple[jax.Array, LayerCache]:
-            cache, x = layer(x, positions, cache, mask)
+            cache, x = layer(x, positions, cache, mask)[:2]  # Gemma 4's layers also return their keys and values
             return batch_sharded(x), cache
 
         x, caches = run_layers_cached(self.layers, batch_sharded(self.embedder.encode(tokens)), caches, layer_fn)

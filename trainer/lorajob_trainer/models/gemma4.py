@@ -28,7 +28,7 @@ from flax import nnx
 from tunix.models.gemma4 import model as gemma4_lib
 
 from lorajob_trainer.models import experts
-from lorajob_trainer.models.decoder import Decoder, batch_sharded, call_layer
+from lorajob_trainer.models.decoder import Decoder, StackedLayers, batch_sharded, call_layer
 from lorajob_trainer.models.families import GEMMA_MLP_AND_NORMS, Family, ModelConfigError, TensorMap, _expand, _head_dim, _reject, _required
 from lorajob_trainer.models.kv_split import KeyValueEinsums
 
@@ -292,11 +292,45 @@ class Gemma4(Decoder, gemma4_lib.Gemma4):
     layers (E2B/E4B) the layers run unrolled, each given its per-layer input and the keys and values of the
     layer it shares them with, as Tunix's forward does."""
 
-    supports_kv_cache = False
-
     @property
     def final_logit_softcap(self) -> float | None:
         return self.config.final_logit_softcap
+
+    def init_caches(self, batch: int, size: int, dtype: jnp.dtype) -> dict:
+        """Empty KV caches, each of its layer's shape (sliding and global layers differ); none for a layer that
+        uses an earlier layer's keys and values."""
+        def empty(layer: nnx.Module, *leading: int) -> dict[str, jax.Array] | None:
+            shape = (*leading, batch, size, layer.attn.num_kv_heads, layer.attn.head_dim)
+            return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+                    "end_index": jnp.zeros((*leading, batch), jnp.int32)}
+
+        if isinstance(self.layers, StackedLayers):
+            return {"blocks": [empty(block, self.layers.repeats) for block in self.layers.blocks],
+                    "rest": [empty(layer) for layer in self.layers.rest]}
+        sources = self.kv_cache_sharing_patterns
+        return {"blocks": [], "rest": [empty(layer) if sources[i] == i else None for i, layer in enumerate(self.layers)]}
+
+    def _cached_last_logits(self, tokens, positions, caches, mask):
+        if not _needs_cross_layer_inputs(self.config):
+            return super()._cached_last_logits(tokens, positions, caches, mask)
+        # Per-layer inputs and KV-shared layers, as Tunix's forward does with a cache: in the prefill a sharing layer
+        # takes its origin's keys and values of the prompt, in a decoding step its origin's updated cache.
+        x = batch_sharded(self.embedder.encode(tokens))
+        per_layer = self.embedder.encode_per_layer_input(x, tokens) if self.config.per_layer_input_dim else None
+        sources, prefill = self.kv_cache_sharing_patterns, tokens.shape[1] > 1
+        prompt_kvs: dict[int, tuple[jax.Array, jax.Array]] = {}
+        updated: list[dict[str, jax.Array] | None] = []
+        for i, layer in enumerate(self.layers):
+            own, shared = caches["rest"][i], None
+            if sources[i] != i:
+                shared = dict(zip("kv", prompt_kvs[sources[i]])) if prefill else updated[sources[i]]
+            cache, x, kvs = layer(x, positions, own, mask, kv_shared_cache=shared,
+                                  per_layer_input=None if per_layer is None else per_layer[:, :, i, :])
+            x = batch_sharded(x)
+            if prefill and i in self.shared_layer_origins:
+                prompt_kvs[i] = kvs
+            updated.append(cache if sources[i] == i else None)  # a sharing layer returns its keys, not a cache
+        return self.logits(self.final_norm(x[:, -1:]))[:, 0], {"blocks": [], "rest": updated}
 
     def run_decoder_layers(self, x, tokens, positions, mask, remat):
         if not _needs_cross_layer_inputs(self.config):
