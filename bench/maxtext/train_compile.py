@@ -117,7 +117,10 @@ def run(model, topology, num_slices=1, batch=1, seq=1024, rank=16, alpha=32.0, w
         return result
 
     args = maxtext_args(model, topology, num_slices, batch, seq, rank, alpha, weight_dtype, lora, package_dir, extra)
-    env = dict(os.environ)
+    # Not the TPU_* variables libtpu's Python side writes into a process that loaded it without a TPU (e.g.
+    # TPU_WORKER_HOSTNAMES holding a warning's text): inherited, they make this compile fail ("Could not convert
+    # JSON string to proto") when bench/tpu_plan.py compiled our step first in its own process.
+    env = {key: value for key, value in os.environ.items() if not key.startswith("TPU_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [libtpu_dir, env.get("PYTHONPATH")]))
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     # libtpu takes /tmp/libtpu_lockfile for its process's lifetime; a compile needs no chip, so it may run
