@@ -39,7 +39,8 @@ DEFAULT_CASES = ["qwen3-0.6b:v6e-4:1024", "qwen3-0.6b:v6e-4:2048", "llama3.1-8b:
                  "gemma4-26b:v6e-16:1024", "gemma4-26b:v6e-16:2048"]
 
 
-def ours(model: str, slice_name: str, seq: int, remat: str, base_quantization: str = "none", slices: int = 1) -> dict:
+def ours(model: str, slice_name: str, seq: int, remat: str, base_quantization: str = "none", slices: int = 1,
+         targets: list[str] | None = None) -> dict:
     from lorajob_trainer import catalog, fit
     from lorajob_trainer.config import TrainConfig
 
@@ -47,7 +48,7 @@ def ours(model: str, slice_name: str, seq: int, remat: str, base_quantization: s
         "run_name": "plan", "base_output_directory": "/tmp/plan", "model_name": model,
         "load_parameters_path": "unused", "hf_train_files": ["unused"], "steps": 1, "max_target_length": seq,
         "per_device_batch_size": 1, "remat_policy": remat,
-        "lora": {"lora_rank": 16, "lora_alpha": 32, "base_quantization": base_quantization},
+        "lora": {"lora_rank": 16, "lora_alpha": 32, "base_quantization": base_quantization, "target_modules": targets},
     })
     generation, topology = SLICES[slice_name]
     chip = TPU_CHIPS[generation]
@@ -72,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-maxtext", action="store_true")
     parser.add_argument("--maxtext-weight-dtype", default="float32")
     parser.add_argument("--base-quantization", default="none", help="ours: lora.base_quantization (QLoRA)")
+    parser.add_argument("--targets", default=None,
+                        help="ours: comma-separated LoRA targets (default: the family's; MaxText's qwen3 path adapts "
+                             "attention only: q_proj,k_proj,v_proj,o_proj is the same work)")
     args = parser.parse_args(argv)
+    targets = args.targets.split(",") if args.targets else None
     cases = args.cases if args.cases is not None else ([] if args.smallest else DEFAULT_CASES)
     rows = []
     header = ("model", "slice", "seq", "base", "ours weights", "ours args", "ours temp", "ours total", "fits",
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def report(model: str, slice_name: str, seq: int, slices: int, mine: dict) -> None:
         row = {"model": model, "slice": slice_name, "slices": slices, "seq": seq, "remat": args.remat,
-               "base_quantization": args.base_quantization, "ours": mine}
+               "base_quantization": args.base_quantization, "targets": args.targets, "ours": mine}
         if not args.no_maxtext:
             import train_compile
 
@@ -94,11 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         model, slice_name, seq, *rest = case.split(":")
         slices = int(rest[0]) if rest else 1
         report(model, slice_name, int(seq), slices,
-               ours(model, slice_name, int(seq), args.remat, args.base_quantization, slices))
+               ours(model, slice_name, int(seq), args.remat, args.base_quantization, slices, targets))
     for wanted in args.smallest:
         model, seq = wanted.split(":")
         for slice_name in V6E_ASCENDING:
-            mine = ours(model, slice_name, int(seq), args.remat, args.base_quantization)
+            mine = ours(model, slice_name, int(seq), args.remat, args.base_quantization, targets=targets)
             if mine.get("fits") or slice_name == V6E_ASCENDING[-1]:
                 report(model, slice_name, int(seq), 1, mine)
                 break

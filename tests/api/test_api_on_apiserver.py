@@ -133,7 +133,7 @@ def test_kubectl_get_shows_printer_columns(kube, custom):
     )
     out = kube.kubectl("get", "lj", "-n", NAMESPACE, doc["metadata"]["name"]).stdout
     header, row = out.splitlines()[:2]
-    assert header.split() == ["NAME", "PHASE", "PROGRESS", "MODEL", "QUEUE", "AGE"]
+    assert header.split() == ["NAME", "PHASE", "PROGRESS", "MODEL", "QUEUE", "SCORE", "AGE"]
     assert row.split()[:5] == ["gemma3-support-v2", "Queued", "0/500", "gemma3-4b", "team-q"]
     wide = kube.kubectl("get", "lj", "-n", NAMESPACE, doc["metadata"]["name"], "-o", "wide").stdout
     assert "BACKEND" in wide and "gpu" in wide

@@ -284,7 +284,7 @@ def test_accepted_cases_run_on_the_operator_to_a_settled_status(sim_cluster, tmp
     @fuzz(200)
     @given(lorajobs())
     def collect(case):
-        doc, _ = case
+        doc = copy.deepcopy(case[0])  # hypothesis may hand the same objects to a later case, whose edits would change it
         doc["metadata"]["name"] = f"fuzz-run-{len(accepted)}"
         if len(accepted) < RUN_CASES and not validate(doc):
             accepted.append(doc)

@@ -20,8 +20,11 @@ REPORT = textwrap.dedent(
     """
     import json, os, sys
     from pathlib import Path
+    # One stream (stderr) for both lines: the pod runner pumps stdout and stderr apart, so their order in the log
+    # is the order the two pumps got them, not the order they were written.
     print(json.dumps({"argv": sys.argv[1:], "python": sys.executable, "cwd": os.getcwd(),
-                      "env": {k: os.environ.get(k) for k in ("GREETING", "TOKEN", "APP", "NODE", "MISSING")}}))
+                      "env": {k: os.environ.get(k) for k in ("GREETING", "TOKEN", "APP", "NODE", "MISSING")}}),
+          file=sys.stderr)
     Path(os.environ["SHARED"], "written-by-pod").write_text("hi")
     print("the last words", file=sys.stderr)
     sys.exit(3)
