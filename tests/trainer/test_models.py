@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 from lorajob_trainer import lora, models, tiny
-from lorajob_trainer.models import families, rope
+from lorajob_trainer.models import attention, families, rope
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +66,10 @@ def test_rope_theta_is_honoured(tmp_path, mesh):
     assert np.abs(outputs[0] - outputs[1]).max() > 1e-2
 
 
-def test_patched_attention_classes_are_shared_per_spec(qwen3):
+def test_every_layer_has_our_attention_with_the_checkpoint_rope(qwen3):
     model, _ = qwen3
-    classes = {type(layer.attn) for layer in model.layers}
-    assert len(classes) == 1
-    (cls,) = classes
-    assert cls.rope_spec == rope.RopeSpec(theta=10_000.0)
+    assert {type(layer.attn) for layer in model.layers} == {attention.Qwen3Attention}
+    assert {layer.attn.rope_spec for layer in model.layers} == {rope.RopeSpec(theta=10_000.0)}
 
 
 # --- configs -----------------------------------------------------------------------------------

@@ -46,9 +46,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
-
-from lorajob_trainer import tunix_models_only  # noqa: F401  (first: before any tunix import)
 from tunix.models.gemma3 import model as gemma3_lib
+
 from lorajob_trainer import weights
 from lorajob_trainer.mesh import named_sharding, variable_sharding
 

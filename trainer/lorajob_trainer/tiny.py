@@ -45,7 +45,7 @@ _COMMON = {
 }
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
-    # rope_theta != 1e6 on purpose: Tunix 0.1.7 ignores it (see models/rope.py).
+    # rope_theta != 1e6 on purpose: Tunix 0.1.7's attention ignores it (see models/attention.py).
     "qwen3": {
         **_COMMON,
         "model_type": "qwen3",

@@ -9,8 +9,6 @@ no segment ids). Positions restart at 0 in each segment.
 
 from __future__ import annotations
 
-from lorajob_trainer import tunix_models_only  # noqa: F401  (first: before any tunix import)
-
 import atexit
 import contextlib
 import dataclasses
@@ -26,8 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from lorajob_trainer import catalog, maxtext, storage, weights
-from lorajob_trainer.models import families
-from lorajob_trainer.models.families import Family, ModelConfigError, TensorMap
+from lorajob_trainer.models.families import GEMMA3, LLAMA3, QWEN3, Family, ModelConfigError, TensorMap
 from lorajob_trainer.models.gemma4 import GEMMA4
 from lorajob_trainer.models.qwen3_moe import QWEN3_MOE
 
@@ -50,7 +47,7 @@ __all__ = [
 
 CheckpointFormat = Literal["hf", "orbax", "maxtext"]
 
-FAMILIES: dict[str, Family] = {**families.FAMILIES, QWEN3_MOE.name: QWEN3_MOE, GEMMA4.name: GEMMA4}
+FAMILIES: dict[str, Family] = {family.name: family for family in (QWEN3, LLAMA3, GEMMA3, QWEN3_MOE, GEMMA4)}
 """Every model family by name: the dense ones of families.py and those with their own module."""
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")

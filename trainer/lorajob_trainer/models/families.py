@@ -17,9 +17,10 @@ from tunix.models.gemma3 import model as gemma3_lib
 from tunix.models.llama3 import model as llama3_lib
 from tunix.models.qwen3 import model as qwen3_lib
 
+from lorajob_trainer.models.attention import Llama3Attention, Qwen3Attention
 from lorajob_trainer.models.decoder import Decoder
 from lorajob_trainer.models.kv_split import split_kv_einsum
-from lorajob_trainer.models.rope import RopeSpec, patch_attention
+from lorajob_trainer.models.rope import RopeSpec
 
 
 class ModelConfigError(ValueError):
@@ -53,8 +54,9 @@ class Family:
     config_from_hf: Callable[[dict[str, Any], Any], Any]
     tensor_maps: Callable[[Any], list[TensorMap]]
     """The TensorMaps of a model with this Tunix config (one entry per parameter, layers expanded)."""
-    patch_rope: bool = False
-    """Tunix ignores this family's rope_theta / rope scaling (0.1.7): swap in `rope.patch_attention`."""
+    attention: type | None = None
+    """The attention class (models/attention.py) each layer gets in place of Tunix's, which ignores this
+    family's rope_theta and RoPE scaling (0.1.7); None: Tunix's attention is used as it is."""
     split_kv: bool = False
     """Tunix fuses key and value in one einsum: split it (`kv_split`) so each has its own LoRA, as in PEFT."""
     layer_period: Callable[[Any], int | None] = lambda config: 1
@@ -62,12 +64,12 @@ class Family:
     models/decoder.py); None: the model's layers are not scanned."""
 
     def build(self, config: Any, hf_config: dict[str, Any], rngs: Any) -> Any:
-        """The Tunix model for `config` (made from `hf_config`), with RoPE fixed where needed."""
+        """The Tunix model for `config` (made from `hf_config`), with our attention where the family has one."""
         model = self.model_class(config, rngs=rngs)
-        if self.patch_rope:
+        if self.attention is not None:
             spec = rope_spec(hf_config)
             for layer in model.layers:
-                layer.attn.__class__ = patch_attention(type(layer.attn), spec)
+                layer.attn = self.attention(config, spec, rngs=rngs)
         if self.split_kv:
             split_kv_einsum(model)
         return model
@@ -186,7 +188,7 @@ QWEN3 = Family(
     model_class=Qwen3,
     config_from_hf=_qwen3_config,
     tensor_maps=lambda c: _decoder_maps(c.num_layers, qk_norm=True, tied=c.use_tied_embedding, head="lm_head.w"),
-    patch_rope=True,
+    attention=Qwen3Attention,
 )
 LLAMA3 = Family(
     name="llama3",
@@ -194,7 +196,7 @@ LLAMA3 = Family(
     model_class=Llama3,
     config_from_hf=_llama3_config,
     tensor_maps=lambda c: _decoder_maps(c.num_layers, qk_norm=False, tied=c.weight_tying, head="lm_head.w"),
-    patch_rope=True,
+    attention=Llama3Attention,
 )
 
 
@@ -298,5 +300,3 @@ GEMMA3 = Family(
     split_kv=True,
     layer_period=lambda config: len(gemma3_lib.GEMMA3_ATTENTION_PATTERN),
 )
-
-FAMILIES: dict[str, Family] = {family.name: family for family in (QWEN3, LLAMA3, GEMMA3)}

@@ -1,6 +1,6 @@
 """Qwen3 MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Tunix 0.1.7's Qwen3 with our routed-experts block.
 
-Tunix's attention, norms and embedding are used as they are (with the RoPE fix of rope.py). Its
+Tunix's norms and embedding are used as they are, with our attention (models/attention.py). Its
 `MoELayer` is replaced by `SparseMoeBlock` because
 - it always renormalises the top-k routing weights, while transformers does so only with
   `norm_topk_prob: true` (the config class defaults to false);
@@ -26,6 +26,7 @@ from flax import nnx
 from tunix.models.qwen3 import model as qwen3_lib
 
 from lorajob_trainer.models import experts
+from lorajob_trainer.models.attention import Qwen3Attention
 from lorajob_trainer.models.families import (
     Family,
     ModelConfigError,
@@ -156,5 +157,5 @@ QWEN3_MOE = Qwen3MoeFamily(
     model_class=Qwen3,
     config_from_hf=_config,
     tensor_maps=_maps,
-    patch_rope=True,
+    attention=Qwen3Attention,
 )

@@ -1,18 +1,11 @@
-"""Rotary position embeddings as Hugging Face defines them, and the Tunix 0.1.7 fix that uses them.
-
-Tunix 0.1.7's Qwen3 and Llama3 attention call `apply_rope(x, positions, head_dim=...)` without the
-model's `rope_theta`, so every model runs with theta 1e6, and Llama 3.1's frequency scaling is absent.
-`patch_attention` gives an attention class a copy of its `block` method whose global `apply_rope`
-is ours, bound to the model's `RopeSpec`; the rest of Tunix's attention (GQA, KV cache, splash
-attention on TPU) stays untouched.
+"""Rotary position embeddings as Hugging Face defines them (default, linear, Llama 3.1 scaling), for the
+attention that applies them (models/attention.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import types
 from typing import Any
 
 import jax.numpy as jnp
@@ -91,24 +84,3 @@ def apply_rope(inputs, positions, head_dim: int, *, spec: RopeSpec):
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
     return rotated.astype(inputs.dtype)
 
-
-@functools.cache
-def patch_attention(attention_cls: type, spec: RopeSpec) -> type:
-    """A subclass of a Tunix attention class whose `block` uses `spec` for RoPE.
-
-    Cached so equal specs give the same class (NNX graph definitions then compare equal).
-    """
-    original = attention_cls.block
-    if "apply_rope" not in original.__code__.co_names:
-        raise RuntimeError(f"{attention_cls.__qualname__}.block no longer calls apply_rope; revisit the RoPE fix")
-
-    def bound_rope(inputs, positions, head_dim, **_ignored_tunix_defaults):
-        return apply_rope(inputs, positions, head_dim, spec=spec)
-
-    block_globals = dict(original.__globals__, apply_rope=bound_rope)
-    block = types.FunctionType(
-        original.__code__, block_globals, original.__name__, original.__defaults__, original.__closure__
-    )
-    block.__kwdefaults__ = original.__kwdefaults__
-    name = f"{attention_cls.__name__}WithRope"
-    return type(name, (attention_cls,), {"block": block, "__module__": __name__, "rope_spec": spec})

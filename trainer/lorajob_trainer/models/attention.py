@@ -1,0 +1,77 @@
+"""Attention of the Qwen3 / Qwen3 MoE and Llama 3 families, with RoPE as the checkpoint defines it.
+
+Tunix 0.1.7's attention for these families calls its `apply_rope` without the model's `rope_theta`, so every
+model would run with theta 1e6 and without Llama 3.1's frequency scaling. These classes keep Tunix's
+parameters (`q_proj`, `k_proj`, `v_proj`, `o_proj`, Qwen3's `q_norm` / `k_norm`: the names the tensor maps and
+LoRA targets use) and own the computation, `block`: grouped-query attention with the model's RoPE
+(`rope.apply_rope`), the KV cache as Tunix lays it out (`k`, `v` [B, S, kv heads, head dim], `end_index`), the
+attention mask, softmax in float32. Tunix's splash-attention branch is not used (`use_flash_attention` stays
+false in our configs), nor are its activation constraints, which read the legacy mesh context and do nothing
+under `jax.set_mesh` (the step constrains the residual stream itself: decoder.batch_sharded).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from tunix.models.llama3 import model as llama3_lib
+from tunix.models.qwen3 import model as qwen3_lib
+
+from lorajob_trainer.models.rope import RopeSpec, apply_rope
+
+MASKED = -2.3819763e38
+"""The score of a masked position (Tunix's K_MASK: the most negative bfloat16 that softmax still handles)."""
+
+
+class RopeAttention(nnx.Module):
+    """The `block` both families' attention computes; a subclass also derives from the family's Tunix
+    attention, whose `__init__` makes the parameters and whose `__call__` calls `block`."""
+
+    qk_norm: bool
+    """Qwen3 normalises each head's query and key (RMSNorm over head_dim) before RoPE; Llama 3 does not."""
+
+    def __init__(self, config: Any, rope_spec: RopeSpec, *, rngs: nnx.Rngs):
+        super().__init__(config, rngs=rngs)
+        self.rope_spec = rope_spec
+
+    def block(
+        self,
+        x: jax.Array,
+        segment_pos: jax.Array,
+        cache: dict[str, jax.Array] | None,
+        attn_mask: jax.Array | None,
+        segment_ids: jax.Array | None = None,
+    ) -> tuple[dict[str, jax.Array] | None, jax.Array]:
+        """x [B, T, D], positions [B, T], mask [B, T, S] -> (the updated cache or None, [B, T, D])."""
+        del segment_ids  # the mask carries the segments (Tunix reads them only in its splash-attention branch)
+        query, key, value = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query = apply_rope(query, segment_pos, self.head_dim, spec=self.rope_spec)
+        key = apply_rope(key, segment_pos, self.head_dim, spec=self.rope_spec)
+        new_cache = None
+        if cache is not None:
+            start = (0, cache["end_index"][0] % cache["v"].shape[1], 0, 0)
+            key = jax.lax.dynamic_update_slice(cache["k"], key, start)
+            value = jax.lax.dynamic_update_slice(cache["v"], value, start)
+            new_cache = {"k": key, "v": value, "end_index": cache["end_index"] + x.shape[1]}
+        batch, length, heads, head_dim = query.shape
+        kv_heads = key.shape[2]
+        grouped = query.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+        scores = jnp.einsum("BTKGH,BSKH->BKGTS", grouped, key) * self.scale
+        if attn_mask is not None:
+            scores = jnp.where(attn_mask[:, None, None, :, :], scores, MASKED)
+        probabilities = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(key.dtype)
+        mixed = jnp.einsum("BKGTS,BSKH->BTKGH", probabilities, value).reshape(batch, length, heads, head_dim)
+        return new_cache, self.o_proj(mixed)
+
+
+class Qwen3Attention(RopeAttention, qwen3_lib.Attention):
+    qk_norm = True
+
+
+class Llama3Attention(RopeAttention, llama3_lib.Attention):
+    qk_norm = False
