@@ -64,6 +64,19 @@ def ours(model: str, slice_name: str, seq: int, remat: str, base_quantization: s
             "tokens_per_second_per_chip": attempt.tokens_per_second_per_chip, "mfu": attempt.mfu, "bound": attempt.bound}
 
 
+def base_weight_bytes(model: str) -> int:
+    """The model's weights in bf16, from its abstract shapes (nothing allocated)."""
+    import jax
+    from flax import nnx
+    from lorajob_trainer import catalog, models
+
+    hf_config = catalog.released_config(model)
+    family = models.family_for_hf_config(hf_config)
+    tunix_config = family.config_from_hf(hf_config, "bfloat16")
+    abstract = nnx.eval_shape(lambda: family.build(tunix_config, hf_config, nnx.Rngs(0)))
+    return sum(2 * leaf.size for leaf in jax.tree.leaves(nnx.state(abstract)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=None, help="model:slice:seq[:slices]")
@@ -102,7 +115,14 @@ def main(argv: list[str] | None = None) -> int:
                ours(model, slice_name, int(seq), args.remat, args.base_quantization, slices, targets))
     for wanted in args.smallest:
         model, seq = wanted.split(":")
+        weight_bytes = base_weight_bytes(model)
         for slice_name in V6E_ASCENDING:
+            generation, topology = SLICES[slice_name]
+            per_chip = weight_bytes / chips_in(topology)
+            if per_chip > TPU_CHIPS[generation].capacity_bytes and slice_name != V6E_ASCENDING[-1]:
+                print(f"  {model} {seq}: {slice_name} does not fit (bf16 weights alone {per_chip / 1e9:.2f} GB per "
+                      "chip; not compiled)", flush=True)
+                continue
             mine = ours(model, slice_name, int(seq), args.remat, args.base_quantization, targets=targets)
             if mine.get("fits") or slice_name == V6E_ASCENDING[-1]:
                 report(model, slice_name, int(seq), 1, mine)
