@@ -91,7 +91,8 @@ def render_files(paths: list[Path], namespace: str, namespace_labels: dict[str, 
     """Print the JobSets the operator would create for each LoRAJob (all steps, first tries), with the defaults of
     the LoRAJobPolicies (the `cluster`'s, in `policy_paths`, or among the files) that govern its namespace applied,
     as the operator applies them. The namespace's labels are the cluster's, overridden by `namespace_labels`."""
-    from lorajob_operator import api, policy, reconcile, render
+    from lorajob_operator import api, policy, render
+    from lorajob_operator.reconcile.observed import effective_spec
     from lorajob_operator.settings import OperatorSettings
 
     settings = OperatorSettings.from_env().render
@@ -122,7 +123,7 @@ def render_files(paths: list[Path], namespace: str, namespace_labels: dict[str, 
             failed += 1
             print(f"{path}: cannot render {metadata.get('name', '?')!r}: {'; '.join(errors)}", file=sys.stderr)
             continue
-        spec = reconcile.effective_spec(spec, policy.resolve_defaults(policies, labels, spec))
+        spec = effective_spec(spec, policy.resolve_defaults(policies, labels, spec))
         owner = render.Owner(metadata["name"], owner_namespace, metadata.get("uid", "<uid>"))
         manifests += render.render_all(spec, owner, settings)
     print(yaml.safe_dump_all(manifests, sort_keys=False), end="")

@@ -1,4 +1,4 @@
-"""The operator's I/O: the caches observe reads, the writes that carry out a `reconcile.Decision`, and the loop.
+"""The operator's I/O: the caches observe reads, the writes that carry out a `reconcile.decide.Decision`, and the loop.
 
 `Controller` runs it all: watch-fed caches (caches.py), a work queue of LoRAJob keys fed by the caches'
 change events and by `Resync`, and worker threads that run `Reconciler.reconcile` (one pass over one
@@ -27,20 +27,11 @@ from lorajob_operator import api, caches, policy, render, rules
 from lorajob_operator.caches import Caches, Key
 from lorajob_operator.leader import LeaderElector, NoElection, NotLeader
 from lorajob_operator.metrics import Metrics
-from lorajob_operator.reconcile import (
-    JOBSET_NAME_LABEL,
-    TERMINAL_PHASES,
-    Decision,
-    Observed,
-    QueuePosition,
-    checks_log_wanted,
-    checks_step,
-    decide,
-    effective_spec,
-    format_time,
-    observe_child,
-    train_log_wanted,
-)
+from lorajob_operator.reconcile.conditions import format_time
+from lorajob_operator.reconcile.decide import TERMINAL_PHASES, Decision, decide
+from lorajob_operator.reconcile.kueue import QueuePosition
+from lorajob_operator.reconcile.observed import Observed, effective_spec, observe_child
+from lorajob_operator.reconcile.trainer_output import checks_log_wanted, checks_step, train_log_wanted
 from lorajob_operator.settings import OperatorSettings, RenderSettings
 
 log = logging.getLogger("lorajob.operator")
@@ -71,7 +62,7 @@ class Cluster:
             raise
 
     def pods_of(self, jobset: str, namespace: str) -> list[dict]:
-        pods = self.core.list_namespaced_pod(namespace, label_selector=f"{JOBSET_NAME_LABEL}={jobset}")
+        pods = self.core.list_namespaced_pod(namespace, label_selector=f"{render.JOBSET_NAME_LABEL}={jobset}")
         return [self.core.api_client.sanitize_for_serialization(pod) for pod in pods.items]
 
     def trainer_log_tail(self, namespace: str, pod_selector: str, lines: int | None) -> str | None:

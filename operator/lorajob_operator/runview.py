@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import Iterator
 
 from lorajob_operator import api, render, rules
-from lorajob_operator.reconcile import RUNNING_PHASE, lead_pod_selector, parse_time, progress_summary
+from lorajob_operator.reconcile.conditions import parse_time
+from lorajob_operator.reconcile.decide import RUNNING_PHASE
+from lorajob_operator.reconcile.observed import lead_pod_selector
+from lorajob_operator.reconcile.status_text import progress_summary
 from lorajob_trainer.stages import duration
 from lorajob_trainer.contract import ProgressRecord
 

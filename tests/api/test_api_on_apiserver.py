@@ -1,6 +1,5 @@
 """The generated CRD, enforced by a real kube-apiserver: what `kubectl apply` users see."""
 
-import copy
 import json
 from pathlib import Path
 

@@ -5,9 +5,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from lorajob_operator import api, crd
+from lorajob_operator import crd
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -27,7 +27,8 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from lorajob_devcluster import wait_for
-from lorajob_operator import api, caches, crd, kube, reconcile, render, rules
+from lorajob_operator import api, caches, crd, kube, render, rules
+from lorajob_operator.reconcile import decide
 from lorajob_operator.local import OperatorProcess
 from lorajob_operator.settings import ReconcileSettings, RenderSettings
 from lorajob_operator.validation import FieldError, apply_defaults, validate
@@ -182,7 +183,7 @@ def _storable(error: FieldError) -> bool:
     return error.kind != "unknown field" and not error.field.startswith("metadata.")
 
 
-def _operator_pass(body: dict, spec: api.LoRAJobSpec | None) -> reconcile.Decision:
+def _operator_pass(body: dict, spec: api.LoRAJobSpec | None) -> decide.Decision:
     """The operator's decision on `body` from caches that hold its namespace and, when it parsed, the LocalQueue
     it names (so that only the spec decides)."""
     view = caches.Caches([NAMESPACE])
@@ -191,7 +192,7 @@ def _operator_pass(body: dict, spec: api.LoRAJobSpec | None) -> reconcile.Decisi
         view.stores[caches.LOCAL_QUEUES].upsert({"metadata": {"name": spec.scheduling.queue_name, "namespace": NAMESPACE,
                                                               "resourceVersion": "1"}, "spec": {"clusterQueue": "cq"}})
     observed = kube.observe(view, body, datetime(2026, 1, 1, tzinfo=timezone.utc), RenderSettings())
-    return reconcile.decide(observed, ReconcileSettings())
+    return decide.decide(observed, ReconcileSettings())
 
 
 COUNTS = {"offline": 0, "offline accepted": 0, "offline edits": 0, "refused by the operator too": 0, "server": 0, "server accepted": 0}

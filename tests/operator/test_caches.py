@@ -13,7 +13,8 @@ from kubernetes import client
 from lorajob_operator import caches
 from lorajob_operator.kube import Cluster, Controller, Reconciler, Resync, WorkQueue, observe, status_patch
 from lorajob_operator.metrics import CountingRESTClient, Metrics
-from lorajob_operator.reconcile import QueuePosition, decide
+from lorajob_operator.reconcile.decide import decide
+from lorajob_operator.reconcile.kueue import QueuePosition
 from lorajob_operator.settings import OperatorSettings
 
 SETTINGS = OperatorSettings()

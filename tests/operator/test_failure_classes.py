@@ -10,7 +10,8 @@ import pytest
 from builders import UID, compute, condition, failed_pod, jobset, lorajob, owner, parsed, spec_dict, workload
 
 from lorajob_operator import render
-from lorajob_operator.reconcile import Create, Observed, decide, observe_child
+from lorajob_operator.reconcile.decide import Create, decide
+from lorajob_operator.reconcile.observed import Observed, observe_child
 from lorajob_operator.render import parse_spec
 from lorajob_operator.settings import ReconcileSettings, RenderSettings
 from lorajob_trainer import exit_codes

@@ -8,7 +8,8 @@ from datetime import datetime, timezone
 from builders import UID, jobset, lorajob, owner, spec_dict
 
 from lorajob_operator import policy, render
-from lorajob_operator.reconcile import Create, Observed, decide, observe_child
+from lorajob_operator.reconcile.decide import Create, decide
+from lorajob_operator.reconcile.observed import Observed, observe_child
 from lorajob_operator.settings import ReconcileSettings, RenderSettings
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)

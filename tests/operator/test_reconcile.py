@@ -7,10 +7,11 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from builders import UID, condition, failed_pod, jobset, lorajob, spec_dict, workload
 
-from lorajob_operator import reconcile
-from lorajob_operator.reconcile import (
-    Create, Observed, QueuePosition, decide, observe_child, observe_container_failure, ordinal, short_of, total_requests,
-)
+from lorajob_operator.reconcile.decide import STALLED, Create, backoff_seconds, decide
+from lorajob_operator.reconcile.kueue import QueuePosition, short_of, total_requests
+from lorajob_operator.reconcile.observed import ChildState, Observed, observe_child, observe_container_failure
+from lorajob_operator.reconcile.status_text import ordinal, queue_place
+from lorajob_operator.reconcile.trainer_output import train_log_wanted
 from lorajob_operator.render import parse_spec
 from lorajob_operator.settings import ReconcileSettings
 from lorajob_trainer.contract import EvalRecord, ModelScore, ProgressRecord
@@ -87,7 +88,7 @@ def test_a_step_waiting_for_quota_says_its_place_in_the_cluster_queue_and_what_i
     (101, "100+ Workloads ahead"), (5000, "1000+ Workloads ahead"),
 ])
 def test_far_back_in_the_queue_only_the_power_of_ten_ahead_is_said_so_moving_up_rarely_rewrites_status(position, place):
-    assert reconcile.queue_place(position) == place
+    assert queue_place(position) == place
 
 
 def test_a_step_kueue_has_not_placed_yet_still_says_which_cluster_queue():
@@ -189,7 +190,7 @@ def test_a_failed_step_is_retried_after_its_backoff_under_the_same_name():
 
 
 def test_backoff_doubles_and_is_capped():
-    assert [reconcile.backoff_seconds(n, SETTINGS) for n in (1, 2, 3, 4, 5)] == [10, 20, 40, 60, 60]
+    assert [backoff_seconds(n, SETTINGS) for n in (1, 2, 3, 4, 5)] == [10, 20, 40, 60, 60]
 
 
 def test_a_step_out_of_retries_fails_the_lorajob_naming_the_container_and_exit_code():
@@ -366,7 +367,7 @@ def test_an_advancing_step_never_stalls():
     for seconds, log in [(0, _step(1)), (50, _step(2)), (100, _step(3)), (150, None), (155, _step(3))]:
         decision = decide(_observe(body, _train_running(body), now=_at(seconds), train_log=log), SETTINGS)
         assert decision.delete == [] and decision.status["phase"] == "Training", seconds
-        assert [e for e in decision.events if e.reason == reconcile.STALLED] == []
+        assert [e for e in decision.events if e.reason == STALLED] == []
         body = _with_status(body, decision)
     assert decision.status["progress"]["advancedTime"] == "2026-01-01T12:01:40Z"  # when step 3 was first seen
     assert decision.requeue_after == pytest.approx(5)  # woken at the deadline, 60 s after step 3
@@ -465,7 +466,7 @@ def test_the_evaluation_after_the_last_step_restarts_the_stall_clock_and_its_lin
 
 
 def test_an_evaluating_train_step_is_not_finished_so_its_log_is_read_after_it_ends():
-    train = reconcile.ChildState(name="r", phase="train", attempt=0, owned=True, deleting=False, completed=True, failed=False,
+    train = ChildState(name="r", phase="train", attempt=0, owned=True, deleting=False, completed=True, failed=False,
                                  failed_at=None, failure_reason="", failure_message="", suspended=False, lead_pod_selector="x=y")
-    assert reconcile.train_log_wanted({"progress": {"step": 20, "totalSteps": 20, "state": "evaluating"}}, train)
-    assert not reconcile.train_log_wanted({"progress": {"step": 20, "totalSteps": 20, "state": "succeeded"}}, train)
+    assert train_log_wanted({"progress": {"step": 20, "totalSteps": 20, "state": "evaluating"}}, train)
+    assert not train_log_wanted({"progress": {"step": 20, "totalSteps": 20, "state": "succeeded"}}, train)
