@@ -1,4 +1,4 @@
-"""kopf wiring: kopf hosts the operator's `kube.Controller` (its own watch-fed caches, work queue and
+"""kopf wiring: kopf hosts the operator's `controller.loop.Controller` (its own watch-fed caches, work queue and
 workers) and serves the liveness probe. It registers no resource handler, so kopf writes nothing on the
 objects (it only watches CRDs, for itself): the state lives in the cluster and in LoRAJob status.
 Of several replicas, the one holding the Lease (leader.py) reconciles; the others stand by with warm caches.
@@ -14,7 +14,7 @@ from kubernetes import client, config
 
 from lorajob_operator import leader
 from lorajob_operator.caches import Caches
-from lorajob_operator.kube import Controller
+from lorajob_operator.controller.loop import Controller
 from lorajob_operator.metrics import CountingRESTClient, Metrics
 from lorajob_operator.settings import OperatorSettings
 

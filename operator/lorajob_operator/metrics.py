@@ -1,7 +1,7 @@
 """Prometheus metrics of the operator (served by `serve`; the Helm chart exposes the port).
 
 Counters and histograms are updated where things happen: API requests and errors in `CountingRESTClient`
-(every request the operator's client sends, watches included), reconciles in kube.Controller. What the
+(every request the operator's client sends, watches included), reconciles in controller.loop.Controller. What the
 caches and watches hold (objects per resource, LoRAJobs per phase, work-queue depth, watch restarts) and
 whether this replica leads are read at scrape time (`STATE`). Each Controller has its own registry (several run in one test process).
 """

@@ -27,7 +27,8 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from lorajob_devcluster import wait_for
-from lorajob_operator import api, caches, crd, kube, render, rules
+from lorajob_operator import api, caches, crd, render, rules
+from lorajob_operator.controller.observe import observe
 from lorajob_operator.reconcile import decide
 from lorajob_operator.local import OperatorProcess
 from lorajob_operator.settings import ReconcileSettings, RenderSettings
@@ -191,7 +192,7 @@ def _operator_pass(body: dict, spec: api.LoRAJobSpec | None) -> decide.Decision:
     if spec and spec.scheduling.queue_name:
         view.stores[caches.LOCAL_QUEUES].upsert({"metadata": {"name": spec.scheduling.queue_name, "namespace": NAMESPACE,
                                                               "resourceVersion": "1"}, "spec": {"clusterQueue": "cq"}})
-    observed = kube.observe(view, body, datetime(2026, 1, 1, tzinfo=timezone.utc), RenderSettings())
+    observed = observe(view, body, datetime(2026, 1, 1, tzinfo=timezone.utc), RenderSettings())
     return decide.decide(observed, ReconcileSettings())
 
 

@@ -7,7 +7,7 @@ import pytest
 from lorajobs import sample
 
 from lorajob_devcluster.process import free_loopback_port
-from lorajob_operator.kube import Controller
+from lorajob_operator.controller.loop import Controller
 from lorajob_operator.metrics import Metrics
 from lorajob_operator.settings import OperatorSettings
 

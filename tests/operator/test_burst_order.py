@@ -7,7 +7,10 @@ from builders import NAMESPACE, cluster_view, jobset, lorajob
 from kubernetes import client
 
 from lorajob_operator import caches
-from lorajob_operator.kube import Cluster, Controller, Reconciler, WorkQueue
+from lorajob_operator.controller.cluster import Cluster
+from lorajob_operator.controller.loop import Controller
+from lorajob_operator.controller.reconciler import Reconciler
+from lorajob_operator.controller.work_queue import WorkQueue
 from lorajob_operator.metrics import Metrics
 from lorajob_operator.settings import OperatorSettings
 

@@ -11,7 +11,12 @@ from builders import NAMESPACE, cluster_view, condition, jobset, lorajob, spec_d
 from kubernetes import client
 
 from lorajob_operator import caches
-from lorajob_operator.kube import Cluster, Controller, Reconciler, Resync, WorkQueue, observe, status_patch
+from lorajob_operator.controller.cluster import Cluster
+from lorajob_operator.controller.loop import Controller
+from lorajob_operator.controller.observe import observe
+from lorajob_operator.controller.reconciler import Reconciler
+from lorajob_operator.controller.work_queue import Resync, WorkQueue
+from lorajob_operator.controller.writes import status_patch
 from lorajob_operator.metrics import CountingRESTClient, Metrics
 from lorajob_operator.reconcile.decide import decide
 from lorajob_operator.reconcile.kueue import QueuePosition

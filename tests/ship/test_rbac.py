@@ -27,7 +27,7 @@ pytestmark = pytest.mark.apiserver
 NAMESPACE = "ship-rbac"
 OTHER_NAMESPACE = "ship-rbac-unwatched"
 
-# (verb, resource[.group][/subresource]): every API call in operator/lorajob_operator/kube.py, and the
+# (verb, resource[.group][/subresource]): every API call in operator/lorajob_operator/controller/, and the
 # list+watch behind each watch-fed cache (caches.py).
 OPERATOR_CALLS = [
     ("list", "lorajobs.lorajob.dev"),  # cache

@@ -7,7 +7,7 @@ conditions and timestamps).
 Level-based: every pass recomputes the phase from the child JobSets that exist, their conditions
 and the Kueue Workloads that own their quota, so a restarted operator picks up where the last one
 stopped. `observe_*` turn API objects (dicts) into small frozen values; `decide` turns those into
-a `Decision` that `kube.apply` carries out (status first, then deletions, creations and events).
+a `Decision` that `controller.reconciler` carries out (creations, then status, deletions and events).
 
 Mechanisms, in one place:
 
@@ -40,7 +40,7 @@ Mechanisms, in one place:
   into an in-memory copy of the spec (`effective_spec`) that the steps are rendered from, and
   recorded in status.resolved; the object's spec is never written.
 * Training progress: the trainer's lead process prints a progress line per step to stdout; the tail
-  of its pod's log (read by kube.py while the train step runs, and once after it finished) is lifted
+  of its pod's log (read by controller/trainer_logs.py while the train step runs, and once after it finished) is lifted
   into status.progress. Best effort: it never changes the phase, and a log that is missing or holds
   no readable line keeps the progress already recorded.
 * Data and plan figures: the data check and the fit check (the check step, or first in the convert step) print

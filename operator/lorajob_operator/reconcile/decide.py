@@ -161,7 +161,7 @@ def _new_draft(o: Observed) -> _Draft:
 
 def _first_created(o: Observed) -> str | None:
     """When the first step was created, from the children: the pass that creates a LoRAJob's first JobSet may skip
-    its status write (kube.Reconciler._apply), so status.startTime can be missing while the step runs."""
+    its status write (controller.reconciler.Reconciler._apply), so status.startTime can be missing while the step runs."""
     times = [child.created for child in o.children.values() if child.owned and child.created]
     return min(times, key=parse_time) if times else None
 

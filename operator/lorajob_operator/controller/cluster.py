@@ -1,0 +1,67 @@
+"""The API server, where no cache serves: the resources the operator writes, a JobSet's pods, a trainer's log."""
+
+from __future__ import annotations
+
+import json
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from lorajob_operator import api, render
+
+
+JOBSET = (render.JOBSET_GROUP, render.JOBSET_VERSION, render.JOBSET_PLURAL)
+
+
+LORAJOB = (api.GROUP, api.VERSION, api.PLURAL)
+
+
+FIELD_MANAGER = "lorajob-operator"
+
+
+LOG_REQUEST_TIMEOUT_SECONDS = 10
+
+
+def is_missing(error: ApiException) -> bool:
+    return error.status == 404
+
+
+def api_message(error: ApiException) -> str:
+    try:
+        return json.loads(error.body).get("message", error.reason)
+    except (TypeError, ValueError):
+        return str(error.reason)
+
+
+class Cluster:
+    """Thin typed access to the objects the operator writes, and the reads no cache holds (pods, logs)."""
+
+    def __init__(self, api_client: client.ApiClient):
+        self.custom = client.CustomObjectsApi(api_client)
+        self.core = client.CoreV1Api(api_client)
+
+    def get(self, resource: tuple[str, str, str], namespace: str, name: str) -> dict | None:
+        try:
+            return self.custom.get_namespaced_custom_object(*resource[:2], namespace, resource[2], name)
+        except ApiException as error:
+            if is_missing(error):
+                return None
+            raise
+
+    def pods_of(self, jobset: str, namespace: str) -> list[dict]:
+        pods = self.core.list_namespaced_pod(namespace, label_selector=f"{render.JOBSET_NAME_LABEL}={jobset}")
+        return [self.core.api_client.sanitize_for_serialization(pod) for pod in pods.items]
+
+    def trainer_log_tail(self, namespace: str, pod_selector: str, lines: int | None) -> str | None:
+        """The last `lines` lines (None: all) of the trainer container's log in the newest pod matching
+        `pod_selector` (None: no such pod yet or any more)."""
+        pods = self.core.list_namespaced_pod(namespace, label_selector=pod_selector).items
+        if not pods:
+            return None
+        pod = max(pods, key=lambda p: p.metadata.creation_timestamp)
+        # Raw bytes: the client would otherwise try to decode a log that happens to be JSON as an object.
+        response = self.core.read_namespaced_pod_log(
+            pod.metadata.name, namespace, container=render.TRAINER_CONTAINER, tail_lines=lines,
+            _preload_content=False, _request_timeout=LOG_REQUEST_TIMEOUT_SECONDS,
+        )
+        return response.data.decode("utf-8", errors="replace")
