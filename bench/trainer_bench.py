@@ -130,12 +130,12 @@ def random_lora_model(hf: dict, rank: int, dtype, mesh):
 def bench_jax(args) -> dict:
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
     from lorajob_trainer import mesh as mesh_lib
     from lorajob_trainer import metrics
     from lorajob_trainer import models
-    from lorajob_trainer import train as train_lib
+    from lorajob_trainer import run_setup
+    from lorajob_trainer import step as step_lib
     from lorajob_trainer.config import MeshConfig, TrainConfig
     from lorajob_trainer.models import experts
     from lorajob_trainer.optim import build_optimizer
@@ -151,15 +151,15 @@ def bench_jax(args) -> dict:
         "warmup_steps_fraction": 0.0,
     })
     optimizer = build_optimizer(config)
-    flops = train_lib.model_flops(model, train_lib.attention_width(tunix_config), args.seq,
+    flops = run_setup.model_flops(model, run_setup.attention_width(tunix_config), args.seq,
                                   experts.active_shares(model))
     period = models.family_for_hf_config(hf).layer_period(tunix_config)
-    graphdef, layout, lora_state, base = train_lib.split_for_step(model, period)
-    adapters = train_lib.trainable_adapters(layout, lora_state)
-    opt_state = train_lib.init_optimizer_state(optimizer, adapters, mesh)
-    steps = train_lib.build_step_functions(
-        graphdef, layout, optimizer, dtype, train_lib.step_shardings(adapters, opt_state, base, mesh), args.loss_chunk,
-        args.remat, train_lib.aux_loss_coef(None, hf, model),
+    graphdef, layout, lora_state, base = step_lib.split_for_step(model, period)
+    adapters = step_lib.trainable_adapters(layout, lora_state)
+    opt_state = step_lib.init_optimizer_state(optimizer, adapters, mesh)
+    steps = step_lib.build_step_functions(
+        graphdef, layout, optimizer, dtype, step_lib.step_shardings(adapters, opt_state, base, mesh), args.loss_chunk,
+        args.remat, run_setup.aux_loss_coef(None, hf, model),
     )
     rows = args.batch
     tokens = jax.random.randint(jax.random.key(1), (1, rows, args.seq + 1), 0, hf["vocab_size"], jnp.int32)

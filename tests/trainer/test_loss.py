@@ -12,7 +12,8 @@ from flax import nnx
 from jax.sharding import Mesh
 from trainer_testkit import gemma4_checkpoint, tiny_checkpoint
 
-from lorajob_trainer import lora, models, remat, train
+from lorajob_trainer import lora, models, remat
+from lorajob_trainer import step as step_lib
 from lorajob_trainer import loss as loss_lib
 
 LENGTH = 24
@@ -108,7 +109,7 @@ def step_parts(lora_model: LoraModel, stacked: bool):
     period = lora_model.layer_period if stacked else None
     model = nnx.clone(lora_model.model)
     nnx.update(model, jax.tree.map(jnp.copy, nnx.state(model)))  # stacking deletes the layers' arrays
-    graphdef, layout, lora_state, base = train.split_for_step(model, period)
+    graphdef, layout, lora_state, base = step_lib.split_for_step(model, period)
     assert (layout.stacking is not None) == (period is not None)
     return graphdef, layout.flat(lora_state), base, layout
 

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 from lorajob_trainer import metrics, models, tiny
 from lorajob_trainer import loss as loss_lib
+from lorajob_trainer import run_setup
 from lorajob_trainer import train as train_lib
 from lorajob_trainer.config import TrainConfig
 from lorajob_trainer.models import experts
@@ -102,7 +103,7 @@ def test_aux_loss_coefficient_defaults_to_the_checkpoint_config(hf_config, overr
     hf = tiny.tiny_config(FAMILY, **hf_config)
     family = models.FAMILIES[FAMILY]
     abstract = models.abstract_model(family, family.config_from_hf(hf, jnp.float32), hf)
-    assert train_lib.aux_loss_coef(override, hf, abstract) == expected
+    assert run_setup.aux_loss_coef(override, hf, abstract) == expected
 
 
 @pytest.mark.torch
@@ -116,7 +117,7 @@ def test_gemma4_moe_has_no_load_balancing_loss():
     assert "router_aux_loss_coef" not in hf and "output_router_logits" not in hf
     family = models.FAMILIES["gemma4"]
     abstract = models.abstract_model(family, family.config_from_hf(hf, jnp.float32), hf)
-    assert train_lib.aux_loss_coef(0.5, hf, abstract) is None
+    assert run_setup.aux_loss_coef(0.5, hf, abstract) is None
 
 
 def moe_run_args(tmp_path, *overrides: str) -> list[str]:

@@ -209,7 +209,7 @@ def analytic_attempt(config: TrainConfig, hf_config: dict[str, Any], gpu: Chip, 
 
     from lorajob_trainer import mesh as mesh_lib
     from lorajob_trainer import plan as plan_lib
-    from lorajob_trainer import train
+    from lorajob_trainer import run_setup
     from lorajob_trainer.models import experts
 
     if config.remat_policy not in ACTIVATION_BYTES:
@@ -217,7 +217,7 @@ def analytic_attempt(config: TrainConfig, hf_config: dict[str, Any], gpu: Chip, 
                        error=f"no analytic estimate for remat_policy {config.remat_policy!r} (one of {', '.join(ACTIVATION_BYTES)})")
     mesh = mesh_lib.build_mesh(config.mesh, jax.devices("cpu")[:1])
     model, _, tunix_config = plan_lib.abstract_lora_model(config, hf_config, mesh, jnp.bfloat16)
-    flops = train.model_flops(model, train.attention_width(tunix_config), config.max_target_length,
+    flops = run_setup.model_flops(model, run_setup.attention_width(tunix_config), config.max_target_length,
                               experts.active_shares(model))
     _, lora, base = nnx.split(model, nnx.LoRAParam, ...)
     base_bytes = plan_lib.per_chip_bytes(base)

@@ -1,10 +1,10 @@
 """The trainer's own train step, compiled for devices it does not run on (a TPU topology, without a TPU).
 
-`compile_train_step(config, hf_config, devices)` builds what `train.Trainer` builds, from config.json
+`compile_train_step(config, hf_config, devices)` builds what `train.Trainer` builds (run_setup.py, step.py), from config.json
 alone: the model and its LoRA adapters as abstract arrays (`nnx.eval_shape`, nothing read or allocated)
 with the shardings of the run's mesh over `devices`, the layers stacked for the scan, the float32
 adapters, the optimizer state and a batch of the run's shape, and compiles the same jitted step
-(`train.build_step_functions`). The compiler's memory and cost analyses are per chip.
+(`step_lib.build_step_functions`). The compiler's memory and cost analyses are per chip.
 
 TPU devices come from `jax.experimental.topologies` (libtpu installed; no TPU needed):
 `topology_devices("v6e:2x4")`, multi-slice with `num_slices`.
@@ -25,7 +25,8 @@ from flax import nnx
 
 from lorajob_trainer import lora as lora_lib
 from lorajob_trainer import mesh as mesh_lib
-from lorajob_trainer import models, train
+from lorajob_trainer import models, run_setup
+from lorajob_trainer import step as step_lib
 from lorajob_trainer.models import experts
 from lorajob_trainer.config import TrainConfig, resolve_target_modules
 from lorajob_trainer.optim import build_optimizer
@@ -122,7 +123,7 @@ def _abstract(variable: nnx.Variable, mesh: jax.sharding.Mesh, dtype: Any) -> ja
 
 
 def abstract_lora_model(config: TrainConfig, hf_config: dict[str, Any], mesh: jax.sharding.Mesh, dtype: Any):
-    """(model, family, tunix_config): the base model with LoRA applied as `train.load_lora_model` builds it,
+    """(model, family, tunix_config): the base model with LoRA applied as `run_setup.load_lora_model` builds it,
     every value a ShapeDtypeStruct placed on `mesh`, the base weights in `dtype` as the trainer loads them."""
     family = models.family_for_hf_config(hf_config)
     tunix_config = family.config_from_hf(hf_config, dtype)
@@ -148,12 +149,12 @@ def compile_train_step(config: TrainConfig, hf_config: dict[str, Any], devices: 
     errors (RESOURCE_EXHAUSTED when it does not fit) propagate."""
     started = time.perf_counter()
     mesh = mesh_lib.build_mesh(config.mesh, devices)
-    dtype = train.compute_dtype(config, devices[0].platform)
+    dtype = run_setup.compute_dtype(config, devices[0].platform)
     model, family, tunix_config = abstract_lora_model(config, hf_config, mesh, dtype)
-    flops = train.model_flops(
-        model, train.attention_width(tunix_config), config.max_target_length, experts.active_shares(model)
+    flops = run_setup.model_flops(
+        model, run_setup.attention_width(tunix_config), config.max_target_length, experts.active_shares(model)
     )
-    graphdef, layout, lora, base = train.split_for_step(model, family.layer_period(tunix_config))
+    graphdef, layout, lora, base = step_lib.split_for_step(model, family.layer_period(tunix_config))
     stacking = layout.stacking
     adapters = {
         name: jax.ShapeDtypeStruct(value.shape, jnp.float32, sharding=value.sharding)
@@ -163,12 +164,12 @@ def compile_train_step(config: TrainConfig, hf_config: dict[str, Any], devices: 
     opt_state = jax.tree.map(
         lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
         jax.eval_shape(optimizer.init, adapters),
-        train.optimizer_state_shardings(optimizer, adapters, mesh),
+        step_lib.optimizer_state_shardings(optimizer, adapters, mesh),
     )
-    shardings = train.step_shardings(adapters, opt_state, base, mesh)
-    steps = train.build_step_functions(
+    shardings = step_lib.step_shardings(adapters, opt_state, base, mesh)
+    steps = step_lib.build_step_functions(
         graphdef, layout, optimizer, dtype, shardings, config.loss_chunk_length, config.remat_policy,
-        train.aux_loss_coef(config.router_aux_loss_coef, hf_config, model),
+        run_setup.aux_loss_coef(config.router_aux_loss_coef, hf_config, model),
     )
     rows = config.per_device_batch_size * mesh_lib.data_parallel_size(mesh)
     shape = (config.gradient_accumulation_steps, rows, config.max_target_length)

@@ -1,0 +1,193 @@
+"""The jitted train and eval steps, and what they are built from.
+
+One optimizer step is one jitted call: it scans over the gradient-accumulation micro-batches,
+differentiates only the LoRA parameters (the frozen base weights are a plain input, so no
+weight-gradient GEMMs are built for them), normalises by the number of trained tokens of the
+whole step, clips and applies AdamW. The adapters are float32 buffers of their own, laid out by
+`LoraLayout` (the layers stacked for the scan, models/decoder.py); `step_shardings` places them, the
+optimizer state and the base on the mesh. plan.py compiles the same step for a TPU it does not run on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from lorajob_trainer import loss as loss_lib
+from lorajob_trainer import mesh as mesh_lib
+from lorajob_trainer import remat as remat_lib
+from lorajob_trainer import weights
+from lorajob_trainer.models import decoder
+
+Batch = dict[str, jax.Array]
+
+
+class LoraLayout:
+    """Converts between the trainer's flat `{NNX path: array}` adapters, keyed per layer as checkpoints hold
+    them (`layers.3.attn.q_proj.w_lora_a`), and the NNX state the model merges, whose layers may be stacked
+    for the scan (models/decoder.py: `stacking`)."""
+
+    def __init__(self, state: nnx.State, stacking: decoder.Stacking | None = None):
+        self._template = list(nnx.to_flat_state(state))
+        self._stacking = stacking
+
+    @property
+    def stacking(self) -> decoder.Stacking | None:
+        return self._stacking
+
+    def _keys(self, path: tuple) -> list[str]:
+        paths = self._stacking.layer_paths(path) if self._stacking else [path]
+        return [weights.path_key(layer_path) for layer_path in paths]
+
+    def _stacked(self, path: tuple) -> bool:
+        return self._stacking is not None and self._stacking.is_stacked(path)
+
+    def flat(self, state: nnx.State) -> dict[str, jax.Array]:
+        flat = {}
+        for path, variable in nnx.to_flat_state(state):
+            value = variable.get_value()
+            rows = decoder.unstacked_rows(value) if self._stacked(path) else [value]
+            flat.update(zip(self._keys(path), rows, strict=True))
+        return flat
+
+    def state(self, flat: dict[str, jax.Array]) -> nnx.State:
+        def value(path: tuple) -> jax.Array:
+            rows = [flat[key] for key in self._keys(path)]
+            return jnp.stack(rows) if self._stacked(path) else rows[0]
+
+        return nnx.from_flat_state([(path, variable.replace(value(path))) for path, variable in self._template])
+
+
+def split_for_step(model: nnx.Module, layer_period: int | None) -> tuple[nnx.GraphDef, LoraLayout, nnx.State, nnx.State]:
+    """(graphdef, LoraLayout, LoRA state, base state) of the model as the step runs it: its layers stacked for
+    the scan when `layer_period` is given (in place: `model` is changed; models/decoder.py)."""
+    stacking = decoder.stack_layers(model, layer_period) if layer_period else None
+    graphdef, lora, base = nnx.split(model, nnx.LoRAParam, ...)
+    return graphdef, LoraLayout(lora, stacking), lora, base
+
+
+@dataclass
+class StepFunctions:
+    train: Callable[..., Any]
+    evaluate: Callable[..., Any]
+    traces: dict[str, int] = field(default_factory=lambda: {"train": 0, "eval": 0})
+
+
+def build_step_functions(
+    graphdef: nnx.GraphDef,
+    layout: LoraLayout,
+    optimizer: optax.GradientTransformation,
+    dtype: jnp.dtype,
+    shardings: dict[str, Any],
+    loss_chunk_length: int,
+    remat_policy: remat_lib.RematPolicy,
+    aux_loss_coef: float | None = None,
+) -> StepFunctions:
+    """Jitted train and eval steps with fixed in/out shardings, so each compiles once.
+
+    `aux_loss_coef` (LoraModel.aux_loss_coef): the step minimises LM loss + coef * load-balancing loss,
+    the latter the mean over micro-batches of each one's (as transformers computes it per forward), and
+    reports it as `aux_loss`; None: the model has none."""
+    traces = {"train": 0, "eval": 0}
+
+    def losses(lora, base, micro_batch, aux_weight=0.0):
+        """(objective: weighted NLL sum + aux_weight * load-balancing loss, (NLL sum, weight sum, that loss))."""
+        adapters = layout.state({name: value.astype(dtype) for name, value in lora.items()})
+        model = nnx.merge(graphdef, adapters, base)
+        loss_sum, weight_sum, aux = loss_lib.losses_with_load_balancing(model, micro_batch, loss_chunk_length, remat_policy)
+        trained_aux = aux if aux_loss_coef else jax.lax.stop_gradient(aux)
+        return loss_sum + aux_weight * trained_aux, (loss_sum, weight_sum, aux)
+
+    grad_fn = jax.value_and_grad(losses, has_aux=True)
+
+    def train_step(lora, opt_state, base, batch):
+        traces["train"] += 1
+        accumulation = batch["weights"].shape[0]
+        weight_sum = jnp.sum(batch["weights"])
+        scale = 1.0 / jnp.maximum(weight_sum, 1.0)
+        # Gradients are summed, then scaled by `scale`: this weight makes the aux term's coef / accumulation.
+        aux_weight = (aux_loss_coef or 0.0) / (accumulation * scale)
+
+        def accumulate(carry, micro_batch):
+            grads, loss_sum, aux_sum = carry
+            (_, (micro_loss, _, micro_aux)), micro_grads = grad_fn(lora, base, micro_batch, aux_weight)
+            return (jax.tree.map(jnp.add, grads, micro_grads), loss_sum + micro_loss, aux_sum + micro_aux), None
+
+        zeros = jax.tree.map(jnp.zeros_like, lora)
+        (grads, loss_sum, aux_sum), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), batch)
+        grads = jax.tree.map(lambda g: g * scale, grads)
+        updates, opt_state = optimizer.update(grads, opt_state, lora)
+        step_metrics = {
+            "loss": loss_sum * scale,
+            "trained_tokens": weight_sum,
+            "real_tokens": jnp.sum(batch["segment_ids"] != 0),
+            "grad_norm": optax.global_norm(grads),
+        }
+        if aux_loss_coef is not None:
+            step_metrics["aux_loss"] = aux_sum / accumulation
+        return optax.apply_updates(lora, updates), opt_state, step_metrics
+
+    def eval_step(lora, base, batch):
+        traces["eval"] += 1
+
+        def accumulate(carry, micro_batch):
+            _, (loss_sum, weight_sum, _) = losses(lora, base, micro_batch)
+            return (carry[0] + loss_sum, carry[1] + weight_sum), None
+
+        (loss_sum, weight_sum), _ = jax.lax.scan(accumulate, (0.0, 0.0), batch)
+        return {"loss_sum": loss_sum, "weight_sum": weight_sum}
+
+    replicated = shardings["replicated"]
+    train = jax.jit(
+        train_step,
+        in_shardings=(shardings["lora"], shardings["optimizer"], shardings["base"], shardings["batch"]),
+        out_shardings=(shardings["lora"], shardings["optimizer"], replicated),
+        donate_argnums=(0, 1),
+    )
+    evaluate = jax.jit(
+        eval_step,
+        in_shardings=(shardings["lora"], shardings["base"], shardings["batch"]),
+        out_shardings=replicated,
+    )
+    return StepFunctions(train, evaluate, traces)
+
+
+def optimizer_state_shardings(optimizer: optax.GradientTransformation, lora: dict[str, Any], mesh: Mesh) -> Any:
+    """Per-parameter moments sharded like their parameter, scalars replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def sharding(path, leaf):
+        for entry in reversed(path):
+            name = getattr(entry, "key", None)
+            if name in lora and leaf.shape == lora[name].shape:
+                return lora[name].sharding
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(sharding, jax.eval_shape(optimizer.init, lora))
+
+
+def init_optimizer_state(optimizer: optax.GradientTransformation, lora: dict[str, jax.Array], mesh: Mesh) -> Any:
+    """Optimizer state on the mesh (`optimizer_state_shardings`)."""
+    return jax.jit(optimizer.init, out_shardings=optimizer_state_shardings(optimizer, lora, mesh))(lora)
+
+
+def step_shardings(lora: dict[str, jax.Array], opt_state: Any, base: nnx.State, mesh: Mesh) -> dict[str, Any]:
+    return {
+        "lora": jax.tree.map(lambda x: x.sharding, lora),
+        "optimizer": jax.tree.map(lambda x: x.sharding, opt_state),
+        "base": jax.tree.map(lambda x: x.sharding, base),
+        "batch": mesh_lib.batch_sharding(mesh, leading_dims=1),
+        "replicated": NamedSharding(mesh, PartitionSpec()),
+    }
+
+
+def trainable_adapters(layout: LoraLayout, lora: nnx.State) -> dict[str, jax.Array]:
+    """float32 adapters in buffers of their own: the step donates them, the model's own must stay valid."""
+    return {name: jnp.copy(value).astype(jnp.float32) for name, value in layout.flat(lora).items()}
