@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
-from lorajob_trainer import lora, models, tiny
+from lorajob_trainer import catalog, lora, models, tiny
 from lorajob_trainer.models import attention, families, rope
 
 
@@ -95,8 +96,6 @@ def test_unsupported_configs_are_rejected(family, change, message):
 
 
 def test_every_catalogue_family_has_model_code_and_every_family_a_model():
-    from lorajob_trainer import catalog
-
     assert {info.family for info in catalog.MODELS.values()} == set(models.FAMILIES)
     assert all(name == family.name for name, family in models.FAMILIES.items())
 
@@ -214,3 +213,23 @@ def test_set_lora_params_checks_keys_and_shapes(qwen3, mesh):
         lora.set_lora_params(lora_model, {k: v for k, v in params.items() if k != "layers.0.attn.v_proj.w_lora_a"})
     with pytest.raises(lora.LoraError, match="has shape \\(3,\\)"):
         lora.set_lora_params(lora_model, params | {"layers.0.attn.v_proj.w_lora_a": np.ones(3, np.float32)})
+
+
+STATED_SIZE_DIFFERS = {"llama3.2-1b": 1.23e9}
+"""Models whose name rounds their size further than the tolerance: the model card's count."""
+
+
+@pytest.mark.parametrize("name", [name for name, info in catalog.MODELS.items() if info.hf_repo])
+def test_every_catalogue_model_has_its_released_config_and_its_size(name):
+    """A plan needs no network: each catalogue model's config.json facts ship with the trainer, and the model they
+    build has the size its name says, within 20% (a wrong width or depth is further off; Gemma 4 E models: the
+    effective size, without the per-layer input embeddings; MoE: the total, 30 of qwen3-30b-a3b)."""
+    hf = catalog.released_config(name)
+    family = models.family_for_hf_config(hf)
+    assert family.name == catalog.MODELS[name].family
+    config = family.config_from_hf(hf, jnp.bfloat16)
+    state = nnx.state(nnx.eval_shape(lambda: family.build(config, hf, nnx.Rngs(0))))
+    sizes = {".".join(map(str, path)): value.size for path, value in nnx.to_flat_state(state)}
+    total = sum(size for path, size in sizes.items() if "per_layer_input_embedding" not in path)
+    stated = STATED_SIZE_DIFFERS.get(name) or float(re.search(r"-e?(\d+(?:\.\d+)?)b", name).group(1)) * 1e9
+    assert abs(total - stated) < 0.2 * stated, (name, total / 1e9)

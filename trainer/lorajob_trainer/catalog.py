@@ -65,9 +65,12 @@ def _released_configs() -> dict[str, dict[str, Any]]:
 
 def released_config(model_name: str) -> dict[str, Any]:
     """The facts of the model's released config.json (what a plan needs without the network); KeyError naming
-    the models that have them. gemma4-26b's come from Tunix's `gemma4_26b_a4b` ModelConfig, in the keys
-    transformers' Gemma4TextConfig writes; qwen3-235b-a22b's widths as the Qwen3-MoE family of qwen3-30b-a3b, from
-    its published architecture (94 layers, 4,096 wide, 64/4 heads, 128 experts of 1,536, 8 per token)."""
+    the models that have them. The Gemma 4 models' come from Tunix's ModelConfig presets (`gemma4_e2b`, `gemma4_e4b`,
+    `gemma4_31b`, `gemma4_26b_a4b`), in the keys transformers' Gemma4TextConfig writes; those of qwen3-1.7b to -32b,
+    Llama 3.2 and 3.1-70b and Gemma 3 agree with Tunix's presets and the model cards' parameter counts (a test
+    holds every model to the size its name says); qwen3-235b-a22b's widths as the Qwen3-MoE family of
+    qwen3-30b-a3b, from its published architecture (94 layers, 4,096 wide, 64/4 heads, 128 experts of 1,536, 8 per
+    token)."""
     configs = _released_configs()
     if model_name not in configs:
         raise KeyError(f"no released config.json facts for {model_name!r}; known: {', '.join(configs)}")
