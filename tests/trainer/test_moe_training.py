@@ -193,13 +193,16 @@ print("REPORT " + json.dumps(report))
 """
 
 
-def test_expert_axis_shards_experts_and_their_adapters_and_keeps_the_losses(tmp_path):
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_expert_axis_shards_experts_and_their_adapters_and_keeps_the_losses(tmp_path, quantization):
     """4 CPU devices as mesh expert=2 x fsdp=2: each expert stack and adapter holds a quarter of the experts
     per device (split over (expert, fsdp); the base's layers stacked for the scan on an unsplit leading axis);
-    3 steps give the losses, aux losses and grad norms of one device with the same global batch."""
+    3 steps give the losses, aux losses and grad norms of one device with the same global batch (each device
+    mixing its own tokens, models/experts.py; with QLoRA the experts gathered quantised)."""
     targets = "lora.target_modules=['q_proj','mlp.experts.gate_up_proj','mlp.experts.down_proj']"
+    quantized = f"lora.base_quantization={quantization}"
     sharded_args = moe_run_args(tmp_path, "steps=3", "per_device_batch_size=1", "mesh.expert=2", targets,
-                                "run_name=sharded", f"router_aux_loss_coef={COEF}")
+                                "run_name=sharded", f"router_aux_loss_coef={COEF}", quantized)
     completed = subprocess.run([sys.executable, "-c", EXPERT_MESH_SCRIPT, *sharded_args], env=trainer_env(devices=4),
                                capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -223,7 +226,7 @@ def test_expert_axis_shards_experts_and_their_adapters_and_keeps_the_losses(tmp_
         assert adapter["shapes"] == [[num_experts // 4, *adapter["shape"][1:]]], name
 
     single = TrainConfig.from_args(moe_run_args(tmp_path, "steps=3", "per_device_batch_size=4", targets,
-                                                "run_name=single", f"router_aux_loss_coef={COEF}"))
+                                                "run_name=single", f"router_aux_loss_coef={COEF}", quantized))
     assert jax.device_count() == 1
     train_lib.train(single)
 
