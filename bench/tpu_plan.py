@@ -54,7 +54,8 @@ def ours(model: str, slice_name: str, seq: int, remat: str, base_quantization: s
     chip = TPU_CHIPS[generation]
     chips = chips_in(topology) * slices
     target = fit.Target(slice_name, topology, slices, chips, 1, 1, remat)
-    attempt = fit.compile_attempt(config, catalog.released_config(model), chip, 4, target)
+    chips_per_host = 1 if chips == 1 else 4  # a one-chip slice is a one-chip VM (libtpu's host bounds)
+    attempt = fit.compile_attempt(config, catalog.released_config(model), chip, chips_per_host, target)
     if attempt.error:  # the compiler's RESOURCE_EXHAUSTED and friends: a row, not a crash
         return {"error": attempt.error[:200]}
     memory = attempt.memory
