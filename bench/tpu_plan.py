@@ -73,8 +73,7 @@ def base_weight_bytes(model: str) -> int:
 
     hf_config = catalog.released_config(model)
     family = models.family_for_hf_config(hf_config)
-    tunix_config = family.config_from_hf(hf_config, "bfloat16")
-    abstract = nnx.eval_shape(lambda: family.build(tunix_config, hf_config, nnx.Rngs(0)))
+    abstract = models.abstract_model(family, family.config_from_hf(hf_config, "bfloat16"), hf_config)
     return sum(2 * leaf.size for leaf in jax.tree.leaves(nnx.state(abstract)))
 
 

@@ -1,5 +1,5 @@
-"""kopf wiring: kopf hosts the operator's `controller.loop.Controller` (its own watch-fed caches, work queue and
-workers) and serves the liveness probe. It registers no resource handler, so kopf writes nothing on the
+"""kopf wiring: kopf hosts the operator's `controller.loop.Controller` (its own watch-fed caches, work queue
+and workers) and serves the liveness probe. It registers no resource handler, so kopf writes nothing on the
 objects (it only watches CRDs, for itself): the state lives in the cluster and in LoRAJob status.
 Of several replicas, the one holding the Lease (leader.py) reconciles; the others stand by with warm caches.
 """

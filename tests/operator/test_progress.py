@@ -16,7 +16,9 @@ from builders import UID, compute, condition, jobset, lorajob, spec_dict, worklo
 from lorajob_operator.reconcile.decide import decide
 from lorajob_operator.reconcile.observed import Observed, lead_pod_selector, observe_child
 from lorajob_operator.reconcile.status_text import progress_summary
-from lorajob_operator.reconcile.trainer_output import checks_log_wanted, checks_step, parse_progress_line, progress_from_log, train_log_wanted
+from lorajob_operator.reconcile.trainer_output import (
+    checks_log_wanted, checks_step, parse_progress_line, progress_from_log, train_log_wanted,
+)
 from lorajob_operator import api
 from lorajob_operator.controller.trainer_logs import TrainLogs
 from lorajob_operator.render import export_command, parse_spec, train_command

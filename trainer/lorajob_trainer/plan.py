@@ -1,10 +1,10 @@
 """The trainer's own train step, compiled for devices it does not run on (a TPU topology, without a TPU).
 
-`compile_train_step(config, hf_config, devices)` builds what `train.Trainer` builds (run_setup.py, step.py), from config.json
-alone: the model and its LoRA adapters as abstract arrays (`nnx.eval_shape`, nothing read or allocated)
-with the shardings of the run's mesh over `devices`, the layers stacked for the scan, the float32
+`compile_train_step(config, hf_config, devices)` builds what `train.Trainer` builds (run_setup.py, step.py),
+from config.json alone: the model and its LoRA adapters as abstract arrays (`nnx.eval_shape`, nothing read or
+allocated) with the shardings of the run's mesh over `devices`, the layers stacked for the scan, the float32
 adapters, the optimizer state and a batch of the run's shape, and compiles the same jitted step
-(`step_lib.build_step_functions`). The compiler's memory and cost analyses are per chip.
+(`step.build_step_functions`). The compiler's memory and cost analyses are per chip.
 
 TPU devices come from `jax.experimental.topologies` (libtpu installed; no TPU needed):
 `topology_devices("v6e:2x4")`, multi-slice with `num_slices`.

@@ -1,8 +1,8 @@
 """LoRA fine-tuning entry point: `python -m lorajob_trainer.train [config.yaml] key=value...`.
 
 The training loop (`Trainer.run`) over what run_setup.py sets up, one jitted step (step.py) per optimizer
-step: evaluation, checkpoints, progress and metrics, early stopping, preemption. The run resumes from the latest complete checkpoint in
-`<base_output_directory>/<run_name>/checkpoints`, including the data position.
+step: evaluation, checkpoints, progress and metrics, early stopping, preemption. The run resumes from the
+latest complete checkpoint in `<base_output_directory>/<run_name>/checkpoints`, including the data position.
 
 Exit status: the codes of `lorajob_trainer.exit_codes` (0 when all steps ran), each non-zero one
 with a line on stderr naming what failed and at which step. On SIGTERM the run finishes the step

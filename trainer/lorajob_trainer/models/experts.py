@@ -255,10 +255,9 @@ class ExpertsLinear(nnx.Module):
     def apply(self, arrays: dict[str, jax.Array], x: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """x [M, in] sorted by expert (`group_sizes` [E] rows each) -> [M, parts * out], with `arrays` as
         `self.arrays()` gives them (or their gathered copies)."""
-        if self.quantized_type is None:
-            w = arrays["w"].astype(self.dtype)
-        else:
-            w = qarray.dequantize(qarray.QArray(arrays["w"], arrays["w_scale"], None, self.quantized_type))
+        w = arrays["w"]
+        if self.quantized_type is not None:
+            w = qarray.dequantize(qarray.QArray(w, arrays["w_scale"], None, self.quantized_type))
         x = x.astype(self.dtype)
         y = jax.lax.ragged_dot(x, w.astype(self.dtype), group_sizes)
         if self.lora_scale is not None:
