@@ -1,32 +1,19 @@
-"""Watch-fed caches of everything the reconcile reads, so that a pass over a LoRAJob reads memory only.
+"""The caches of everything the reconcile reads, so that a pass over a LoRAJob reads memory only.
 
-Each `Informer` lists one resource once, then watches it from the list's resourceVersion and keeps a
-slimmed copy of every object (`Resource.slim`: only the fields observe reads). Secrets are not among
-them: the operator holds no right on Secrets; the LoRAJob's first CPU step checks the token it names. A watch the API server ends (timeout, restart) is resumed from the last
-resourceVersion seen; one that has expired (410 Gone) is replaced by a fresh list. A watch that goes
-silent without closing is detected by the socket's read timeout (`WatchSettings.client_timeout_seconds`,
-longer than the server-side timeout after which a healthy watch always ends) and restarted: a stalled
-watch is replaced within client_timeout_seconds of its last byte.
+kopf's watches fill them (watches.py): each `Store` keeps a slimmed copy of every object of one resource
+(`Resource.slim`: only the fields observe reads), with its strings interned, and tells a change from a new
+resourceVersion of the same slimmed object. Secrets are not among them: the operator holds no right on
+Secrets; the LoRAJob's first CPU step checks the token it names.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 import sys
 import threading
-import time
-from typing import Callable, Iterator
-
-import urllib3
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
+from typing import Callable
 
 from lorajob_operator import api, policy, render
-from lorajob_operator.settings import WatchSettings
-
-log = logging.getLogger("lorajob.operator.caches")
 
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 MISSING_RESOURCE_RETRY_SECONDS = 30.0
@@ -124,10 +111,6 @@ class Resource:
     namespaced: bool
     slim: Callable[[dict], dict]
 
-    def path(self, namespace: str | None) -> str:
-        prefix = "/api/v1" if self.group_version == "v1" else f"/apis/{self.group_version}"
-        return f"{prefix}/namespaces/{namespace}/{self.plural}" if namespace else f"{prefix}/{self.plural}"
-
 
 LORAJOBS = Resource("lorajobs", f"{api.GROUP}/{api.VERSION}", api.PLURAL, True, _slim_lorajob)
 JOBSETS = Resource("jobsets", render.JOBSET_API_VERSION, render.JOBSET_PLURAL, True, _slim_jobset)
@@ -139,7 +122,6 @@ RESOURCES = (LORAJOBS, JOBSETS, WORKLOADS, LOCAL_QUEUES, POLICIES, NAMESPACES)
 
 Key = tuple[str, str]
 """(namespace, name); namespace "" for cluster-scoped objects."""
-OnChange = Callable[[Resource, dict], None]
 
 
 def key_of(obj: dict) -> Key:
@@ -159,10 +141,6 @@ def _same_but_version(candidate: dict, current: dict | None) -> bool:
         return False
     version = {"resourceVersion": current["metadata"].get("resourceVersion")}
     return candidate | {"metadata": candidate["metadata"] | version} == current
-
-
-class _Gone(Exception):
-    """The watch's resourceVersion has expired: list again."""
 
 
 class Store:
@@ -220,154 +198,12 @@ class Store:
             self.version += 1
             return current
 
-    def replace(self, objects: list[dict], namespace: str | None) -> list[dict]:
-        """A fresh list of `namespace` (None: all): stores it, drops what is gone; the objects that changed."""
-        changed = []
-        fresh = {key_of(obj) for obj in objects}
-        for key in [k for k in list(self._objects) if namespace in (None, k[0]) and k not in fresh]:
-            changed.append(self.remove(self._objects[key]))
-        changed += [stored for obj in objects if (stored := self.upsert(obj)) is not None]
-        return changed
-
     def _unindex(self, key: Key, current: dict | None) -> None:
         if current is not None and self._index and (index_key := self._index(current)) is not None:
             keys = self._by_index.get(index_key, set())
             keys.discard(key)
             if not keys:
                 self._by_index.pop(index_key, None)
-
-
-class Informer:
-    """Lists, then watches, one resource in one namespace (or all) into a `Store`; `on_change` hears every change."""
-
-    def __init__(
-        self, api_client: client.ApiClient, store: Store, namespace: str | None, on_change: OnChange,
-        settings: WatchSettings,
-    ):
-        self.api_client = api_client
-        self.store = store
-        self.namespace = namespace
-        self.on_change = on_change
-        self.settings = settings
-        self.synced = threading.Event()
-        self.restarts = 0
-        """Watches that ended in an error or went silent (not the server's normal timeouts)."""
-        self.last_activity = time.monotonic()
-        self._stop = threading.Event()
-        self._response = None
-        self._thread = threading.Thread(target=self._run, name=f"informer-{store.resource.name}", daemon=True)
-
-    @property
-    def resource(self) -> Resource:
-        return self.store.resource
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        response = self._response
-        if response is not None:
-            response.shutdown()  # unblocks the read (releasing the connection alone does not)
-        self._thread.join(timeout=5)
-
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def _run(self) -> None:
-        resource_version, failures = None, 0
-        while not self._stop.is_set():
-            try:
-                if resource_version is None:
-                    resource_version = self._list()
-                    self.synced.set()
-                resource_version = self._watch(resource_version)
-                failures = 0
-            except _Gone:
-                log.info("watch of %s expired; listing again", self.resource.name)
-                resource_version = None
-            except ApiException as error:
-                if error.status == 404 and resource_version is None:
-                    # Not installed (yet): nothing to cache; look again later.
-                    self.synced.set()
-                    self._stop.wait(MISSING_RESOURCE_RETRY_SECONDS)
-                    continue
-                if error.status == 410:
-                    resource_version = None
-                failures = self._failed(f"{error.status} {error.reason}", failures)
-            except (urllib3.exceptions.HTTPError, OSError, ValueError) as error:
-                failures = self._failed(str(error) or type(error).__name__, failures)
-            except Exception as error:  # noqa: BLE001 - a dead informer would freeze its cache: log, go on
-                log.exception("the watch of %s stopped on an unexpected error", self.resource.name)
-                failures = self._failed(repr(error), failures)
-
-    def _failed(self, why: str, failures: int) -> int:
-        if self._stop.is_set():
-            return failures
-        self.restarts += 1
-        log.warning("watch of %s (%s) failed, restarting it: %s", self.resource.name, self.namespace or "all namespaces", why)
-        self._stop.wait(ERROR_BACKOFF_SECONDS[min(failures, len(ERROR_BACKOFF_SECONDS) - 1)])
-        return failures + 1
-
-    def _request(self, query: list[tuple[str, str]], read_timeout: float):
-        """The raw (streamed) urllib3 response of a GET of the resource's collection."""
-        method, url, headers, _, _ = self.api_client.param_serialize(
-            "GET", self.resource.path(self.namespace), query_params=query,
-            header_params={"Accept": "application/json"}, auth_settings=["BearerToken"],
-        )
-        response = self.api_client.call_api(
-            method, url, headers, _request_timeout=(self.settings.connect_timeout_seconds, read_timeout)
-        )
-        if not 200 <= response.status <= 299:
-            response.read()
-            raise ApiException.from_response(http_resp=response, body=None, data=None)
-        return response.response
-
-    def _list(self) -> str:
-        response = self._request([], self.settings.request_timeout_seconds)
-        try:
-            listing = json.loads(response.data)
-        finally:
-            response.release_conn()
-        for obj in self.store.replace(listing["items"], self.namespace):
-            self.on_change(self.resource, obj)
-        self.last_activity = time.monotonic()
-        return listing["metadata"]["resourceVersion"]
-
-    def _watch(self, resource_version: str) -> str:
-        query = [
-            ("watch", "true"), ("resourceVersion", resource_version), ("allowWatchBookmarks", "true"),
-            ("timeoutSeconds", str(self.settings.server_timeout_seconds)),
-        ]
-        self._response = self._request(query, self.settings.client_timeout_seconds)
-        try:
-            for event in _events(self._response):
-                self.last_activity = time.monotonic()
-                kind, obj = event["type"], event["object"]
-                if kind == "ERROR":
-                    if obj.get("code") == 410:
-                        raise _Gone()
-                    raise ValueError(f"watch error: {obj.get('message')}")
-                resource_version = obj["metadata"]["resourceVersion"]
-                if kind == "BOOKMARK":
-                    continue
-                changed = self.store.remove(obj) if kind == "DELETED" else self.store.upsert(obj)
-                if changed is not None:
-                    self.on_change(self.resource, changed)
-        finally:
-            self._response.release_conn()
-            self._response = None
-        return resource_version
-
-
-def _events(response) -> Iterator[dict]:
-    pending = b""
-    for chunk in response.stream(amt=None, decode_content=False):
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            if line.strip():
-                yield json.loads(line)
 
 
 def _run_label(obj: dict) -> Key | None:
@@ -425,7 +261,7 @@ def queue_positions(workloads: list[dict], cluster_queue_of: Callable[[str, str]
 
 
 class Caches:
-    """The stores the reconcile reads, and the informers that fill them (`start`)."""
+    """The stores the reconcile reads; kopf's watches fill them through `apply` (watches.py)."""
 
     def __init__(self, namespaces: list[str] | None):
         self.namespaces = namespaces
@@ -437,38 +273,14 @@ class Caches:
             POLICIES: Store(POLICIES),
             NAMESPACES: Store(NAMESPACES),
         }
-        self.informers: list[Informer] = []
         self._policies: tuple[int, tuple[policy.LoRAJobPolicy, ...]] = (-1, ())
         self._queue_positions: tuple[tuple[int, int], dict[Key, tuple[int, int]]] = ((-1, -1), {})
 
-    def watches(self) -> list[tuple[Resource, str | None]]:
-        """(resource, namespace or None for all) of each watch: one connection each, held open."""
-        return [
-            (resource, namespace)
-            for resource in self.stores
-            for namespace in ((self.namespaces or [None]) if resource.namespaced else [None])
-        ]
-
-    def start(self, api_client: client.ApiClient, on_change: OnChange, settings: WatchSettings) -> None:
-        for resource, namespace in self.watches():
-            self.informers.append(Informer(api_client, self.stores[resource], namespace, on_change, settings))
-        for informer in self.informers:
-            informer.start()
-
-    def stop(self) -> None:
-        for informer in self.informers:
-            informer.stop()
-
-    def wait_synced(self, stop: threading.Event) -> bool:
-        """Blocks until every informer has listed once (False: `stop` was set first)."""
-        for informer in self.informers:
-            while not informer.synced.wait(0.5):
-                if stop.is_set():
-                    return False
-        return True
-
-    def alive(self) -> bool:
-        return all(informer.alive() for informer in self.informers)
+    def apply(self, resource: Resource, event_type: str | None, obj: dict) -> dict | None:
+        """A watch event of `resource` (`event_type` None: listed): the stored object when it changed (the
+        removed one for DELETED), else None."""
+        store = self.stores[resource]
+        return store.remove(obj) if event_type == "DELETED" else store.upsert(obj)
 
     # --- what observe reads ---------------------------------------------------------------------
 

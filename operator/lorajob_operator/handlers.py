@@ -1,7 +1,8 @@
-"""kopf wiring: kopf hosts the operator's `controller.loop.Controller` (its own watch-fed caches, work queue
-and workers) and serves the liveness probe. It registers no resource handler, so kopf writes nothing on the
-objects (it only watches CRDs, for itself): the state lives in the cluster and in LoRAJob status.
-Of several replicas, the one holding the Lease (leader.py) reconciles; the others stand by with warm caches.
+"""kopf wiring: kopf's watches feed the operator's caches (watches.py) and kopf hosts its
+`controller.loop.Controller` (work queue, workers, resync) and serves the liveness probe. Its handlers only
+read (an index and an event handler per resource), so kopf writes nothing on the objects: the state lives
+in the cluster and in LoRAJob status. Of several replicas, the one holding the Lease (leader.py)
+reconciles; the others stand by with warm caches.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from typing import Any
 import kopf
 from kubernetes import client, config
 
-from lorajob_operator import leader
-from lorajob_operator.caches import Caches
+from lorajob_operator import leader, watches
 from lorajob_operator.controller.loop import Controller
 from lorajob_operator.metrics import CountingRESTClient, Metrics
 from lorajob_operator.settings import OperatorSettings
@@ -43,15 +43,14 @@ def _leadership(ours: OperatorSettings, namespaces: list[str] | None, metrics: M
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     ours = OperatorSettings.from_env()
     settings.posting.enabled = False  # our events are the phase transitions, posted by the reconciler
+    watches.configure(settings, ours.watch)
     metrics = Metrics()
-    watches = len(Caches(memo.namespaces).watches())
     leadership = _leadership(ours, memo.namespaces, metrics)
     memo.controller = Controller(
-        _api_client(metrics, ours.reconcile.workers + watches, leadership.leading), ours, memo.namespaces, metrics, leadership
+        _api_client(metrics, ours.reconcile.workers, leadership.leading), ours, memo.namespaces, metrics, leadership
     )
     if ours.metrics.port:
         metrics.serve(ours.metrics.port)
-    memo.controller.start()
     logger.info("lorajob operator configured: %s", ours)
 
 
@@ -64,5 +63,5 @@ def stop(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.probe(id="controller")
 def controller_alive(memo: kopf.Memo, **_: Any) -> str:
     if not memo.controller.alive():
-        raise RuntimeError("a watch, a worker or the resync loop of the operator has stopped")
+        raise RuntimeError("a worker, the resync loop or the campaign of the operator has stopped")
     return "ok"

@@ -73,7 +73,6 @@ STATE = {
     "cache_objects": (GaugeMetricFamily, "Objects held in the operator's watch caches, by resource", "resource"),
     "lorajobs": (GaugeMetricFamily, "LoRAJobs by status.phase (Unknown: no status yet)", "phase"),
     "work_queue_depth": (GaugeMetricFamily, "LoRAJobs waiting for a reconcile pass", None),
-    "watch_restarts": (CounterMetricFamily, "Watches that failed or went silent and were restarted, by resource", "resource"),
     "leader": (GaugeMetricFamily, "1 while this replica holds the Lease and reconciles, 0 while it stands by", None),
     "leadership_acquired": (CounterMetricFamily, "Times this replica became the leader", None),
 }

@@ -70,7 +70,7 @@ class ReconcileSettings:
 
 @dataclasses.dataclass(frozen=True)
 class WatchSettings:
-    """The watches that fill the operator's caches (caches.py)."""
+    """kopf's watches that fill the operator's caches (watches.py, caches.py)."""
 
     server_timeout_seconds: int = 60
     """The API server ends each watch after this long; it is then resumed where it stopped (one request)."""
@@ -79,7 +79,7 @@ class WatchSettings:
     after which a healthy watch always ends): the bound within which a silently stalled watch is replaced."""
     connect_timeout_seconds: int = 10
     request_timeout_seconds: int = 30
-    """Read timeout of a list."""
+    """Timeout of a list (kopf's other requests too)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import pytest
+from in_process import kopf_operator
 from lorajobs import sample
 
 from lorajob_devcluster.process import free_loopback_port
+from lorajob_operator import handlers
 from lorajob_operator.controller.loop import Controller
-from lorajob_operator.metrics import Metrics
-from lorajob_operator.settings import OperatorSettings
 
 pytestmark = pytest.mark.cluster
 RESYNC_OFF = {"LORAJOB_RECONCILE_RESYNC_SECONDS": "3600"}
@@ -36,14 +36,12 @@ class _DeafController(Controller):
         pass
 
 
-def test_with_every_event_lost_the_cache_resync_still_converges(sim_cluster, lorajobs, namespace):
-    settings = OperatorSettings.from_env({"LORAJOB_RECONCILE_RESYNC_SECONDS": "1", "LORAJOB_METRICS_PORT": "0"})
-    controller = _DeafController(sim_cluster.api_client(), settings, [namespace], Metrics())
-    controller.start()
-    try:
+def test_with_every_event_lost_the_cache_resync_still_converges(sim_cluster, lorajobs, namespace, monkeypatch):
+    monkeypatch.setattr(handlers, "Controller", _DeafController)
+    settings = {"LORAJOB_RECONCILE_RESYNC_SECONDS": "1", "LORAJOB_METRICS_PORT": "0", "LORAJOB_LEADER_ENABLED": "false"}
+    with kopf_operator(monkeypatch, sim_cluster.kubeconfig, [namespace], settings) as controller:
+        assert isinstance(controller, _DeafController)
         lorajobs.apply(sample("resynced", train_only=True))
         done = lorajobs.wait_phase("resynced", "Succeeded", timeout=120)
-    finally:
-        controller.stop()
     assert done["status"]["restarts"]["train"] == 0
     assert len([js for js in lorajobs.jobsets() if js["metadata"]["name"] == "resynced"]) == 1

@@ -101,7 +101,7 @@ def test_cached_objects_share_their_field_names_and_short_values_and_drop_what_n
     assert cached["spec"] == applied["spec"]
 
 
-def test_an_older_version_never_replaces_a_newer_one_and_a_relist_drops_what_is_gone():
+def test_an_older_version_never_replaces_a_newer_one_and_a_deletion_drops_it_from_its_index():
     store = caches.Store(caches.JOBSETS, caches._run_label)
     body = lorajob()
     child = jobset(body, "train", uid="b")
@@ -111,7 +111,7 @@ def test_an_older_version_never_replaces_a_newer_one_and_a_relist_drops_what_is_
     assert store.upsert(older) is None
     (found,) = store.indexed((NAMESPACE, body["metadata"]["name"]))
     assert found["metadata"]["resourceVersion"] == "7"
-    assert store.replace([], NAMESPACE) == [found]
+    assert store.remove(child) == found
     assert len(store) == 0 and store.indexed((NAMESPACE, body["metadata"]["name"])) == []
 
 

@@ -37,13 +37,13 @@ def test_requests_and_failures_are_counted_by_verb_and_the_state_is_read_at_scra
     with pytest.raises(Exception):
         client.CoreV1Api(api_client).list_namespace()
     metrics.describe_state(lambda: {"lorajobs": {"Training": 2, "Succeeded": 5}, "work_queue_depth": {"": 3},
-                                    "watch_restarts": {"jobsets": 1}})
+                                    "cache_objects": {"jobsets": 1}})
     text = generate_latest(metrics.registry).decode()
     assert 'lorajob_operator_api_requests_total{verb="list"} 1.0' in text
     assert 'lorajob_operator_api_errors_total{code="none",verb="list"} 1.0' in text
     assert 'lorajob_operator_lorajobs{phase="Succeeded"} 5.0' in text
     assert "lorajob_operator_work_queue_depth 3.0" in text
-    assert 'lorajob_operator_watch_restarts_total{resource="jobsets"} 1.0' in text
+    assert 'lorajob_operator_cache_objects{resource="jobsets"} 1.0' in text
 
 
 def test_a_write_is_refused_unsent_while_this_replica_does_not_lead():

@@ -28,7 +28,7 @@ NAMESPACE = "ship-rbac"
 OTHER_NAMESPACE = "ship-rbac-unwatched"
 
 # (verb, resource[.group][/subresource]): every API call in operator/lorajob_operator/controller/, and the
-# list+watch behind each watch-fed cache (caches.py).
+# list+watch behind each cache that kopf's watches fill (watches.py).
 OPERATOR_CALLS = [
     ("list", "lorajobs.lorajob.dev"),  # cache
     ("watch", "lorajobs.lorajob.dev"),

@@ -1,4 +1,5 @@
-"""The whole operator loop: caches, work queue, worker threads, resync and leadership (`Controller`)."""
+"""The operator's loop: caches (fed by kopf's watches), work queue, worker threads, resync and leadership
+(`Controller`)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ log = logging.getLogger("lorajob.operator")
 
 
 class Controller:
-    """Caches, work queue, workers and resync: the whole operator loop (kopf only hosts it, handlers.py).
+    """Caches, work queue, workers and resync: the operator's loop (kopf's watches feed it, watches.py).
 
     Every replica fills its caches; passes run only while `leadership` says this replica leads (its
     writes are refused otherwise, by the API client that `leadership.leading` gates). On becoming the
@@ -39,33 +40,40 @@ class Controller:
         self.queue = WorkQueue()
         self.resync = Resync(self.caches, self.queue, settings.reconcile.resync_seconds)
         self._synced = threading.Event()
-        """Set once every cache has listed: change events queue passes from then on."""
-        self._running = threading.Event()
+        """Set once every cache has listed (`synced`): change events queue passes from then on."""
+        self.running = threading.Event()
         """Set once the workers and the resync loop run."""
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._work, name=f"lorajob-worker-{index}", daemon=True)
             for index in range(settings.reconcile.workers)
         ]
-        self._starter = threading.Thread(target=self._start_when_synced, name="lorajob-start", daemon=True)
+        self._starting = threading.Lock()
         metrics.describe_state(self._state)
 
-    def start(self) -> None:
-        self.caches.start(self.api_client, self._on_change, self.settings.watch)
-        self._starter.start()
+    def watched(self, resource: caches.Resource, event_type: str | None, obj: dict) -> None:
+        """A watch event (watches.py): into the caches; a change queues the LoRAJobs whose pass reads it."""
+        changed = self.caches.apply(resource, event_type, obj)
+        if changed is not None:
+            self._on_change(resource, changed)
 
-    def _start_when_synced(self) -> None:
-        """Workers start once every cache has listed: a pass over half-filled caches would re-create children."""
-        if not self.caches.wait_synced(self._stop):
+    def synced(self) -> None:
+        """Every cache has listed (watches.py): the workers and the resync start, and this replica campaigns.
+
+        Not before: a pass over half-filled caches would re-create children, and a leader with half-filled
+        ones would too."""
+        if self._synced.is_set():
             return
-        self._synced.set()
+        with self._starting:
+            if self._synced.is_set() or self._stop.is_set():
+                return
+            self._synced.set()
         for thread in self._threads:
             thread.start()
         self.resync.start()
         log.info("caches synced: %s", ", ".join(f"{r.name}={len(s)}" for r, s in self.caches.stores.items()))
-        # Only a replica with full caches campaigns: a leader with half-filled ones would re-create children.
         self.leadership.start(self._lead, lambda: None)
-        self._running.set()
+        self.running.set()
 
     def _lead(self) -> None:
         """This replica has just become the leader: every LoRAJob gets a pass."""
@@ -83,13 +91,10 @@ class Controller:
             if thread.is_alive():
                 thread.join(timeout=10)
         self.leadership.release()
-        self.caches.stop()
 
     def alive(self) -> bool:
-        """Every watch, worker, the resync loop and the campaign run (until they start: every watch runs)."""
-        if not self.caches.alive():
-            return False
-        if not self._running.is_set():
+        """Every worker, the resync loop and the campaign run (kopf stops the operator when a watch fails)."""
+        if not self.running.is_set():
             return True
         return self.resync.alive() and self.leadership.alive() and all(thread.is_alive() for thread in self._threads)
 
@@ -142,14 +147,10 @@ class Controller:
         phases = collections.Counter(
             _phase(body) or "Unknown" for body in self.caches.lorajobs()
         )
-        restarts = collections.Counter()
-        for informer in self.caches.informers:
-            restarts[informer.resource.name] += informer.restarts
         return {
             "cache_objects": {resource.name: len(store) for resource, store in self.caches.stores.items()},
             "lorajobs": dict(phases),
             "work_queue_depth": {"": len(self.queue)},
-            "watch_restarts": dict(restarts),
             "leader": {"": float(self.leadership.leading())},
             "leadership_acquired": {"": float(self.leadership.transitions)},
         }

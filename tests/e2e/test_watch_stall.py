@@ -1,6 +1,6 @@
 """A watch that goes silent without closing (a dead connection: nothing arrives, not even its end) is
-detected by its read timeout and restarted, so the cache catches up within client_timeout_seconds of the
-stall. Runs one Informer against the real API server through a TCP relay that can black-hole the
+detected by its timeout and replaced, so the cache catches up within client_timeout_seconds of the stall.
+Runs the operator's kopf watches against the real API server through a TCP relay that can black-hole the
 connections open at a given moment (new ones pass)."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import time
 from urllib.parse import urlparse
 
 import pytest
-from kubernetes import client
+import yaml
+from in_process import kopf_operator
 
 from lorajob_operator import caches
-from lorajob_operator.settings import WatchSettings
 
 pytestmark = pytest.mark.apiserver
 STALL_BOUND_SECONDS = 3
-"""client_timeout_seconds of the test's watch: the bound within which a stalled watch is replaced."""
+"""client_timeout_seconds of the test's watches: the bound within which a stalled watch is replaced."""
 
 
 class BlackHoleRelay:
@@ -74,27 +74,28 @@ class BlackHoleRelay:
                 return
 
 
-def _client_through(kube, port: int) -> client.ApiClient:
-    api_client = kube.api_client()
-    api_client.configuration.host = f"https://127.0.0.1:{port}"
-    return client.ApiClient(api_client.configuration)
+def _kubeconfig_through(kube, port: int, path):
+    kubeconfig = yaml.safe_load(kube.kubeconfig.read_text())
+    for cluster in kubeconfig["clusters"]:
+        cluster["cluster"]["server"] = f"https://127.0.0.1:{port}"
+    path.write_text(yaml.safe_dump(kubeconfig))
+    return path
 
 
-def test_a_silently_stalled_watch_is_restarted_within_its_read_timeout(kube):
+def test_a_silently_stalled_watch_is_replaced_within_its_timeout(kube, monkeypatch, tmp_path):
     server = urlparse(kube.server)
     relay = BlackHoleRelay((server.hostname, server.port))
-    settings = WatchSettings(server_timeout_seconds=600, client_timeout_seconds=STALL_BOUND_SECONDS)
-    store = caches.Store(caches.NAMESPACES)
-    informer = caches.Informer(_client_through(kube, relay.port), store, None, lambda *_: None, settings)
-    informer.start()
+    settings = {"LORAJOB_WATCH_SERVER_TIMEOUT_SECONDS": str(STALL_BOUND_SECONDS - 1),
+                "LORAJOB_WATCH_CLIENT_TIMEOUT_SECONDS": str(STALL_BOUND_SECONDS),
+                "LORAJOB_LEADER_ENABLED": "false", "LORAJOB_METRICS_PORT": "0"}
     try:
-        assert informer.synced.wait(30)
-        _created_and_seen(kube, store, "watched", timeout=10)  # the watch streams
-        relay.black_hole()  # the watch now open hears nothing more, and never learns it ended
-        _created_and_seen(kube, store, "stalled-watch", timeout=STALL_BOUND_SECONDS + 5)  # + retry pause, reconnect
-        assert informer.restarts == 1
+        with kopf_operator(monkeypatch, _kubeconfig_through(kube, relay.port, tmp_path / "kubeconfig"),
+                           ["default"], settings) as controller:
+            store = controller.caches.stores[caches.NAMESPACES]
+            _created_and_seen(kube, store, "watched", timeout=10)  # the watch streams
+            relay.black_hole()  # the watch now open hears nothing more, and never learns it ended
+            _created_and_seen(kube, store, "stalled-watch", timeout=STALL_BOUND_SECONDS + 5)  # + backoff, reconnect
     finally:
-        informer.stop()
         relay.close()
         for name in ("watched", "stalled-watch"):
             kube.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found")
