@@ -87,6 +87,25 @@ def kueue_crds(module_dir: Path, port: int, ca_pem: bytes) -> list[dict]:
     return crds
 
 
+KUEUE_VISIBILITY_API_SERVICE = "v1beta2.visibility.kueue.x-k8s.io"
+
+
+def kueue_visibility_api(module_dir: Path, namespace: str, service: str, ip: str, port: int) -> list[dict]:
+    """Kueue's APIService for its visibility API, and a Service without selector whose one endpoint is
+    Kueue's visibility server at `ip`:`port` (kube-apiserver routes to endpoints, not to ClusterIPs)."""
+    api_service = load_document(module_dir / "config/components/visibility/apiservice_v1beta2.yaml")
+    assert api_service["metadata"]["name"] == KUEUE_VISIBILITY_API_SERVICE
+    api_service["spec"]["service"] |= {"namespace": namespace, "name": service, "port": 443}
+    metadata = {"name": service, "namespace": namespace}
+    return [
+        {"apiVersion": "v1", "kind": "Service", "metadata": metadata,
+         "spec": {"ports": [{"name": "https", "port": 443, "protocol": "TCP", "targetPort": port}]}},
+        {"apiVersion": "v1", "kind": "Endpoints", "metadata": metadata,
+         "subsets": [{"addresses": [{"ip": ip}], "ports": [{"name": "https", "port": port, "protocol": "TCP"}]}]},
+        api_service,
+    ]
+
+
 def _webhook_groups(webhook: dict) -> set[str]:
     return {group for rule in webhook.get("rules", []) for group in rule.get("apiGroups", [])}
 

@@ -15,6 +15,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 LOOPBACK_NAMES = ("localhost",)
 LOOPBACK_IPS = ("127.0.0.1",)
 VALIDITY = datetime.timedelta(days=7)
+FRONT_PROXY_CLIENT = "front-proxy-client"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,9 @@ class ClusterPki:
     apiserver: CertPair
     admin: CertPair
     webhook: CertPair
+    """Serving certificate of the loopback webhooks and of Kueue's aggregated visibility API server."""
+    front_proxy_client: CertPair
+    """kube-apiserver's client certificate towards aggregated API servers (the requestheader CA is `ca`)."""
     service_account_key: Path
     service_account_pub: Path
 
@@ -90,7 +94,7 @@ def _issue(
 
 
 def generate(directory: Path) -> ClusterPki:
-    """Write a fresh CA, apiserver/webhook serving certs, an admin client cert and the service-account keys."""
+    """Write a fresh CA, apiserver/webhook serving certs, admin and front-proxy client certs and the service-account keys."""
     directory.mkdir(parents=True, exist_ok=True)
     ca_key = _new_key()
     ca_subject = _name("lorajob-devcluster-ca")
@@ -117,6 +121,7 @@ def generate(directory: Path) -> ClusterPki:
         apiserver=_issue(directory, "apiserver", ca_cert, ca_key, _name("kube-apiserver"), server=True),
         admin=_issue(directory, "admin", ca_cert, ca_key, _name("admin", "system:masters"), server=False),
         webhook=_issue(directory, "webhook", ca_cert, ca_key, _name("lorajob-devcluster-webhooks"), server=True),
+        front_proxy_client=_issue(directory, "front-proxy-client", ca_cert, ca_key, _name(FRONT_PROXY_CLIENT), server=False),
         service_account_key=sa_key_path,
         service_account_pub=sa_pub_path,
     )

@@ -1,4 +1,5 @@
-"""The full simulated TPU cluster: KCM, kube-scheduler, kwok fake nodes, JobSet and Kueue on loopback.
+"""The full simulated TPU cluster: KCM, kube-scheduler, kwok fake nodes, JobSet and Kueue on loopback, and
+Kueue's visibility API through kube-apiserver's aggregation layer (on this machine's address).
 
 It runs on an existing `ControlPlane` (upgraded in place) so the same apiserver serves both the
 apiserver-only tests and the end-to-end ones.
@@ -22,11 +23,15 @@ import yaml
 from . import build, kwok_stages, manifests, podrunner, topology
 from .controlplane import ControlPlane, ControlPlaneConfig, condition_is_true, wait_for
 from .documents import as_kubectl_input
-from .process import ManagedProcess, free_loopback_port
+from .process import ManagedProcess, free_loopback_port, host_ip
 
 KUEUE_NAMESPACE = "kueue-system"
 # Kueue loads these unconditionally when its internal cert management is off (cmd/kueue/main.go).
 KUEUE_METRICS_CERT_DIR = Path("/etc/kueue/metrics/certs")
+KUEUE_VISIBILITY_CERT_DIR = Path("/visibility")
+"""Where Kueue's visibility API server reads tls.crt/tls.key (fixed in Kueue, pkg/visibility/server.go)."""
+KUEUE_VISIBILITY_SERVICE = "visibility-server"
+VISIBILITY_READY_TIMEOUT = 60.0
 COMPONENT_READY_TIMEOUT = 120.0
 NODES_READY_TIMEOUT = 120.0
 POD_CIDR = "10.244.0.0/16"
@@ -85,6 +90,9 @@ class SimCluster:
         self.kueue_dir = build.component_module_dir("kueue")
         self.jobset_webhook_port = free_loopback_port()
         self.kueue_webhook_port = free_loopback_port()
+        self.kueue_visibility_port = free_loopback_port()
+        self.host_ip = host_ip()
+        """This machine's non-loopback IPv4 address: an aggregated API server's endpoint may not be loopback."""
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -112,14 +120,16 @@ class SimCluster:
             plane.ready_probes[process.name] = ready
             process.wait_until(ready, COMPONENT_READY_TIMEOUT, "ready")
         cluster._register_webhooks()
+        cluster._register_kueue_visibility_api()
         cluster._create_nodes()
         plane.apply_documents(topology.kueue_objects(config.node_pools))
         plane.wait_condition("clusterqueues.kueue.x-k8s.io", topology.CLUSTER_QUEUE_NAME, "Active")
         return cluster
 
     def _write_webhook_certs(self) -> None:
-        """controller-runtime reads tls.crt/tls.key from its cert dir; Kueue also insists on its metrics dir."""
-        for directory in (self.webhook_cert_dir, KUEUE_METRICS_CERT_DIR):
+        """controller-runtime reads tls.crt/tls.key from its cert dir; Kueue also insists on its metrics and its
+        visibility server's dirs."""
+        for directory in (self.webhook_cert_dir, KUEUE_METRICS_CERT_DIR, KUEUE_VISIBILITY_CERT_DIR):
             try:
                 directory.mkdir(parents=True, exist_ok=True)
                 _replace_atomically(self.plane.pki.webhook.cert, directory / "tls.crt")
@@ -250,11 +260,12 @@ class SimCluster:
                 "namespace": KUEUE_NAMESPACE,
                 **self._controller_runtime_settings(self.kueue_webhook_port, health_port),
                 "integrations": {"frameworks": ["batch/job", "jobset.x-k8s.io/jobset"]},
-                # The on-demand visibility API would start an extra aggregated apiserver.
-                "featureGates": {"VisibilityOnDemand": False},
             },
         )
-        kueue = self.plane.launch("kueue", [self.plane.binary("kueue"), f"--kubeconfig={self.plane.kubeconfig}", f"--config={config}"])
+        kueue = self.plane.launch("kueue", [
+            self.plane.binary("kueue"), f"--kubeconfig={self.plane.kubeconfig}", f"--config={config}",
+            f"--visibility-server-port={self.kueue_visibility_port}",
+        ])
         return kueue, lambda: _http_ok(f"http://127.0.0.1:{health_port}/readyz")
 
     def _register_webhooks(self) -> None:
@@ -266,6 +277,15 @@ class SimCluster:
                 *manifests.kueue_webhooks(self.kueue_dir, self.kueue_webhook_port, ca),
             ]
         )
+
+    def _register_kueue_visibility_api(self) -> None:
+        """Kueue's visibility API (pending Workloads in queue order) through kube-apiserver's aggregation layer:
+        an APIService whose Service has one endpoint, Kueue's visibility server on this machine's address."""
+        self.plane.apply_documents(manifests.kueue_visibility_api(
+            self.kueue_dir, KUEUE_NAMESPACE, KUEUE_VISIBILITY_SERVICE, self.host_ip, self.kueue_visibility_port
+        ))
+        self.plane.wait_condition("apiservices.apiregistration.k8s.io", manifests.KUEUE_VISIBILITY_API_SERVICE,
+                                  "Available", timeout=VISIBILITY_READY_TIMEOUT)
 
     def _create_nodes(self) -> None:
         nodes = [node for pool in self.config.node_pools for node in pool.nodes()]

@@ -242,14 +242,18 @@ def _queue_order(workload: dict) -> tuple:
     return -(workload["spec"].get("priority") or 0), queued_at, key_of(workload)
 
 
+def is_pending(workload: dict) -> bool:
+    """Active, without quota and not finished: waiting in its queue."""
+    return not (workload["spec"].get("active") is False or _true_condition(workload, "QuotaReserved")
+                or _true_condition(workload, "Finished"))
+
+
 def queue_positions(workloads: list[dict], cluster_queue_of: Callable[[str, str], str | None]) -> dict[Key, int]:
     """The position in its ClusterQueue of every pending Workload (active, in a LocalQueue, without quota,
     not finished); position 1 is the one Kueue considers next."""
     pending: dict[str, list[dict]] = {}
-    for workload in workloads:
+    for workload in filter(is_pending, workloads):
         spec = workload["spec"]
-        if spec.get("active") is False or _true_condition(workload, "QuotaReserved") or _true_condition(workload, "Finished"):
-            continue
         cluster_queue = spec.get("queueName") and cluster_queue_of(workload["metadata"]["namespace"], spec["queueName"])
         if cluster_queue:
             pending.setdefault(cluster_queue, []).append(workload)
@@ -275,6 +279,9 @@ class Caches:
         }
         self._policies: tuple[int, tuple[policy.LoRAJobPolicy, ...]] = (-1, ())
         self._queue_positions: tuple[tuple[int, int], dict[Key, tuple[int, int]]] = ((-1, -1), {})
+        self.kueue_positions: dict[Key, int] = {}
+        """Kueue's own positions of the pending Workloads (its visibility API), by Workload key; set at each
+        resync (controller.kueue_visibility), empty where the cluster does not serve the API."""
 
     def apply(self, resource: Resource, event_type: str | None, obj: dict) -> dict | None:
         """A watch event of `resource` (`event_type` None: listed): the stored object when it changed (the
@@ -306,6 +313,18 @@ class Caches:
     def cluster_queue_of(self, namespace: str, local_queue: str) -> str | None:
         found = self.local_queue(namespace, local_queue)
         return None if found is None else found["spec"].get("clusterQueue")
+
+    def kueue_position(self, namespace: str, workload: str) -> int | None:
+        """Kueue's position of a Workload that is still pending (as of the last resync; None: not known)."""
+        cached = self.stores[WORKLOADS].get((namespace, workload))
+        return self.kueue_positions.get((namespace, workload)) if cached and is_pending(cached) else None
+
+    def pending_local_queues(self) -> set[Key]:
+        """(namespace, LocalQueue) of every pending Workload of the watched namespaces."""
+        return {
+            (workload["metadata"]["namespace"], workload["spec"]["queueName"])
+            for workload in self.stores[WORKLOADS].items() if workload["spec"].get("queueName") and is_pending(workload)
+        }
 
     def queue_position(self, namespace: str, workload: str) -> int | None:
         """The position of a pending Workload in its ClusterQueue (None: not pending), counting

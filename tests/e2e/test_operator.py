@@ -78,12 +78,16 @@ def test_jobs_wait_in_kueue_in_order_until_the_first_releases_the_tpu_slice(lora
 
     third = lorajobs.wait("third", lambda obj: _message(obj).startswith(_waiting("2nd")), "third queued 2nd", timeout=60)
     assert _message(lorajobs.get("second")).startswith(_waiting("1st"))
+    # Details for `kubectl describe`: what the position counts, then Kueue's own words. The position is Kueue's own
+    # (its visibility API, read at the resync) once the operator has asked; before that, worked out from the caches.
+    third = lorajobs.wait("third", lambda obj: "visibility API" in (condition(obj, "Queued") or {}).get("message", ""),
+                          "third placed by Kueue's visibility API", timeout=30)
+    assert _message(third).startswith(_waiting("2nd")) and _message(lorajobs.get("second")).startswith(_waiting("1st"))
     reason = condition(third, "Queued")
     assert (reason["status"], reason["reason"]) == ("True", "WaitingForQuota")
-    # Details for `kubectl describe`: what the position counts (the namespace the operator watches), then Kueue's own words.
     assert reason["message"].startswith(third["status"]["message"]), reason["message"]
     assert (
-        f"; counting the pending Workloads in namespace {lorajobs.namespace} in Kueue's order (priority, then creation); "
+        "; Kueue's position (its visibility API), counting the pending Workloads of every namespace; "
         "Kueue: couldn't assign flavors"
     ) in reason["message"], reason["message"]
     wide = lorajobs.kubectl("get", "lj", "third", "-o", "wide").stdout

@@ -201,6 +201,27 @@ def test_observe_places_a_queued_step_from_the_caches_and_follows_the_queue_as_i
     assert queue() == QueuePosition(1, (NAMESPACE,))
 
 
+def test_kueues_own_position_comes_first_while_its_workload_is_pending_else_the_one_worked_out():
+    body = lorajob(resourceVersion="10", spec=spec_dict(model={"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://b/ckpt/0/items"}))
+    view = cluster_view(body)
+    view.stores[caches.JOBSETS].upsert(jobset(body, "train", uid="js-train", suspend=True))
+    ours = _pending("ours", "2026-01-01T00:02:00Z")
+    ours["metadata"]["labels"] = {caches.KUEUE_JOB_UID_LABEL: "js-train"}
+    view.stores[caches.WORKLOADS].upsert(ours)
+    assert view.pending_local_queues() == {(NAMESPACE, ours["spec"]["queueName"])}
+
+    def queue():
+        return observe(view, body, datetime.now(timezone.utc), SETTINGS.render).children["train"].workload.queue
+
+    assert queue() == QueuePosition(1, (NAMESPACE,))  # worked out: the only pending Workload the operator sees
+    view.kueue_positions = {(NAMESPACE, "ours"): 7}  # Kueue counts the other namespaces' too
+    assert queue() == QueuePosition(7, from_kueue=True)
+    admitted = workload(condition("QuotaReserved"), name="ours", cluster_queue="cq-tpu")
+    admitted["metadata"] |= {"resourceVersion": "5", "labels": ours["metadata"]["labels"]}
+    view.stores[caches.WORKLOADS].upsert(admitted)
+    assert queue() is None  # admitted since Kueue was last asked: its old position is not shown
+
+
 def test_a_change_to_another_workload_queues_no_pass_the_resync_moves_the_queued_lorajobs_up():
     controller = Controller(_nowhere_client(Metrics()), SETTINGS, [NAMESPACE], Metrics())
     stores = controller.caches.stores

@@ -43,6 +43,7 @@ OPERATOR_CALLS = [
     ("watch", "workloads.kueue.x-k8s.io"),
     ("list", "localqueues.kueue.x-k8s.io"),  # cache: does spec.scheduling.queueName exist
     ("watch", "localqueues.kueue.x-k8s.io"),
+    ("get", "localqueues.visibility.kueue.x-k8s.io/pendingworkloads"),  # Kueue's queue positions
     ("list", "pods"),  # the failed container of a failed step; the train step's lead pod
     ("get", "pods/log"),  # the lead trainer's progress lines
     ("create", "events"),  # one per phase transition
@@ -52,7 +53,7 @@ CLUSTER_CALLS = [
     ("watch", "lorajobpolicies.lorajob.dev"),
     ("list", "namespaces"),  # cache: a namespace's labels, which policies select on
     ("watch", "namespaces"),
-    ("list", "customresourcedefinitions.apiextensions.k8s.io"),  # kopf (the process host) watches CRDs
+    ("list", "customresourcedefinitions.apiextensions.k8s.io"),  # kopf watches CRDs (which resources exist)
     ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
 ]
 LEASE_CALLS = [

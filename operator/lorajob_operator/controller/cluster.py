@@ -19,7 +19,10 @@ LORAJOB = (api.GROUP, api.VERSION, api.PLURAL)
 FIELD_MANAGER = "lorajob-operator"
 
 
-LOG_REQUEST_TIMEOUT_SECONDS = 10
+READ_TIMEOUT_SECONDS = 10
+
+
+KUEUE_VISIBILITY = ("visibility.kueue.x-k8s.io", "v1beta2")
 
 
 def is_missing(error: ApiException) -> bool:
@@ -48,6 +51,20 @@ class Cluster:
                 return None
             raise
 
+    def pending_workloads(self, namespace: str, local_queue: str) -> list[dict]:
+        """Kueue's pending Workloads of a LocalQueue in its order (visibility API; raises 404/503 where not served)."""
+        group, version = KUEUE_VISIBILITY
+        path = f"/apis/{group}/{version}/namespaces/{namespace}/localqueues/{local_queue}/pendingworkloads"
+        api_client = self.custom.api_client
+        method, url, headers, _, _ = api_client.param_serialize(
+            "GET", path, header_params={"Accept": "application/json"}, auth_settings=["BearerToken"]
+        )
+        response = api_client.call_api(method, url, headers, _request_timeout=READ_TIMEOUT_SECONDS)
+        response.read()
+        if not 200 <= response.status <= 299:
+            raise ApiException(http_resp=response)
+        return json.loads(response.data).get("items") or []
+
     def pods_of(self, jobset: str, namespace: str) -> list[dict]:
         pods = self.core.list_namespaced_pod(namespace, label_selector=f"{render.JOBSET_NAME_LABEL}={jobset}")
         return [self.core.api_client.sanitize_for_serialization(pod) for pod in pods.items]
@@ -62,6 +79,6 @@ class Cluster:
         # Raw bytes: the client would otherwise try to decode a log that happens to be JSON as an object.
         response = self.core.read_namespaced_pod_log(
             pod.metadata.name, namespace, container=render.TRAINER_CONTAINER, tail_lines=lines,
-            _preload_content=False, _request_timeout=LOG_REQUEST_TIMEOUT_SECONDS,
+            _preload_content=False, _request_timeout=READ_TIMEOUT_SECONDS,
         )
         return response.data.decode("utf-8", errors="replace")

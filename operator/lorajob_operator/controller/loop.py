@@ -13,6 +13,7 @@ from kubernetes import client
 from lorajob_operator import api, caches
 from lorajob_operator.caches import Caches, Key
 from lorajob_operator.controller.cluster import Cluster
+from lorajob_operator.controller.kueue_visibility import KueueVisibility
 from lorajob_operator.controller.reconciler import Reconciler, unobserved
 from lorajob_operator.controller.work_queue import Resync, WorkQueue
 from lorajob_operator.leader import LeaderElector, NoElection, NotLeader
@@ -36,9 +37,11 @@ class Controller:
         self.metrics = metrics
         self.leadership = leadership or NoElection()
         self.caches = Caches(namespaces)
-        self.reconciler = Reconciler(Cluster(api_client), self.caches, settings)
+        cluster = Cluster(api_client)
+        self.reconciler = Reconciler(cluster, self.caches, settings)
+        self.kueue_visibility = KueueVisibility(cluster, self.caches)
         self.queue = WorkQueue()
-        self.resync = Resync(self.caches, self.queue, settings.reconcile.resync_seconds)
+        self.resync = Resync(self.caches, self.queue, settings.reconcile.resync_seconds, self._refresh_queue_positions)
         self._synced = threading.Event()
         """Set once every cache has listed (`synced`): change events queue passes from then on."""
         self.running = threading.Event()
@@ -121,6 +124,15 @@ class Controller:
             namespace = name
         scope = None if resource is caches.POLICIES else namespace
         return [caches.key_of(body) for body in self.caches.lorajobs(scope)]
+
+    def _refresh_queue_positions(self) -> None:
+        """Kueue's queue positions before the resync's passes (the leader's: they end up in status)."""
+        if not self.leadership.leading():
+            return
+        try:
+            self.kueue_visibility.refresh()
+        except Exception:  # noqa: BLE001 - the positions worked out from the caches stand in
+            log.exception("reading queue positions from Kueue's visibility API failed")
 
     def _work(self) -> None:
         while (item := self.queue.get()) is not None:

@@ -35,7 +35,13 @@ def _newest_workload(view: Caches, namespace: str, jobset: dict) -> dict | None:
 
 
 def _queue_position(view: Caches, workload: dict | None) -> QueuePosition | None:
-    found = workload and view.queue_position(workload["metadata"]["namespace"], workload["metadata"]["name"])
+    """Kueue's own position where its visibility API gave one, else the one worked out from the caches."""
+    if workload is None:
+        return None
+    key = (workload["metadata"]["namespace"], workload["metadata"]["name"])
+    if kueues := view.kueue_position(*key):
+        return QueuePosition(kueues, from_kueue=True)
+    found = view.queue_position(*key)
     return QueuePosition(found, namespaces=tuple(view.namespaces or ())) if found else None
 
 

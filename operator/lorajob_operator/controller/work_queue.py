@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from typing import Callable
 
 from lorajob_operator import caches
 from lorajob_operator.caches import Caches, Key
@@ -84,10 +85,11 @@ class Resync:
     It reads the caches only: it re-runs decide on what the watches delivered, which catches an event
     whose pass was lost or failed, and drives time-based decisions (deadlines, TTL, backoff)."""
 
-    def __init__(self, view: Caches, queue: WorkQueue, interval: float):
+    def __init__(self, view: Caches, queue: WorkQueue, interval: float, before_full_pass: Callable[[], None] = lambda: None):
         self.view = view
         self.queue = queue
         self.interval = interval
+        self.before_full_pass = before_full_pass
         self.last_pass = 0.0
         self._due: dict[Key, float] = {}
         self._due_lock = threading.Lock()  # worker threads schedule while the loop reads
@@ -130,6 +132,7 @@ class Resync:
                 # With the log: the stall watchdog's deadline pass judges the trainer's newest step.
                 self.queue.add(key, read_progress=True)
             if now >= next_full:
+                self.before_full_pass()
                 for body in self.view.lorajobs():
                     self.queue.add(caches.key_of(body), read_progress=True)
                 next_full = now + self.interval

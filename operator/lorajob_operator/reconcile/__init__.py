@@ -16,7 +16,8 @@ Mechanisms, in one place:
 * Kueue is never fought: a JobSet is created with its queue label and then only read (suspend and
   pod templates belong to Kueue). Its Workload (label kueue.x-k8s.io/job-uid) says whether the step
   is queued, admitted or evicted. A queued step's message gives its place among the pending Workloads of
-  its ClusterQueue, in Kueue's order, worked out from the watched Workloads (`caches.queue_positions`), and
+  its ClusterQueue: Kueue's own (its visibility API, controller.kueue_visibility) or, where the cluster does not
+  serve it, worked out in Kueue's order from the watched Workloads (`caches.queue_positions`), and
   what it waits for (the resources Kueue's pending message names, with the Workload's requests of them).
 * Retries: a failed try N of a step (label lorajob.dev/attempt) is deleted once its backoff has
   passed and `status.restarts` records try N+1; the next pass, seeing no child, creates try N+1

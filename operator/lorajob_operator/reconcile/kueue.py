@@ -19,6 +19,8 @@ class QueuePosition:
     """1 for the Workload Kueue considers next."""
     namespaces: tuple[str, ...] = ()
     """The namespaces whose Workloads were counted when the operator watches only some (empty: all)."""
+    from_kueue: bool = False
+    """Kueue's own position (its visibility API), counting every namespace; else worked out from the caches."""
 
 
 @dataclasses.dataclass(frozen=True)

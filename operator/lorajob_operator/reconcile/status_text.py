@@ -68,7 +68,9 @@ def waiting_for_quota(cluster_queue: str, workload: WorkloadState) -> tuple[str,
     queue = workload.queue
     where = f"{queue_place(queue.position)} in ClusterQueue {cluster_queue}" if queue else f"queued in ClusterQueue {cluster_queue}"
     details = []
-    if queue:
+    if queue and queue.from_kueue:
+        details.append("Kueue's position (its visibility API), counting the pending Workloads of every namespace")
+    elif queue:
         plural = "s" if len(queue.namespaces) > 1 else ""
         counted = f" in namespace{plural} {', '.join(queue.namespaces)}" if queue.namespaces else ""
         details.append(f"counting the pending Workloads{counted} in Kueue's order (priority, then creation)")
