@@ -8,8 +8,9 @@ Two handlers per resource take them:
   kopf's own index empty: the controller's worker threads read the caches, and kopf's indexes, changed on
   its event loop without a lock, are not made to be read from threads. kopf calls no other handler before
   every index handler has seen every listed object;
-- so the first call of an event handler tells the controller that its caches are complete (the namespaces
-  always have objects, so it comes); the event handler also drops a deleted object and tells of it.
+- so the first call of an event handler tells the controller that its caches are complete (it comes with the
+  namespaces' first events: there always are some); the event handler also drops a deleted object and tells
+  of it. kopf's diffing of objects for change-detecting handlers is switched off (`NothingToDiff`).
 
 A gap kopf does not cover: after a re-list (410 Gone) kopf delivers the objects that exist, but no deletion
 of those that went while it was not watching; such an object stays cached until the operator restarts.
@@ -26,7 +27,22 @@ from lorajob_operator import caches
 from lorajob_operator.settings import WatchSettings
 
 
+class NothingToDiff(kopf.DiffBaseStorage):
+    """The essence kopf diffs for change-detecting handlers (on.create/update/...): none are registered, so
+    there is nothing to diff, and kopf need not deep-copy every event's body to find that out."""
+
+    def build(self, *, body: kopf.Body, extra_fields=None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        pass
+
+
 def configure(settings: kopf.OperatorSettings, ours: WatchSettings) -> None:
+    settings.persistence.diffbase_storage = NothingToDiff()
     settings.watching.server_timeout = ours.server_timeout_seconds
     settings.watching.client_timeout = ours.client_timeout_seconds  # a healthy watch ends before (server_timeout)
     settings.watching.inactivity_timeout = ours.client_timeout_seconds
@@ -47,6 +63,13 @@ async def see(event: kopf.RawEvent, memo: kopf.Memo, param: caches.Resource, **_
         memo.controller.watched(param, "DELETED", event["object"])
 
 
+def deleted(event: kopf.RawEvent, **_: Any) -> bool:
+    return event["type"] == "DELETED"
+
+
 for _resource in caches.RESOURCES:
     kopf.index(_resource.group_version, _resource.plural, id=f"cache-{_resource.name}", param=_resource)(cache)
-    kopf.on.event(_resource.group_version, _resource.plural, id=f"see-{_resource.name}", param=_resource)(see)
+    # Every event of the namespaces (there are always some, so the first says the caches are complete; they
+    # change rarely); of the other resources only deletions, so a burst costs one handler call per event.
+    kopf.on.event(_resource.group_version, _resource.plural, id=f"see-{_resource.name}", param=_resource,
+                  when=None if _resource is caches.NAMESPACES else deleted)(see)

@@ -2,8 +2,8 @@
 resources it writes), `observe` (a LoRAJob's world from the caches, caches.py, which kopf's watches fill,
 watches.py), `trainer_logs` (when a trainer's log is worth reading, and reading it), `writes` (carrying out
 what a `reconcile.decide.Decision` says), `reconciler` (one pass: observe -> decide -> writes),
-`work_queue` (the burst-first queue and the resync) and `loop` (`Controller`: caches, queue, workers,
-leadership).
+`work_queue` (the burst-first queue and the resync), `kueue_visibility` (Kueue's own queue positions) and
+`loop` (`Controller`: caches, queue, workers, leadership).
 
 `Controller` runs it all: the caches, a work queue of LoRAJob keys fed by the caches' change events and by
 `Resync`, and worker threads that run `Reconciler.reconcile` (one pass over one

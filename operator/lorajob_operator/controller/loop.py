@@ -32,7 +32,6 @@ class Controller:
 
     def __init__(self, api_client: client.ApiClient, settings: OperatorSettings, namespaces: list[str] | None,
                  metrics: Metrics, leadership: LeaderElector | NoElection | None = None):
-        self.api_client = api_client
         self.settings = settings
         self.metrics = metrics
         self.leadership = leadership or NoElection()
