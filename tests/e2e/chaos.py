@@ -83,18 +83,28 @@ def problems(jobset_versions: Versions, lorajob_versions: Versions, names: list[
     """(LoRAJob, step) -> {JobSet uid: attempt} of every JobSet ever seen."""
     first_seen: dict[str, float] = {}
     completed_at: dict[str, float] = {}
+    created: dict[str, str] = {}
+    completed: dict[str, str] = {}
+    """The API server's own times (seconds): a JobSet's creation, its Completed condition."""
     for at, jobset in jobset_versions:
         uid, (run, step, attempt) = jobset["metadata"]["uid"], _key(jobset)
         attempts.setdefault((run, step), {})[uid] = attempt
         first_seen.setdefault(uid, at)
+        created[uid] = jobset["metadata"]["creationTimestamp"]
         if "Completed" in _true_conditions(jobset):
             completed_at.setdefault(uid, at)
+            completed.setdefault(uid, next(c["lastTransitionTime"] for c in jobset["status"]["conditions"]
+                                           if c["type"] == "Completed"))
         owner, lorajob = _controller(jobset), lorajobs.get(run)
         if lorajob is None or owner is None or (owner["kind"], owner["uid"]) != ("LoRAJob", lorajob["metadata"]["uid"]):
             found.append(f"JobSet {jobset['metadata']['name']} ({uid}) is not controlled by its LoRAJob: {owner}")
 
     def completion(run: str, step: str) -> float | None:
         done = [completed_at[uid] for uid in attempts.get((run, step), {}) if uid in completed_at]
+        return min(done) if done else None
+
+    def completed_by_server(run: str, step: str) -> str | None:
+        done = [completed[uid] for uid in attempts.get((run, step), {}) if uid in completed]
         return min(done) if done else None
 
     for name in names:
@@ -120,7 +130,11 @@ def problems(jobset_versions: Versions, lorajob_versions: Versions, names: list[
             if again:
                 found.append(f"LoRAJob {name}: step {step} ran again after it completed (JobSets {again})")
             before = completion(name, steps[index - 1]) if index else None
-            early = sorted(uid for uid in tries if index and (before is None or first_seen[uid] < before))
+            # Seen before the step before it was seen completed (a listing after a watch gap shows both at once:
+            # not counted), or created, by the API server's clock, before that step completed.
+            before_by_server = completed_by_server(name, steps[index - 1]) if index else None
+            early = sorted(uid for uid in tries if index and (
+                before is None or first_seen[uid] < before or created[uid] < (before_by_server or "")))
             if early:
                 found.append(f"LoRAJob {name}: step {step} started before step {steps[index - 1]} completed ({early})")
     found += _history_problems(lorajob_versions)

@@ -57,16 +57,17 @@ class Record:
         for watch in list(self._watches):
             watch.stop()
 
-    def _add(self, plural: str, obj: dict) -> None:
+    def _add(self, plural: str, obj: dict, at: float | None = None) -> None:
         with self._changed:
-            self._seen[plural].append((time.monotonic(), obj))
+            self._seen[plural].append((time.monotonic() if at is None else at, obj))
             self._changed.notify_all()
 
     def _list(self, plural: str) -> str:
         group, version = self.RESOURCES[plural]
         listing = self._api.list_namespaced_custom_object(group, version, self.namespace, plural)
+        listed_at = time.monotonic()  # one moment for the whole listing: the order of its items says nothing
         for obj in listing["items"]:
-            self._add(plural, obj)
+            self._add(plural, obj, listed_at)
         self._listed[plural].set()
         return listing["metadata"]["resourceVersion"]
 

@@ -30,21 +30,32 @@ def _lorajob(phase: str, **status) -> dict:
                        "startTime": "2026-01-01T00:00:00Z", "completionTime": "2026-01-01T00:01:00Z", **status}}
 
 
-def _jobset(step: str, uid: str, completed: bool, attempt: int = 0, owner_uid: str = RUN_UID) -> dict:
+def _server_time(second: int) -> str:
+    return f"2026-01-01T00:00:{second:02d}Z"
+
+
+def _jobset(step: str, uid: str, completed: bool, attempt: int = 0, owner_uid: str = RUN_UID,
+            created: int = 0, completed_at: int = 0) -> dict:
+    """`created`, `completed_at`: the API server's seconds of its creation and of its Completed condition."""
     labels = {render.LABEL_RUN: RUN, render.LABEL_PHASE: step, render.LABEL_ATTEMPT: str(attempt)}
+    done = [{"type": "Completed", "status": "True", "lastTransitionTime": _server_time(completed_at)}]
     return {"kind": "JobSet",
             "metadata": {"name": rules.child_name(RUN, step), "uid": uid, "labels": labels,
+                         "creationTimestamp": _server_time(created),
                          "ownerReferences": [{"kind": "LoRAJob", "name": RUN, "uid": owner_uid, "controller": True}]},
-            "status": {"conditions": [{"type": "Completed", "status": "True"}] if completed else []}}
+            "status": {"conditions": done if completed else []}}
 
 
 def _good() -> tuple[list, list]:
+    """A chain as the recorder sees it; its clock doubles as the API server's seconds."""
     clock = itertools.count()
     jobsets, lorajobs = [], [(next(clock), _lorajob("Queued"))]
     for step, phase in zip(STEPS, ("Converting", "Training", "Exporting"), strict=True):
-        jobsets.append((next(clock), _jobset(step, f"uid-{step}", completed=False)))
+        created = next(clock)
+        jobsets.append((created, _jobset(step, f"uid-{step}", completed=False, created=created)))
         lorajobs.append((next(clock), _lorajob(phase)))
-        jobsets.append((next(clock), _jobset(step, f"uid-{step}", completed=True)))
+        done = next(clock)
+        jobsets.append((done, _jobset(step, f"uid-{step}", completed=True, created=created, completed_at=done)))
     lorajobs.append((next(clock), _lorajob("Succeeded")))
     return jobsets, lorajobs
 
@@ -73,6 +84,21 @@ def test_each_broken_rule_is_reported(break_it, expected):
     break_it(jobsets, lorajobs)
     found = problems(jobsets, lorajobs, [RUN], [])
     assert any(line.startswith(expected) for line in found), found
+
+
+def test_a_listing_after_a_watch_gap_shows_steps_at_once_in_any_order_and_only_the_servers_clock_judges_them():
+    """The recorder missed the convert step's completion and the train step's creation (kube-apiserver
+    restarting) and lists both at one moment, the train JobSet first (names sort so)."""
+    jobsets, lorajobs = _good()
+    convert_done, train_created, train_done = jobsets[1], jobsets[2], jobsets[3]
+    listed_at = train_created[0]
+    jobsets[1:3] = [(listed_at, train_created[1]), (listed_at, convert_done[1])]
+    assert problems(jobsets, lorajobs, [RUN], []) == []
+    created_too_early = _jobset("train", "uid-train", False, created=convert_done[0] - 1)
+    jobsets[1] = (listed_at, created_too_early)
+    jobsets[3] = (train_done[0], train_done[1] | {"metadata": created_too_early["metadata"]})
+    found = problems(jobsets, lorajobs, [RUN], [])
+    assert any(line.startswith("LoRAJob a: step train started before step convert completed") for line in found), found
 
 
 def test_an_orphaned_child_is_reported():
