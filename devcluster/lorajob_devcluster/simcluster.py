@@ -92,7 +92,9 @@ class SimCluster:
         self.kueue_webhook_port = free_loopback_port()
         self.kueue_visibility_port = free_loopback_port()
         self.host_ip = host_ip()
-        """This machine's non-loopback IPv4 address: an aggregated API server's endpoint may not be loopback."""
+        """This machine's non-loopback IPv4 address: an aggregated API server's endpoint may not be loopback.
+        Without one the cluster does not serve Kueue's visibility API (the operator then works queue
+        positions out itself)."""
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -281,6 +283,10 @@ class SimCluster:
     def _register_kueue_visibility_api(self) -> None:
         """Kueue's visibility API (pending Workloads in queue order) through kube-apiserver's aggregation layer:
         an APIService whose Service has one endpoint, Kueue's visibility server on this machine's address."""
+        if self.host_ip is None:
+            print("the simulated cluster does not serve Kueue's visibility API: this machine has no non-loopback "
+                  "IPv4 address for its endpoint", file=sys.stderr)
+            return
         self.plane.apply_documents(manifests.kueue_visibility_api(
             self.kueue_dir, KUEUE_NAMESPACE, KUEUE_VISIBILITY_SERVICE, self.host_ip, self.kueue_visibility_port
         ))

@@ -80,6 +80,7 @@ def test_jobs_wait_in_kueue_in_order_until_the_first_releases_the_tpu_slice(lora
     assert _message(lorajobs.get("second")).startswith(_waiting("1st"))
     # Details for `kubectl describe`: what the position counts, then Kueue's own words. The position is Kueue's own
     # (its visibility API, read at the resync) once the operator has asked; before that, worked out from the caches.
+    assert lorajobs.cluster.host_ip, "the simulated cluster serves Kueue's visibility API only on a non-loopback address"
     third = lorajobs.wait("third", lambda obj: "visibility API" in (condition(obj, "Queued") or {}).get("message", ""),
                           "third placed by Kueue's visibility API", timeout=30)
     assert _message(third).startswith(_waiting("2nd")) and _message(lorajobs.get("second")).startswith(_waiting("1st"))
