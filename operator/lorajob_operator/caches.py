@@ -16,10 +16,6 @@ from typing import Callable
 from lorajob_operator import api, policy, render
 
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
-MISSING_RESOURCE_RETRY_SECONDS = 30.0
-"""How often the list of a resource whose CRD is not installed (404) is tried again."""
-ERROR_BACKOFF_SECONDS = (0.2, 1.0, 2.0, 5.0)
-"""Pauses before the 1st, 2nd, ... retry after a failed list or watch (the last one repeats)."""
 
 
 def _metadata(obj: dict, *fields: str, labels: Callable[[str], bool] = lambda _: True) -> dict:
@@ -108,16 +104,15 @@ class Resource:
     group_version: str
     """"v1" for the core group, else "<group>/<version>"."""
     plural: str
-    namespaced: bool
     slim: Callable[[dict], dict]
 
 
-LORAJOBS = Resource("lorajobs", f"{api.GROUP}/{api.VERSION}", api.PLURAL, True, _slim_lorajob)
-JOBSETS = Resource("jobsets", render.JOBSET_API_VERSION, render.JOBSET_PLURAL, True, _slim_jobset)
-WORKLOADS = Resource("workloads", render.KUEUE_API_VERSION, "workloads", True, _slim_workload)
-LOCAL_QUEUES = Resource("localqueues", render.KUEUE_API_VERSION, "localqueues", True, _slim_local_queue)
-POLICIES = Resource("lorajobpolicies", f"{api.GROUP}/{api.VERSION}", policy.PLURAL, False, _without_managed_fields)
-NAMESPACES = Resource("namespaces", "v1", "namespaces", False, _slim_namespace)
+LORAJOBS = Resource("lorajobs", f"{api.GROUP}/{api.VERSION}", api.PLURAL, _slim_lorajob)
+JOBSETS = Resource("jobsets", render.JOBSET_API_VERSION, render.JOBSET_PLURAL, _slim_jobset)
+WORKLOADS = Resource("workloads", render.KUEUE_API_VERSION, "workloads", _slim_workload)
+LOCAL_QUEUES = Resource("localqueues", render.KUEUE_API_VERSION, "localqueues", _slim_local_queue)
+POLICIES = Resource("lorajobpolicies", f"{api.GROUP}/{api.VERSION}", policy.PLURAL, _without_managed_fields)
+NAMESPACES = Resource("namespaces", "v1", "namespaces", _slim_namespace)
 RESOURCES = (LORAJOBS, JOBSETS, WORKLOADS, LOCAL_QUEUES, POLICIES, NAMESPACES)
 
 Key = tuple[str, str]
