@@ -99,12 +99,9 @@ def problems(jobset_versions: Versions, lorajob_versions: Versions, names: list[
         if lorajob is None or owner is None or (owner["kind"], owner["uid"]) != ("LoRAJob", lorajob["metadata"]["uid"]):
             found.append(f"JobSet {jobset['metadata']['name']} ({uid}) is not controlled by its LoRAJob: {owner}")
 
-    def completion(run: str, step: str) -> float | None:
-        done = [completed_at[uid] for uid in attempts.get((run, step), {}) if uid in completed_at]
-        return min(done) if done else None
-
-    def completed_by_server(run: str, step: str) -> str | None:
-        done = [completed[uid] for uid in attempts.get((run, step), {}) if uid in completed]
+    def completion(run: str, step: str, times: dict = completed_at):
+        """When the step's first JobSet to complete did so, by `times` (the recorder's, or the server's)."""
+        done = [times[uid] for uid in attempts.get((run, step), {}) if uid in times]
         return min(done) if done else None
 
     for name in names:
@@ -132,7 +129,7 @@ def problems(jobset_versions: Versions, lorajob_versions: Versions, names: list[
             before = completion(name, steps[index - 1]) if index else None
             # Seen before the step before it was seen completed (a listing after a watch gap shows both at once:
             # not counted), or created, by the API server's clock, before that step completed.
-            before_by_server = completed_by_server(name, steps[index - 1]) if index else None
+            before_by_server = completion(name, steps[index - 1], completed) if index else None
             early = sorted(uid for uid in tries if index and (
                 before is None or first_seen[uid] < before or created[uid] < (before_by_server or "")))
             if early:
