@@ -112,6 +112,7 @@ def test_the_plan_is_seeded():
     assert sorted(fault.target for fault in plan(SEED, 3)) == sorted([OPERATOR] * 3 + list(RESTARTABLE))
 
 
+@pytest.mark.slow
 @pytest.mark.cluster
 def test_lorajobs_survive_leader_kills_and_control_plane_restarts(sim_cluster, namespace, replicas):
     outcome = run(sim_cluster, namespace, replicas, SEED, jobs=6, operator_kills=3, timeout=300)

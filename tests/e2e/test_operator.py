@@ -69,6 +69,7 @@ def _message(obj: dict) -> str:
     return (obj.get("status") or {}).get("message") or ""
 
 
+@pytest.mark.slow
 def test_jobs_wait_in_kueue_in_order_until_the_first_releases_the_tpu_slice(lorajobs, operator):
     lorajobs.apply(sample("first", train_only=True, images=every_image(SLOW_IMAGE)))
     lorajobs.wait_phase("first", "Training", timeout=60)

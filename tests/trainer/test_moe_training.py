@@ -193,6 +193,7 @@ print("REPORT " + json.dumps(report))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_expert_axis_shards_experts_and_their_adapters_and_keeps_the_losses(tmp_path, quantization):
     """4 CPU devices as mesh expert=2 x fsdp=2: each expert stack and adapter holds a quarter of the experts
