@@ -3,12 +3,12 @@
     python bench/load_memory.py [--hidden 2048] [--intermediate 16384] [--layers 8] [--heads 8]
                                 [--kv-heads 4] [--head-dim 128] [--shards 4] [--steps 2] [--workdir DIR]
 
-Builds a random Qwen3 safetensors checkpoint of the given shape (default: the one
-tests/trainer/test_multiprocess.py uses, 3.2 GiB in float32), then runs the real entry point
+Builds a random Qwen3 safetensors checkpoint of the given shape (default: 3.2 GiB in float32, where
+the JAX/XLA runtime's ~0.35 GiB is about a tenth, so half the model stands out), then runs the real entry point
 `lorajob_trainer.train` for `--steps` LoRA steps, once as one process with four virtual CPU
 devices and once as two processes (jax.distributed on loopback) with two devices each. Every
 trainer process runs as in the trainer image (torch unimportable) and reports, at the end of setup
-(base weights, LoRA, optimizer, data; what the test measures) and at the end of the run, its peak
+(base weights, LoRA, optimizer, data) and at the end of the run, its peak
 RSS (VmHWM) and the peaks of its RssFile (mapped file pages) and RssAnon (heap, device
 buffers), sampled from /proc/self/status every 5 ms. Ideal per process of two: half the model
 plus the runtime; the steps add XLA's working set (on CPU devices, host memory: each device
@@ -28,10 +28,12 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
+WIDE_QWEN3 = {"hidden_size": 2048, "intermediate_size": 16384, "num_hidden_layers": 8, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "head_dim": 128}
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "trainer"))
-# The tests' trainer-image environment (torch hidden), model shape and run arguments.
-from test_multiprocess import HIDE_TORCH, WIDE_QWEN3  # noqa: E402
+# The tests' trainer-image environment (torch hidden) and run arguments.
+from test_multiprocess import HIDE_TORCH  # noqa: E402
 from trainer_testkit import arithmetic_rows, base_args, write_jsonl  # noqa: E402
 
 # Samples RssFile/RssAnon, snapshots the peaks when setup is done (Trainer.run starts), runs the

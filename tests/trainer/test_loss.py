@@ -114,24 +114,29 @@ def step_parts(lora_model: LoraModel, stacked: bool):
     return graphdef, layout.flat(lora_state), base, layout
 
 
+def value_and_grad(loss_fn, parts, batch):
+    graphdef, adapters, base, layout = parts
+
+    def total(adapters):
+        return loss_fn(nnx.merge(graphdef, layout.state(adapters), base), batch)
+
+    return jax.jit(jax.value_and_grad(total, has_aux=True))(adapters)
+
+
+@pytest.fixture(scope="module")
+def full_logits_reference(lora_model):
+    """(batch, ((loss, weight), gradients)) of the full logits over the unrolled layers: once per model."""
+    batch = batch_with_gaps(lora_model.model.embedder.input_embedding.get_value().shape[0])
+    return batch, value_and_grad(full_logits_losses, step_parts(lora_model, stacked=False), batch)
+
+
 @pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize(("chunk_length", "policy"), [(5, "none"), (64, "minimal"), (5, "full")])
-def test_chunked_loss_and_gradients_equal_full_logits(lora_model, chunk_length, policy, stacked):
+def test_chunked_loss_and_gradients_equal_full_logits(lora_model, full_logits_reference, chunk_length, policy, stacked):
     """Also with the layers scanned as the train step runs them: the same loss and per-layer gradients."""
-    reference_parts = step_parts(lora_model, stacked=False)
-    batch = batch_with_gaps(lora_model.model.embedder.input_embedding.get_value().shape[0])
-
-    def value_and_grad(loss_fn, parts):
-        graphdef, adapters, base, layout = parts
-
-        def total(adapters):
-            return loss_fn(nnx.merge(graphdef, layout.state(adapters), base), batch)
-
-        return jax.jit(jax.value_and_grad(total, has_aux=True))(adapters)
-
-    (reference, reference_weight), reference_grads = value_and_grad(full_logits_losses, reference_parts)
-    parts = step_parts(lora_model, stacked)
-    (chunked, chunked_weight), chunked_grads = value_and_grad(chunked_losses(chunk_length, policy), parts)
+    batch, ((reference, reference_weight), reference_grads) = full_logits_reference
+    (chunked, chunked_weight), chunked_grads = value_and_grad(
+        chunked_losses(chunk_length, policy), step_parts(lora_model, stacked), batch)
     assert float(chunked_weight) == float(reference_weight) == 15.0
     # Recomputed or scanned layers, and capped logits (tanh), fuse differently: float32 rounding, not a
     # different gradient.

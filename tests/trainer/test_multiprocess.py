@@ -2,8 +2,8 @@
 
 Each process runs the real entry point with the environment the operator's JobSets set
 (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). The global batch is the same in
-both layouts, so the losses must match; and since every process reads only the slices its own
-devices hold, a process sets up training with about half the model in memory, not all of it.
+both layouts, so the losses must match. That each process sets up training with about half the model
+in memory (it reads only the slices its own devices hold) is measured by bench/load_memory.py.
 """
 
 from __future__ import annotations
@@ -30,58 +30,35 @@ HIDE_TORCH = (
     "        return None if name.partition('.')[0] == 'torch' else super().find_spec(name, path, target)\n"
     "sys.meta_path = [HideTorch if f is importlib.machinery.PathFinder else f for f in sys.meta_path]\n"
 )
-REPORT_PEAK_RSS = (  # one line: the run launcher puts it in a `finally:` block
-    "from lorajob_trainer import metrics; print('PEAK_RSS_BYTES', metrics.peak_host_memory_bytes(), file=sys.stderr)\n"
-)
-
-# Runs the entry point, then reports this process's peak RSS on the last line of stderr.
-LAUNCHER = HIDE_TORCH + (
-    "try:\n"
-    "    runpy.run_module('lorajob_trainer.train', run_name='__main__', alter_sys=True)\n"
-    "finally:\n"
-    "    " + REPORT_PEAK_RSS
-)
-
-# Sets a training process up as the entry point does (distributed runtime, mesh, base weights,
-# LoRA, optimizer state, data) and stops before the first step; then reports its peak RSS.
-SETUP_LAUNCHER = HIDE_TORCH + (
-    "from lorajob_trainer import distributed, train\n"
-    "from lorajob_trainer.config import TrainConfig\n"
-    "distributed.initialize()\n"
-    "train.build_trainer(TrainConfig.from_args(sys.argv[1:]))\n"
-    + REPORT_PEAK_RSS
-)
+# Runs the entry point as the trainer image does (torch hidden).
+LAUNCHER = HIDE_TORCH + "runpy.run_module('lorajob_trainer.train', run_name='__main__', alter_sys=True)\n"
 
 
-def launch(args: list[str], *, devices: int, process_id: int = 0, num_processes: int = 1, port: int = 0,
-           launcher: str = LAUNCHER):
+def launch(args: list[str], *, devices: int, process_id: int = 0, num_processes: int = 1, port: int = 0):
     env = {
         **trainer_env(devices),
         "JAX_NUM_PROCESSES": str(num_processes),
         "JAX_PROCESS_ID": str(process_id),
         "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
     }
-    return subprocess.Popen([sys.executable, "-c", launcher, *args], env=env,
+    return subprocess.Popen([sys.executable, "-c", LAUNCHER, *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def finish(process) -> int:
-    """Wait; fail with the output unless the run succeeded; return its peak RSS in bytes."""
+def finish(process) -> None:
+    """Wait; fail with the output unless the run succeeded."""
     _, stderr = process.communicate(timeout=TIMEOUT)
     assert process.returncode == 0, stderr[-4000:]
-    return int(stderr.strip().splitlines()[-1].split()[-1])
 
 
-def run_single(args: list[str], launcher: str = LAUNCHER) -> int:
-    return finish(launch(args, devices=4, launcher=launcher))
+def run_single(args: list[str]) -> None:
+    finish(launch(args, devices=4))
 
 
-def run_two_processes(args: list[str], launcher: str = LAUNCHER) -> list[int]:
+def run_two_processes(args: list[str]) -> None:
     port = free_port()
-    processes = [
-        launch(args, devices=2, process_id=i, num_processes=2, port=port, launcher=launcher) for i in range(2)
-    ]
-    return [finish(process) for process in processes]
+    for process in [launch(args, devices=2, process_id=i, num_processes=2, port=port) for i in range(2)]:
+        finish(process)
 
 
 def losses(output_dir: Path) -> list[float]:
@@ -106,52 +83,6 @@ def test_two_processes_give_the_single_process_losses(tmp_path):
     np.testing.assert_allclose(multi[0], single[0], rtol=1e-6)
     np.testing.assert_allclose(multi, single, rtol=5e-4)
     assert sorted(p.name for p in (tmp_path / "multi" / "run" / "checkpoints").iterdir() if p.name.isdigit()) == ["3", "6"]
-
-
-# A Qwen3 of 3.2 GiB in float32, four safetensors files. The JAX/XLA/tunix runtime alone takes
-# ~0.35 GiB of RSS, about a tenth of it, so half the model stands out in a process's peak.
-WIDE_QWEN3 = {"hidden_size": 2048, "intermediate_size": 16384, "num_hidden_layers": 8, "num_attention_heads": 8,
-              "num_key_value_heads": 4, "head_dim": 128}
-
-
-@pytest.mark.slow
-def test_each_process_holds_about_half_the_model(tmp_path):
-    """Set up for training, each of two processes peaks well under the model's size; one process holds it all.
-
-    Measured up to the first step: a step then adds XLA's working set, which on CPU devices is host
-    memory too (each device all-gathers one layer's weights at a time, FSDP), see
-    bench/load_memory.py for whole-run figures.
-    """
-    model_dir = tmp_path / "wide"
-    subprocess.run(
-        [sys.executable, "-c",
-         f"from lorajob_trainer import tiny; tiny.make_tiny_checkpoint('qwen3', {str(model_dir)!r}, shards=4, "
-         f"**{WIDE_QWEN3!r})"],
-        env=trainer_env(), check=True,
-    )
-    model_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-    train_file = write_jsonl(tmp_path / "train.jsonl", arithmetic_rows(40))
-    args = base_args(model_dir, tmp_path / "out", train_file, "steps=2", "per_device_batch_size=1",
-                     "max_target_length=16", "enable_checkpointing=False", "enable_tensorboard=False",
-                     "lora.lora_rank=2")
-
-    single_rss = run_single(args, launcher=SETUP_LAUNCHER)
-    process_rss = run_two_processes(args, launcher=SETUP_LAUNCHER)
-
-    print(f"model {model_bytes / 2**30:.2f} GiB; peak RSS single {single_rss / 2**30:.2f} GiB, "
-          f"per process {[round(r / 2**30, 2) for r in process_rss]} GiB")
-    assert single_rss > model_bytes, (model_bytes, single_rss)
-    # While the layers are stacked for the scan (models/decoder.py), one variable is held twice: its layers'
-    # arrays and their stack. The largest is an MLP weight of every layer, float32 on CPU, half per process.
-    layers, hidden, mlp = WIDE_QWEN3["num_hidden_layers"], WIDE_QWEN3["hidden_size"], WIDE_QWEN3["intermediate_size"]
-    largest_stacked_variable = layers * hidden * mlp * 4 / 2
-    for rss in process_rss:
-        # Half the model, plus the runtime (~0.1) and what LoRA, optimizer, data and the reads'
-        # buffers take: 0.75, plus that stacked variable. A process that read whole tensors, kept the files
-        # mapped (file pages count in RSS) or stacked all layers at once would exceed it.
-        assert rss < 0.75 * model_bytes + largest_stacked_variable, (model_bytes, single_rss, process_rss)
-        # Ideal saving against one process holding everything is half the model.
-        assert single_rss - rss > 0.4 * model_bytes, (model_bytes, single_rss, process_rss)
 
 
 # ---------------------------------------------------------------- start-up environment and mesh shape
