@@ -105,9 +105,9 @@ def lora_template(family: models.Family, tunix_config: Any, hf_config: dict, ran
     mesh = mesh_lib.host_mesh(jax.devices()[:1])
 
     def build() -> nnx.Module:
-        model = family.build(tunix_config, hf_config, nnx.Rngs(0))
-        return lora.apply_lora(model, rank=rank, alpha=float(rank), target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0),
-                               dora=dora)
+        model = family.build(tunix_config, hf_config, models.tracing_rngs())
+        return lora.apply_lora(model, rank=rank, alpha=float(rank), target_regex=regex, mesh=mesh,
+                               rngs=models.tracing_rngs(), dora=dora)
 
     return lora.get_lora_params(nnx.eval_shape(build))
 

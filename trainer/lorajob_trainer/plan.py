@@ -131,11 +131,11 @@ def abstract_lora_model(config: TrainConfig, hf_config: dict[str, Any], mesh: ja
     regex = lora_lib.target_regex(family.name, targets, config.lora.lora_module_path)
 
     def build() -> nnx.Module:
-        model = family.build(tunix_config, hf_config, nnx.Rngs(0))
+        model = family.build(tunix_config, hf_config, models.tracing_rngs())
         return lora_lib.apply_lora(
             model, rank=config.lora.lora_rank, alpha=config.lora.lora_alpha, target_regex=regex, mesh=mesh,
             rslora=config.lora.use_rslora, dora=config.lora.use_dora, base_quantization=config.lora.base_quantization,
-            rngs=nnx.Rngs(config.seed),
+            rngs=models.tracing_rngs(config.seed),
         )
 
     model = nnx.eval_shape(build)
