@@ -97,6 +97,10 @@ class OperatorProcess:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    def looked_at_lease(self) -> bool:
+        """It has read the Lease at least once (a standby sends no other get: it reconciles nothing)."""
+        return self.requests_by_verb().get("get", 0) >= 1
+
     def kill(self) -> None:
         """SIGKILL: a crash, nothing cleaned up."""
         if self._process and self._process.poll() is None:
@@ -149,8 +153,8 @@ class OperatorReplicas:
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(f"--- {r.log_path.name} ({r.identity})\n{r.log_tail(lines)}" for r in self.replicas)
 
-    def holder(self) -> str | None:
-        """The Lease's holderIdentity (None: no Lease, or released)."""
+    def lease(self) -> dict:
+        """The Lease's spec ({} while there is no Lease)."""
         from kubernetes.client.exceptions import ApiException
 
         try:
@@ -158,9 +162,13 @@ class OperatorReplicas:
                 "coordination.k8s.io", "v1", self.lease_namespace, "leases", self.lease_name)
         except ApiException as error:
             if error.status == 404:
-                return None
+                return {}
             raise
-        return (lease.get("spec") or {}).get("holderIdentity")
+        return lease.get("spec") or {}
+
+    def holder(self) -> str | None:
+        """The Lease's holderIdentity (None: no Lease, or released)."""
+        return self.lease().get("holderIdentity")
 
     def leader(self) -> OperatorProcess | None:
         """The running replica that holds the Lease (None: none does, e.g. the holder was killed)."""
@@ -176,12 +184,18 @@ class OperatorReplicas:
         return found
 
     def start(self) -> "OperatorReplicas":
-        """Starts the replicas not running, the first one alone until it leads (the others then stand by)."""
+        """Starts the replicas not running, the first one alone until it leads; returns when every other one
+        stands by (its caches synced, it has looked at the Lease: the campaign starts after the sync)."""
         for index, replica in enumerate(self.replicas):
             if not replica.running():
                 replica.start()
             if index == 0:
                 self.wait_for_leader()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
+        while not all(replica.looked_at_lease() for replica in self.replicas):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a replica did not look at the Lease within {STARTUP_TIMEOUT_SECONDS:.0f} s\n{self.log_tail()}")
+            time.sleep(0.1)
         return self
 
     def healthy(self) -> bool:

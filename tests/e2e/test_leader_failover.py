@@ -6,6 +6,7 @@ chaos run, test_chaos.py, kills leaders during bursts and running chains.)"""
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
 
 import pytest
 from conftest import FAST_OPERATOR
@@ -16,7 +17,8 @@ from lorajob_operator import render
 pytestmark = pytest.mark.cluster
 
 LEASE_SECONDS = float(FAST_OPERATOR["LORAJOB_LEADER_LEASE_DURATION_SECONDS"])
-TAKEOVER_BOUND_SECONDS = LEASE_SECONDS + 2 * float(FAST_OPERATOR["LORAJOB_LEADER_RETRY_PERIOD_SECONDS"])
+RETRY_SECONDS = float(FAST_OPERATOR["LORAJOB_LEADER_RETRY_PERIOD_SECONDS"])
+TAKEOVER_BOUND_SECONDS = LEASE_SECONDS + 2 * RETRY_SECONDS
 """A standby sees the last renewal at most one look late and takes the Lease at most one look after it expired."""
 SLACK_SECONDS = 3.0
 """Allowance for process scheduling and API round trips on a loaded machine."""
@@ -63,10 +65,14 @@ def test_the_standby_writes_nothing_and_takes_over_a_killed_leader(lorajobs, rep
 def test_a_stopped_leader_hands_the_lease_over_at_once(lorajobs, replicas):
     leader = replicas.wait_for_leader()
     (standby,) = [r for r in replicas.replicas if r is not leader]
-    stopped = time.monotonic()
-    leader.stop()  # SIGTERM, as a drain or a rolling update sends
+    stopped = datetime.now(timezone.utc)  # the Lease's times are the replicas' wall clocks, on this machine
+    leader.stop()  # SIGTERM, as a drain or a rolling update sends; returns once the process has exited
     assert replicas.wait_for_leader(timeout=TAKEOVER_BOUND_SECONDS + SLACK_SECONDS) is standby
-    assert time.monotonic() - stopped < LEASE_SECONDS, "the standby waited for the Lease to expire: it was not released"
+    taken = datetime.fromisoformat(replicas.lease()["acquireTime"].replace("Z", "+00:00"))
+    # Not released, the Lease would pass to the standby no sooner than its last renewal (at most one retry period
+    # before the stop) plus its duration.
+    assert (taken - stopped).total_seconds() < LEASE_SECONDS - RETRY_SECONDS, (
+        "the standby waited for the Lease to expire: it was not released")
     assert "released the Lease" in leader.log_path.read_text()
     lorajobs.apply(sample("after", train_only=True))
     _succeeded_once(lorajobs, "after")
