@@ -56,7 +56,7 @@ from qwix._src.utils import flax_util
 from lorajob_trainer import weights
 from lorajob_trainer.checkpoint import CheckpointMetadata
 from lorajob_trainer.mesh import variable_sharding
-from lorajob_trainer.models import experts
+from lorajob_trainer.models import experts, tracing_rngs
 
 PEFT_PREFIX = "base_model.model.model.layers"
 
@@ -276,7 +276,7 @@ def apply_lora(
 
     def adapted(base: nnx.State) -> nnx.Module:
         with mesh:  # not jax.set_mesh: this also runs under jit (abstract model building)
-            return qwix.apply_lora_to_model(nnx.merge(graphdef, base), provider, *inputs, rngs=nnx.Rngs(0))
+            return qwix.apply_lora_to_model(nnx.merge(graphdef, base), provider, *inputs, rngs=tracing_rngs())
 
     # Qwix finds the modules to adapt by running the model once. It runs abstractly: eagerly, every op on arrays
     # that span the processes of a multi-host run is a computation all of them must join, and two processes
