@@ -5,6 +5,9 @@ Tolerance: max |logit difference| <= 1e-4 with logits of magnitude ~10 (observed
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,7 +95,7 @@ def random_lora(model, seed: int) -> dict[str, np.ndarray]:
     }
 
 
-VARIANTS = pytest.mark.parametrize("variant", ["lora", "rslora", "dora"])
+VARIANTS = ["lora", "rslora", "dora"]
 
 
 def _alpha(variant: str) -> float:
@@ -130,34 +133,42 @@ def lora_model_with_random_adapters(family, directory, mesh, variant="lora", ran
     return model, params, metadata
 
 
-@VARIANTS
-def test_exported_adapter_matches_peft(checkpoint, mesh, tmp_path, variant):
+@dataclasses.dataclass(frozen=True)
+class SavedAdapter:
+    family: str
+    directory: Path
+    """The base checkpoint."""
+    step_dir: Path
+    """Random adapters saved as the trainer saves them."""
+    logits: np.ndarray
+    """Our LoRA model's logits over `tokens()`."""
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def saved_adapter(request, checkpoint, mesh, tmp_path_factory) -> SavedAdapter:
+    """Each variant's random adapters on each checkpoint, made and saved once for both exports."""
+    family, directory = checkpoint
+    model, params, metadata = lora_model_with_random_adapters(family, directory, mesh, request.param)
+    step_dir = lora.save_adapter_checkpoint(tmp_path_factory.mktemp(f"{family}-{request.param}") / "ckpt", params, metadata)
+    return SavedAdapter(family, directory, step_dir, jax_logits(model, tokens()))
+
+
+def test_exported_adapter_matches_peft(saved_adapter, tmp_path):
     from peft import PeftModel
 
-    family, directory = checkpoint
-    model, params, metadata = lora_model_with_random_adapters(family, directory, mesh, variant)
-    step_dir = lora.save_adapter_checkpoint(tmp_path / "ckpt", params, metadata)
-    out = export.export_adapter(step_dir, tmp_path / "adapter")
-    base = load_hf(directory)
+    out = export.export_adapter(saved_adapter.step_dir, tmp_path / "adapter")
+    base = load_hf(saved_adapter.directory)
     ids = tokens()
-    base_logits = torch_logits(base, ids)
-    peft_model = PeftModel.from_pretrained(base, out)
-    ours = jax_logits(model, ids)
-    assert np.abs(ours - base_logits).max() > 100 * ATOL  # the adapters do change the output
-    np.testing.assert_allclose(ours, torch_logits(peft_model, ids), atol=ATOL, rtol=0)
+    assert np.abs(saved_adapter.logits - torch_logits(base, ids)).max() > 100 * ATOL  # the adapters do change the output
+    np.testing.assert_allclose(saved_adapter.logits, torch_logits(PeftModel.from_pretrained(base, out), ids), atol=ATOL, rtol=0)
 
 
-@VARIANTS
-def test_merged_export_matches_lora_model(checkpoint, mesh, tmp_path, variant):
-    family, directory = checkpoint
-    model, params, metadata = lora_model_with_random_adapters(family, directory, mesh, variant)
-    step_dir = lora.save_adapter_checkpoint(tmp_path / "ckpt", params, metadata)
-    merged = export.export_merged(step_dir, tmp_path / "merged")
-    ids = tokens()
-    np.testing.assert_allclose(jax_logits(model, ids), torch_logits(load_hf(merged), ids), atol=ATOL, rtol=0)
+def test_merged_export_matches_lora_model(saved_adapter, tmp_path):
+    merged = export.export_merged(saved_adapter.step_dir, tmp_path / "merged")
+    np.testing.assert_allclose(saved_adapter.logits, torch_logits(load_hf(merged), tokens()), atol=ATOL, rtol=0)
 
 
-@VARIANTS
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_peft_made_adapter_converts_to_peft_logits(checkpoint, mesh, tmp_path, variant):
     """An adapter PEFT wrote (k_proj and v_proj with their own lora_A) converts in and gives PEFT's logits."""
     from peft import PeftModel
