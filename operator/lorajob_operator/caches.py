@@ -105,14 +105,15 @@ class Resource:
     """"v1" for the core group, else "<group>/<version>"."""
     plural: str
     slim: Callable[[dict], dict]
+    namespaced: bool = True
 
 
 LORAJOBS = Resource("lorajobs", f"{api.GROUP}/{api.VERSION}", api.PLURAL, _slim_lorajob)
 JOBSETS = Resource("jobsets", render.JOBSET_API_VERSION, render.JOBSET_PLURAL, _slim_jobset)
 WORKLOADS = Resource("workloads", render.KUEUE_API_VERSION, "workloads", _slim_workload)
 LOCAL_QUEUES = Resource("localqueues", render.KUEUE_API_VERSION, "localqueues", _slim_local_queue)
-POLICIES = Resource("lorajobpolicies", f"{api.GROUP}/{api.VERSION}", policy.PLURAL, _without_managed_fields)
-NAMESPACES = Resource("namespaces", "v1", "namespaces", _slim_namespace)
+POLICIES = Resource("lorajobpolicies", f"{api.GROUP}/{api.VERSION}", policy.PLURAL, _without_managed_fields, namespaced=False)
+NAMESPACES = Resource("namespaces", "v1", "namespaces", _slim_namespace, namespaced=False)
 RESOURCES = (LORAJOBS, JOBSETS, WORKLOADS, LOCAL_QUEUES, POLICIES, NAMESPACES)
 
 Key = tuple[str, str]
@@ -136,6 +137,10 @@ def _same_but_version(candidate: dict, current: dict | None) -> bool:
         return False
     version = {"resourceVersion": current["metadata"].get("resourceVersion")}
     return candidate | {"metadata": candidate["metadata"] | version} == current
+
+
+def _identity(obj: dict) -> tuple[str | None, str | None]:
+    return obj["metadata"].get("uid"), obj["metadata"].get("resourceVersion")
 
 
 class Store:
@@ -189,6 +194,18 @@ class Store:
         key = key_of(obj)
         with self._lock:
             current = self._objects.pop(key, None)
+            self._unindex(key, current)
+            self.version += 1
+            return current
+
+    def remove_unchanged(self, obj: dict) -> dict | None:
+        """Remove `obj` if it is still what is stored (same uid and resourceVersion): the removed object, else None."""
+        key = key_of(obj)
+        with self._lock:
+            current = self._objects.get(key)
+            if current is None or _identity(current) != _identity(obj):
+                return None
+            del self._objects[key]
             self._unindex(key, current)
             self.version += 1
             return current

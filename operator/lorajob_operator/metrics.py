@@ -50,6 +50,10 @@ class Metrics:
         self.reconciles = Counter(
             f"{PREFIX}_reconciles", "Reconcile passes over a LoRAJob, by result (ok, error, not-leader: the Lease was lost during the pass)", ["result"], registry=self.registry
         )
+        self.cache_swept = Counter(
+            f"{PREFIX}_cache_swept", "Cached objects dropped because the API server no longer has them (a deletion "
+            "the watches missed), by resource", ["resource"], registry=self.registry,
+        )
         self.reconcile_seconds = Histogram(
             f"{PREFIX}_reconcile_duration_seconds", "Time one reconcile pass takes (its API writes included)",
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=self.registry,

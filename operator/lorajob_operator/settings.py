@@ -80,6 +80,9 @@ class WatchSettings:
     connect_timeout_seconds: int = 10
     request_timeout_seconds: int = 30
     """Timeout of a list (kopf's other requests too)."""
+    sweep_seconds: float = 600.0
+    """How often each cache is compared with a metadata-only list of its resource, and the objects the API
+    server no longer has are dropped: deletions a watch missed (after a re-list, kopf delivers none). 0: never."""
 
 
 @dataclasses.dataclass(frozen=True)

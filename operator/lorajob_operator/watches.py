@@ -13,7 +13,7 @@ Two handlers per resource take them:
   of it. kopf's diffing of objects for change-detecting handlers is switched off (`NothingToDiff`).
 
 A gap kopf does not cover: after a re-list (410 Gone) kopf delivers the objects that exist, but no deletion
-of those that went while it was not watching; such an object stays cached until the operator restarts.
+of those that went while it was not watching; controller.sweep drops such objects from the caches.
 """
 
 from __future__ import annotations

@@ -45,3 +45,32 @@ def test_with_every_event_lost_the_cache_resync_still_converges(sim_cluster, lor
         done = lorajobs.wait_phase("resynced", "Succeeded", timeout=120)
     assert done["status"]["restarts"]["train"] == 0
     assert len([js for js in lorajobs.jobsets() if js["metadata"]["name"] == "resynced"]) == 1
+
+
+class _DeletionBlindController(Controller):
+    """Misses every deletion, as kopf's re-list after 410 Gone does for objects deleted while it was not watching."""
+
+    def watched(self, resource, event_type, obj) -> None:
+        if event_type != "DELETED":
+            super().watched(resource, event_type, obj)
+
+
+def test_the_sweep_drops_what_a_missed_deletion_left_in_the_caches(sim_cluster, lorajobs, namespace, monkeypatch):
+    monkeypatch.setattr(handlers, "Controller", _DeletionBlindController)
+    settings = {"LORAJOB_RECONCILE_RESYNC_SECONDS": "1", "LORAJOB_WATCH_SWEEP_SECONDS": "1",
+                "LORAJOB_METRICS_PORT": "0", "LORAJOB_LEADER_ENABLED": "false"}
+    with kopf_operator(monkeypatch, sim_cluster.kubeconfig, [namespace], settings) as controller:
+        for name in ("deleted", "kept"):
+            lorajobs.apply(sample(name, train_only=True))
+        lorajobs.wait_until(lambda: len(controller.caches.jobsets_of_run(namespace, "deleted")) >= 1,
+                            "a JobSet of the LoRAJob to delete in the cache")
+        lorajobs.delete("deleted")  # its JobSets follow (garbage collection): every deletion unseen
+        lorajobs.wait_until(lambda: controller.caches.lorajob(namespace, "deleted") is None
+                            and not controller.caches.jobsets_of_run(namespace, "deleted"),
+                            "the sweep dropping the deleted LoRAJob and its JobSets from the cache", timeout=60)
+        swept = {resource: controller.metrics.registry.get_sample_value(
+            "lorajob_operator_cache_swept_total", {"resource": resource}) for resource in ("lorajobs", "jobsets")}
+        assert swept["lorajobs"] == 1 and swept["jobsets"] >= 1, swept
+        assert controller.caches.lorajob(namespace, "kept") is not None
+        assert controller.caches.jobsets_of_run(namespace, "kept")
+        assert controller.sweep.run() == 0  # what exists stays

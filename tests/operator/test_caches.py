@@ -115,6 +115,21 @@ def test_an_older_version_never_replaces_a_newer_one_and_a_deletion_drops_it_fro
     assert len(store) == 0 and store.indexed((NAMESPACE, body["metadata"]["name"])) == []
 
 
+def test_the_sweep_removes_only_what_is_still_stored_as_it_was_listed():
+    """A newer version, or an object re-created under the same name, arrived after the sweep's snapshot: kept."""
+    store = caches.Store(caches.JOBSETS, caches._run_label)
+    listed = jobset(lorajob(), "train", uid="b")
+    child = listed | {"metadata": listed["metadata"] | {"resourceVersion": "7"}}
+    snapshot = store.upsert(child)
+    for arrived in ({"resourceVersion": "8"}, {"uid": "c"}):
+        store.upsert(child | {"metadata": child["metadata"] | arrived, "spec": {"suspend": True}})
+        assert store.remove_unchanged(snapshot) is None and len(store) == 1
+        store.remove(child)
+        store.upsert(child)
+    assert store.remove_unchanged(snapshot) == snapshot
+    assert len(store) == 0 and store.indexed((NAMESPACE, lorajob()["metadata"]["name"])) == []
+
+
 def test_the_work_queue_hands_a_key_to_one_worker_at_a_time_and_keeps_read_progress():
     queue = WorkQueue()
     key = (NAMESPACE, "a")

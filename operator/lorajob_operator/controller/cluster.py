@@ -7,7 +7,7 @@ import json
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from lorajob_operator import api, render
+from lorajob_operator import api, caches, render
 
 
 JOBSET = (render.JOBSET_GROUP, render.JOBSET_VERSION, render.JOBSET_PLURAL)
@@ -23,6 +23,13 @@ READ_TIMEOUT_SECONDS = 10
 
 
 KUEUE_VISIBILITY = ("visibility.kueue.x-k8s.io", "v1beta2")
+
+
+METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+"""What a list asks for when only the objects' metadata is wanted."""
+
+
+LIST_PAGE = 500
 
 
 def is_missing(error: ApiException) -> bool:
@@ -55,15 +62,32 @@ class Cluster:
         """Kueue's pending Workloads of a LocalQueue in its order (visibility API; raises 404/503 where not served)."""
         group, version = KUEUE_VISIBILITY
         path = f"/apis/{group}/{version}/namespaces/{namespace}/localqueues/{local_queue}/pendingworkloads"
+        return self._get_json(path, "application/json").get("items") or []
+
+    def uids(self, resource: caches.Resource, namespace: str | None) -> set[str]:
+        """The uids of `resource`'s objects in `namespace` (None: every namespace, or a cluster-scoped resource),
+        from a metadata-only list (no specs or statuses sent), page by page."""
+        root = "/api/v1" if resource.group_version == "v1" else f"/apis/{resource.group_version}"
+        path = f"{root}/namespaces/{namespace}/{resource.plural}" if namespace else f"{root}/{resource.plural}"
+        found: set[str] = set()
+        query = [("limit", LIST_PAGE)]
+        while True:
+            page = self._get_json(path, METADATA_LIST, query)
+            found.update(item["metadata"]["uid"] for item in page.get("items") or [])
+            if not (token := (page.get("metadata") or {}).get("continue")):
+                return found
+            query = [("limit", LIST_PAGE), ("continue", token)]
+
+    def _get_json(self, path: str, accept: str, query: list[tuple[str, object]] | None = None) -> dict:
         api_client = self.custom.api_client
         method, url, headers, _, _ = api_client.param_serialize(
-            "GET", path, header_params={"Accept": "application/json"}, auth_settings=["BearerToken"]
+            "GET", path, query_params=query or [], header_params={"Accept": accept}, auth_settings=["BearerToken"]
         )
         response = api_client.call_api(method, url, headers, _request_timeout=READ_TIMEOUT_SECONDS)
         response.read()
         if not 200 <= response.status <= 299:
             raise ApiException(http_resp=response)
-        return json.loads(response.data).get("items") or []
+        return json.loads(response.data)
 
     def pods_of(self, jobset: str, namespace: str) -> list[dict]:
         pods = self.core.list_namespaced_pod(namespace, label_selector=f"{render.JOBSET_NAME_LABEL}={jobset}")

@@ -15,6 +15,7 @@ from lorajob_operator.caches import Caches, Key
 from lorajob_operator.controller.cluster import Cluster
 from lorajob_operator.controller.kueue_visibility import KueueVisibility
 from lorajob_operator.controller.reconciler import Reconciler, unobserved
+from lorajob_operator.controller.sweep import Sweep
 from lorajob_operator.controller.work_queue import Resync, WorkQueue
 from lorajob_operator.leader import LeaderElector, NoElection, NotLeader
 from lorajob_operator.metrics import Metrics
@@ -40,7 +41,8 @@ class Controller:
         self.reconciler = Reconciler(cluster, self.caches, settings)
         self.kueue_visibility = KueueVisibility(cluster, self.caches)
         self.queue = WorkQueue()
-        self.resync = Resync(self.caches, self.queue, settings.reconcile.resync_seconds, self._refresh_queue_positions)
+        self.sweep = Sweep(cluster, self.caches, settings.watch.sweep_seconds, self._dropped)
+        self.resync = Resync(self.caches, self.queue, settings.reconcile.resync_seconds, self._before_full_pass)
         self._synced = threading.Event()
         """Set once every cache has listed (`synced`): change events queue passes from then on."""
         self.running = threading.Event()
@@ -124,14 +126,24 @@ class Controller:
         scope = None if resource is caches.POLICIES else namespace
         return [caches.key_of(body) for body in self.caches.lorajobs(scope)]
 
-    def _refresh_queue_positions(self) -> None:
-        """Kueue's queue positions before the resync's passes (the leader's: they end up in status)."""
+    def _before_full_pass(self) -> None:
+        """The sweep for missed deletions when due (every replica: each has caches), then Kueue's queue positions
+        (the leader's: they end up in status)."""
+        try:
+            self.sweep.due()
+        except Exception:  # noqa: BLE001 - the next sweep tries again; the watches still deliver
+            log.exception("comparing the caches with the API server's lists failed")
         if not self.leadership.leading():
             return
         try:
             self.kueue_visibility.refresh()
         except Exception:  # noqa: BLE001 - the positions worked out from the caches stand in
             log.exception("reading queue positions from Kueue's visibility API failed")
+
+    def _dropped(self, resource: caches.Resource, obj: dict) -> None:
+        """The sweep found `obj` deleted: as if its deletion had been watched."""
+        self.metrics.cache_swept.labels(resource.name).inc()
+        self._on_change(resource, obj)
 
     def _work(self) -> None:
         while (item := self.queue.get()) is not None:
