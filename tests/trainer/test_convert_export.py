@@ -335,7 +335,8 @@ def test_parameters_and_adapters_are_sharded_over_a_2x2_mesh(qwen3_dir, mesh, tm
     _, single = adapted_logits(qwen3_dir, mesh)
     for report in json.loads(result.stdout):
         assert report["shards"] == [[32, 2, 16]]  # q_proj [64, 4, 16] split over fsdp (2) and tp (2)
-        assert report["lora_shards"] == [[4, 2, 16]]  # its B [4, 4, 16] follows the heads axis over tp
+        # Its B [4, 4, 16] follows the heads axis over tp and splits its rank over fsdp (mesh._adapter_names).
+        assert report["lora_shards"] == [[2, 2, 16]]
         np.testing.assert_allclose(np.array(report["logits"]), single, atol=1e-4, rtol=0)  # reduction order differs
 
 

@@ -72,3 +72,25 @@ def test_argument_bytes_are_the_abstract_arrays():
     expected = memory.base_weights + memory.adapters + memory.optimizer_state + memory.batch
     assert memory.base_weights > 0 and memory.adapters > 0 and memory.optimizer_state > 0
     assert memory.arguments == pytest.approx(expected, rel=0.01)
+
+
+@pytest.mark.parametrize(("variable", "shape", "names", "spec"), [
+    ("lora", (16, 5376), (None, "tp"), (None, ("tp", "fsdp"))),  # B of a kernel split (fsdp, tp): whole before
+    ("lora", (16, 32, 128), (None, "tp", None), ("fsdp", "tp", None)),  # split on its rank: no shard is padded
+    ("lora", (5376, 16), ("fsdp", None), ("fsdp", None)),  # already split over fsdp
+    ("lora", (16, 100), (None, "tp"), (None, "tp")),  # each split would pad its shards to TPU tiles: kept whole
+    ("base", (16, 5376), (None, "tp"), (None, "tp")),  # only adapters
+])
+def test_adapters_are_split_over_fsdp_where_that_shrinks_their_shards(variable, shape, names, spec):
+    """An adapter, its gradient and its Adam moments shrink with the fsdp axis as the base weights do."""
+    from flax import nnx
+    from jax import ShapeDtypeStruct
+    from jax.sharding import PartitionSpec
+
+    from lorajob_trainer import mesh as mesh_lib
+
+    mesh = mesh_lib.build_mesh(config("full").mesh, plan.topology_devices(TOPOLOGY))
+    assert mesh.shape["fsdp"] == 4
+    kind = nnx.LoRAParam if variable == "lora" else nnx.Param
+    held = kind(ShapeDtypeStruct(shape, "float32"), sharding=names)
+    assert mesh_lib.variable_sharding(mesh, held).spec == PartitionSpec(*spec)
