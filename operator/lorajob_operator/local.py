@@ -12,8 +12,10 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Callable, TypeVar
 
 STARTUP_TIMEOUT_SECONDS = 60.0
+T = TypeVar("T")
 
 
 def _free_port() -> int:
@@ -176,12 +178,16 @@ class OperatorReplicas:
         return next((r for r in self.replicas if r.identity == holder and r.running()), None)
 
     def wait_for_leader(self, timeout: float = STARTUP_TIMEOUT_SECONDS) -> OperatorProcess:
+        return self._poll(self.leader, timeout, "no running replica took the Lease")
+
+    def _poll(self, found: Callable[[], T | None], timeout: float, failure: str) -> T:
+        """`found()` once it is truthy; RuntimeError (`failure`, with the replicas' logs) after `timeout` seconds."""
         deadline = time.monotonic() + timeout
-        while (found := self.leader()) is None:
+        while not (value := found()):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no running replica took the Lease within {timeout:.0f} s\n{self.log_tail()}")
+                raise RuntimeError(f"{failure} within {timeout:.0f} s\n{self.log_tail()}")
             time.sleep(0.1)
-        return found
+        return value
 
     def start(self) -> "OperatorReplicas":
         """Starts the replicas not running, the first one alone until it leads; returns when every other one
@@ -191,11 +197,8 @@ class OperatorReplicas:
                 replica.start()
             if index == 0:
                 self.wait_for_leader()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
-        while not all(replica.looked_at_lease() for replica in self.replicas):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"a replica did not look at the Lease within {STARTUP_TIMEOUT_SECONDS:.0f} s\n{self.log_tail()}")
-            time.sleep(0.1)
+        self._poll(lambda: all(replica.looked_at_lease() for replica in self.replicas), STARTUP_TIMEOUT_SECONDS,
+                   "a replica did not look at the Lease")
         return self
 
     def healthy(self) -> bool:

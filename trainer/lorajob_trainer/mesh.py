@@ -22,7 +22,7 @@ from lorajob_trainer.config import MeshConfig
 
 FSDP = "fsdp"
 AXES = ("data", FSDP, "expert", "tp")
-BATCH_AXES = ("data", "fsdp", "expert")
+BATCH_AXES = ("data", FSDP, "expert")
 
 
 class MeshError(ValueError):
@@ -95,11 +95,16 @@ def named_sharding(mesh: Mesh, axis_names: tuple[str | None, ...] | None, shape:
     """NamedSharding from Tunix logical axis names; axes absent from `mesh` or not dividing the dim replicate."""
     spec = []
     for dim, name in zip(shape, axis_names or (None,) * len(shape)):
-        names = name if isinstance(name, tuple) else (name,)
-        usable = tuple(n for n in names if n is not None and n in mesh.shape)
+        usable = _usable_axes(mesh, name)
         size = math.prod(mesh.shape[n] for n in usable)
         spec.append((usable if len(usable) > 1 else usable[0]) if usable and dim % size == 0 else None)
     return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def _usable_axes(mesh: Mesh, name: str | tuple[str | None, ...] | None) -> tuple[str, ...]:
+    """The mesh axes of one dimension's logical name(s) that `mesh` has."""
+    names = name if isinstance(name, tuple) else (name,)
+    return tuple(n for n in names if n is not None and n in mesh.shape)
 
 
 def sharding_names(variable: nnx.Variable) -> tuple[str | None, ...] | None:
@@ -116,6 +121,12 @@ def variable_sharding(mesh: Mesh, variable: nnx.Variable) -> NamedSharding:
     return named_sharding(mesh, names, shape)
 
 
+TPU_TILE = (16, 128)
+"""The second-minor and minor dimensions a TPU pads an array's shard to (bf16; float32 pads to 8 x 128)."""
+ADAPTER_SPLIT_WASTE = 1.25
+"""An adapter is split over fsdp only where its padded shards together take at most this much of it whole."""
+
+
 def _adapter_names(mesh: Mesh, names: tuple | None, shape: tuple[int, ...]) -> tuple:
     """An adapter's axis names with `fsdp` added on one dimension, where `fsdp` splits none of them.
 
@@ -125,7 +136,7 @@ def _adapter_names(mesh: Mesh, names: tuple | None, shape: tuple[int, ...]) -> t
     weights, each is gathered for its matmul and its gradient reduce-scattered. The dimension is the one whose
     split leaves the smallest shard once padded to the TPU's tiles; none where no split saves most of it."""
     names = tuple(names or (None,) * len(shape))
-    held = [tuple(n for n in (name if isinstance(name, tuple) else (name,)) if n in mesh.shape) for name in names]
+    held = [_usable_axes(mesh, name) for name in names]
     fsdp = mesh.shape.get(FSDP, 1)
     if fsdp == 1 or any(FSDP in axes for axes in held):
         return names
@@ -142,12 +153,6 @@ def _adapter_names(mesh: Mesh, names: tuple | None, shape: tuple[int, ...]) -> t
         return names
     dim = best[1]
     return names[:dim] + (held[dim] + (FSDP,),) + names[dim + 1:]
-
-
-TPU_TILE = (16, 128)
-"""The second-minor and minor dimensions a TPU pads an array's shard to (bf16; float32 pads to 8 x 128)."""
-ADAPTER_SPLIT_WASTE = 1.25
-"""An adapter is split over fsdp only where its padded shards together take at most this much of it whole."""
 
 
 def _tiled_size(shape: list[int]) -> int:
