@@ -65,6 +65,68 @@ def ours(model: str, slice_name: str, seq: int, remat: str, base_quantization: s
             "tokens_per_second_per_chip": attempt.tokens_per_second_per_chip, "mfu": attempt.mfu, "bound": attempt.bound}
 
 
+def _depths(model: str) -> tuple[dict, int, int, int]:
+    """(released config, its depth, and the two shallower depths compiled unrolled: one and two layer periods)."""
+    from lorajob_trainer import catalog, models
+
+    hf_config = catalog.released_config(model)
+    family = models.family_for_hf_config(hf_config)
+    period = family.layer_period(family.config_from_hf(hf_config, "bfloat16")) or 1
+    return hf_config, hf_config["num_hidden_layers"], period, 2 * period
+
+
+def _at_depth(hf_config: dict, layers: int) -> dict:
+    shallower = dict(hf_config, num_hidden_layers=layers)
+    if "layer_types" in shallower:
+        shallower["layer_types"] = shallower["layer_types"][:layers]
+    return shallower
+
+
+def _extrapolate(shallow: float, deeper: float, depths: tuple[int, int], layers: int) -> float:
+    """A step's count at `layers` from its counts at two depths: what the layers add grows with their number."""
+    return shallow + (deeper - shallow) * (layers - depths[0]) / (depths[1] - depths[0])
+
+
+def executed_flops(model: str, slice_name: str, seq: int, remat: str, maxtext: bool) -> dict:
+    """FLOPs each step executes per chip, from the compiler's cost analysis of the step unrolled at one and two
+    layer periods (a scanned or chunked loop's body is counted once, so neither side is compiled scanned; our
+    loss runs as one chunk), extrapolated to the model's depth, as are the model FLOPs (the plan's 4N model).
+    MaxText runs with `attention=dot_product` here: its default splash-attention kernel is a custom call whose
+    FLOPs the cost analysis does not see."""
+    from lorajob_trainer import plan
+    from lorajob_trainer.config import TrainConfig
+
+    hf_config, layers, *depths = _depths(model)
+    config = TrainConfig.from_dict({
+        "run_name": "plan", "base_output_directory": "/tmp/plan", "model_name": model,
+        "load_parameters_path": "unused", "hf_train_files": ["unused"], "steps": 1, "max_target_length": seq,
+        "per_device_batch_size": 1, "remat_policy": remat, "loss_chunk_length": seq,
+        "lora": {"lora_rank": 16, "lora_alpha": 32},
+    })
+    generation, topology = SLICES[slice_name]
+    devices = plan.topology_devices(f"{TPU_CHIPS[generation].compiler_name}:{topology}")
+    steps = [plan.compile_train_step(config, _at_depth(hf_config, depth), devices, scan_layers=False)
+             for depth in depths]
+    model_flops = [step.flops_per_token * step.tokens_per_device for step in steps]
+    row = {"model_flops": _extrapolate(*model_flops, tuple(depths), layers),
+           "ours": _extrapolate(steps[0].flops, steps[1].flops, tuple(depths), layers)}
+    if maxtext:
+        import train_compile
+
+        theirs = []
+        for depth in depths:
+            result = train_compile.run(model, slice_name, seq=seq, weight_dtype="bfloat16", extra=(
+                "override_model_config=True", f"base_num_decoder_layers={depth}", "scan_layers=False",
+                "attention=dot_product"))
+            if not result.get("ok") or result.get("flops") is None:
+                row["maxtext_reason"] = str(result.get("reason"))[:200]
+                break
+            theirs.append(result["flops"])
+        else:
+            row["maxtext"] = _extrapolate(*theirs, tuple(depths), layers)
+    return row
+
+
 def base_weight_bytes(model: str) -> int:
     """The model's weights in bf16, from its abstract shapes (nothing allocated)."""
     import jax
@@ -86,11 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-maxtext", action="store_true")
     parser.add_argument("--maxtext-weight-dtype", default="float32")
     parser.add_argument("--base-quantization", default="none", help="ours: lora.base_quantization (QLoRA)")
+    parser.add_argument("--executed-flops", nargs="+", default=[], metavar="MODEL:SLICE:SEQ",
+                        help="FLOPs each side's step executes per chip against the model FLOPs (MFU ceiling if "
+                             "compute-bound)")
     parser.add_argument("--targets", default=None,
                         help="ours: comma-separated LoRA targets (default: the family's; MaxText's qwen3 path adapts "
                              "attention only: q_proj,k_proj,v_proj,o_proj is the same work)")
     args = parser.parse_args(argv)
     targets = args.targets.split(",") if args.targets else None
+    if args.executed_flops:
+        return _print_executed_flops(args.executed_flops, args.remat, not args.no_maxtext)
     cases = args.cases if args.cases is not None else ([] if args.smallest else DEFAULT_CASES)
     rows = []
     header = ("model", "slice", "seq", "base", "ours weights", "ours args", "ours temp", "ours total", "fits",
@@ -129,6 +196,27 @@ def main(argv: list[str] | None = None) -> int:
                 break
             why = mine.get("error") or f"{mine['total_gb']:.2f} GB per chip"
             print(f"  {model} {seq}: {slice_name} does not fit ({why})", flush=True)
+    print(json.dumps(rows))
+    return 0
+
+
+def _print_executed_flops(cases: list[str], remat: str, maxtext: bool) -> int:
+    print("model | slice | seq | remat | model FLOPs/chip | ours executed | ours MFU ceiling | MaxText executed | "
+          "MaxText MFU ceiling | ours/MaxText executed", flush=True)
+    rows = []
+    for case in cases:
+        model, slice_name, seq = case.split(":")
+        row = {"model": model, "slice": slice_name, "seq": int(seq), "remat": remat,
+               **executed_flops(model, slice_name, int(seq), remat, maxtext)}
+        rows.append(row)
+        cells = [model, slice_name, seq, remat, f"{row['model_flops']:.3e}", f"{row['ours']:.3e}",
+                 f"{row['model_flops'] / row['ours']:.0%}"]
+        if "maxtext" in row:
+            cells += [f"{row['maxtext']:.3e}", f"{row['model_flops'] / row['maxtext']:.0%}",
+                      f"{row['ours'] / row['maxtext']:.2f}"]
+        else:
+            cells += [row.get("maxtext_reason", "-"), "", ""]
+        print(" | ".join(cells), flush=True)
     print(json.dumps(rows))
     return 0
 

@@ -114,11 +114,12 @@ TPU_CHIPS: dict[str, TpuChip] = {
     "v5e": TpuChip(16 * GIB, 197e12, 819e9, 1600e9 / 8, "v5e"),
     "v5p": TpuChip(95 * GIB, 459e12, 2765e9, 4800e9 / 8, "v5p"),
     "v6e": TpuChip(32 * GIB, 918e12, 1640e9, 3584e9 / 8, "v6e"),
-    "v7x": TpuChip(192 * GIB, 4614e12, 7380e9, 9600e9 / 8, "tpu7x"),
+    "v7x": TpuChip(192 * GIB, 4614e12, 7380e9, 9600e9 / 8, "tpu7x", devices_per_chip=2),
 }
 """Per-chip facts of each TPU generation from the Cloud TPU documentation's system-architecture pages
 (cloud.google.com/tpu/docs/v4, v5e, v5p, v6e, tpu7x): HBM, peak bf16 FLOP/s, HBM bandwidth, ICI bandwidth per
-chip (the docs' Gbps / 8), and the name libtpu's topologies use, for planning a step before it holds a TPU."""
+chip (the docs' Gbps / 8), the name libtpu's topologies use, and JAX devices per chip (a tpu7x chip's two
+TensorCores are two devices; the compiler gives each 94.75 GiB), for planning a step before it holds a TPU."""
 
 
 def chips_in(topology: str) -> int:

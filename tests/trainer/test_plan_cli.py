@@ -69,3 +69,18 @@ def test_a_gpu_lorajob_gets_the_analytic_estimate_saying_so(two_layer_catalogue)
     assert attempt.memory["temporaries"] >= 8 * 4096 * 1024 * 2 * fit.ACTIVATION_BYTES["minimal"]
     assert attempt.fits == (attempt.total_bytes <= int(24e9 * (1 - fit.SAFETY_MARGIN)))
     assert "analytic model" in "\n".join(fit.format_plan(result))
+
+
+def test_a_tpu7x_plan_counts_each_tensorcore_as_a_device_with_half_the_chip(two_layer_catalogue):
+    doc = yaml.safe_load(LORAJOB)
+    doc["spec"]["training"] = {"steps": 10, "perDeviceBatchSize": 1, "maxTargetLength": 1024}
+    doc["spec"]["compute"]["tpu"] = {"machineType": "tpu7x-standard-1t", "topology": "1x1x1"}
+    result = planning.plan_lorajob(doc).plan
+    attempt = result.attempt
+    # One chip, two JAX devices of 96 GiB each (the compiler's own limit is 94.75 GiB), every figure per device.
+    assert attempt.fits and attempt.target.chips == 1 and attempt.devices_per_chip == 2
+    assert attempt.capacity_bytes == int(96 * 2**30 * (1 - fit.SAFETY_MARGIN))
+    # The device's compute at half the chip's peak; the chip runs both devices' tokens.
+    assert attempt.mfu * attempt.step_seconds == pytest.approx(attempt.flops_per_step / (4614e12 / 2))
+    assert attempt.tokens_per_second_per_chip == pytest.approx(2 * 1024 / attempt.step_seconds)
+    assert "HBM per device (2 per chip)" in "\n".join(fit.format_plan(result))

@@ -59,6 +59,15 @@ class Chip:
 class TpuChip(Chip):
     compiler_name: str
     """The generation's name in libtpu topology names (`v6e` in `v6e:2x4`)."""
+    devices_per_chip: int = 1
+    """JAX devices per chip: 2 on tpu7x, whose two TensorCores each hold half the chip's HBM, FLOP/s and
+    bandwidths; the compiler's figures, and so a plan's, are per device."""
+
+    def device(self) -> Chip:
+        """One JAX device's share of the chip."""
+        n = self.devices_per_chip
+        return Chip(self.hbm_bytes // n, self.peak_bf16_flops / n, self.hbm_bandwidth / n,
+                    self.interconnect_bandwidth / n)
 
 
 ACTIVATION_BYTES = {"full": 16, "minimal": 76}
@@ -120,6 +129,13 @@ class Attempt:
     bound: str | None = None
     compile_seconds: float | None = None
     error: str | None = None
+    devices_per_chip: int = 1
+    """Memory figures and capacity are per JAX device; tokens/s per chip counts all of a chip's devices."""
+
+    @property
+    def unit(self) -> str:
+        """What the memory figures are per: "chip", or "device" where a chip has several."""
+        return "chip" if self.devices_per_chip == 1 else "device"
     analytic: bool = False
     """Estimated by `analytic_attempt` (GPUs), not compiled."""
 
@@ -157,43 +173,45 @@ def compile_attempt(
         "remat_policy": target.remat_policy,
     })
     devices = plan.topology_devices(f"{chip.compiler_name}:{target.topology}", target.slices, chips_per_host)
+    device = chip.device()
     try:
         step = plan.compile_train_step(config, hf_config, devices)
     except Exception as error:  # the compiler's RESOURCE_EXHAUSTED: the message says by how much
-        return Attempt(target, fits=False, capacity_bytes=chip.capacity_bytes, error=str(error).strip().splitlines()[0])
+        return Attempt(target, fits=False, capacity_bytes=device.capacity_bytes, error=str(error).strip().splitlines()[0],
+                       devices_per_chip=chip.devices_per_chip)
     memory = step.memory
     attempt = Attempt(
-        target, fits=memory.total <= chip.capacity_bytes, capacity_bytes=chip.capacity_bytes, total_bytes=memory.total,
+        target, fits=memory.total <= device.capacity_bytes, capacity_bytes=device.capacity_bytes, total_bytes=memory.total,
         memory={"arguments": memory.arguments, "temporaries": memory.temporaries,
                 "outputs_not_aliased": memory.outputs - memory.aliased, "base_weights": memory.base_weights,
                 "adapters_and_optimizer": memory.adapters + memory.optimizer_state, "batch": memory.batch},
-        compiler_flops=step.flops, compile_seconds=step.compile_seconds,
+        compiler_flops=step.flops, compile_seconds=step.compile_seconds, devices_per_chip=chip.devices_per_chip,
     )
-    _roofline(attempt, chip, step.flops_per_token, step.tokens_per_chip, memory.base_weights, step.chips,
+    _roofline(attempt, device, step.flops_per_token, step.tokens_per_device, memory.base_weights, step.devices,
               config.remat_policy)
     return attempt
 
 
 def _roofline(
-    attempt: Attempt, chip: Chip, flops_per_token: float, tokens_per_chip: int, weight_bytes_per_chip: int,
-    chips: int, remat_policy: str, interconnect: str = "ICI",
+    attempt: Attempt, device: Chip, flops_per_token: float, tokens_per_device: int, weight_bytes_per_device: int,
+    devices: int, remat_policy: str, interconnect: str = "ICI",
 ) -> None:
-    """Step time = the largest of: the 4N model's FLOPs at the chip's peak bf16 rate; every layer's gathered
+    """Step time = the largest of: the 4N model's FLOPs at the device's peak bf16 rate; every layer's gathered
     weights read from HBM once per pass (forward, backward, and the recompute of remat "full"); the same
     weights all-gathered over the interconnect once per pass (FSDP). Activations' traffic and overlap are left
     out, so the MFU is a ceiling, not a forecast."""
-    flops = flops_per_token * tokens_per_chip
+    flops = flops_per_token * tokens_per_device
     passes = 3 if remat_policy == "full" else 2
-    model_bytes = weight_bytes_per_chip * chips
+    model_bytes = weight_bytes_per_device * devices
     times = {
-        "compute": flops / chip.peak_bf16_flops,
-        "HBM bandwidth": passes * model_bytes / chip.hbm_bandwidth,
-        f"{interconnect} all-gathers": passes * model_bytes * (1 - 1 / chips) / chip.interconnect_bandwidth,
+        "compute": flops / device.peak_bf16_flops,
+        "HBM bandwidth": passes * model_bytes / device.hbm_bandwidth,
+        f"{interconnect} all-gathers": passes * model_bytes * (1 - 1 / devices) / device.interconnect_bandwidth,
     }
     attempt.bound = max(times, key=times.get)
     attempt.flops_per_step = flops
     attempt.step_seconds = times[attempt.bound]
-    attempt.tokens_per_second_per_chip = tokens_per_chip / attempt.step_seconds
+    attempt.tokens_per_second_per_chip = attempt.devices_per_chip * tokens_per_device / attempt.step_seconds
     attempt.mfu = times["compute"] / attempt.step_seconds
 
 
@@ -271,13 +289,14 @@ def format_attempt(attempt: Attempt) -> list[str]:
         return lines + [f"  does not fit: {attempt.error}"]
     m = attempt.memory
     verdict = "fits" if attempt.fits else "does NOT fit"
+    unit = attempt.unit + ("" if attempt.devices_per_chip == 1 else f" ({attempt.devices_per_chip} per chip)")
     return lines + [
-        f"  HBM per chip: {_gb(attempt.total_bytes)} of {_gb(attempt.capacity_bytes)} usable "
-        f"({int(SAFETY_MARGIN * 100)}% of the chip kept free): {verdict}",
+        f"  HBM per {unit}: {_gb(attempt.total_bytes)} of {_gb(attempt.capacity_bytes)} usable "
+        f"({int(SAFETY_MARGIN * 100)}% of the {attempt.unit} kept free): {verdict}",
         f"    arguments {_gb(m['arguments'])} (base weights {_gb(m['base_weights'])}, adapters + optimizer "
         f"{_gb(m['adapters_and_optimizer'])}, batch {_gb(m['batch'])}), temporaries {_gb(m['temporaries'])}, "
         f"outputs {_gb(m['outputs_not_aliased'])}",
-        f"  FLOPs per step per chip: {attempt.flops_per_step:.3e} (4N LoRA cost model"
+        f"  FLOPs per step per {unit}: {attempt.flops_per_step:.3e} (4N LoRA cost model"
         + ("" if attempt.compiler_flops is None else
            f"; the compiler's cost analysis counts the scanned layer body once: {attempt.compiler_flops:.3e}") + ")",
         f"  roofline: {attempt.step_seconds:.3f} s/step, {attempt.tokens_per_second_per_chip:,.0f} tokens/s per "
@@ -308,9 +327,9 @@ def refusal(result: Plan) -> str:
         why = (f"the compiler needs {short[1]} for temporaries alone, {short[2]} available" if short
                else a.error[:120])
     else:
-        why = f"it needs {_gb(a.total_bytes)} of HBM per chip, {_gb(a.capacity_bytes)} usable"
+        why = f"it needs {_gb(a.total_bytes)} of HBM per {a.unit}, {_gb(a.capacity_bytes)} usable"
     s = result.suggestion
-    change = (f"fits (compiled): {s.target.short()}, {_gb(s.total_bytes)} per chip" if s
+    change = (f"fits (compiled): {s.target.short()}, {_gb(s.total_bytes)} per {s.unit}" if s
               else f"none of {len(result.tried)} smaller batches, remat policies or larger topologies tried fits")
     return f"the train step does not fit {a.target.short()}: {why}; {change}"
 

@@ -4,7 +4,8 @@
 from config.json alone: the model and its LoRA adapters as abstract arrays (`nnx.eval_shape`, nothing read or
 allocated) with the shardings of the run's mesh over `devices`, the layers stacked for the scan, the float32
 adapters, the optimizer state and a batch of the run's shape, and compiles the same jitted step
-(`step.build_step_functions`). The compiler's memory and cost analyses are per chip.
+(`step.build_step_functions`). The compiler's memory and cost analyses are per JAX device: a chip, or half of
+one on tpu7x (two TensorCores per chip).
 
 TPU devices come from `jax.experimental.topologies` (libtpu installed; no TPU needed):
 `topology_devices("v6e:2x4")`, multi-slice with `num_slices`.
@@ -59,7 +60,7 @@ def topology_devices(topology: str, num_slices: int = 1, chips_per_host: int = 4
 
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
-    """Bytes per chip: what the compiler assigns, and the inputs' parts from their shapes and shardings."""
+    """Bytes per device: what the compiler assigns, and the inputs' parts from their shapes and shardings."""
 
     arguments: int
     outputs: int
@@ -84,10 +85,10 @@ class CompiledStep:
     """The compiler's cost analysis (a scanned loop's body counted once, so not the step's total)."""
     flops_per_token: float
     """The 4N LoRA cost model (metrics.LoraFlops) of one trained token."""
-    tokens_per_chip: int
-    """Tokens one chip runs per step (batch rows x length x accumulation)."""
+    tokens_per_device: int
+    """Tokens one device runs per step (batch rows x length x accumulation)."""
     compile_seconds: float
-    chips: int
+    devices: int
     layers_scanned: int
     """Decoder layers inside the scan (0: unrolled)."""
 
@@ -144,9 +145,12 @@ def abstract_lora_model(config: TrainConfig, hf_config: dict[str, Any], mesh: ja
     return model, family, tunix_config
 
 
-def compile_train_step(config: TrainConfig, hf_config: dict[str, Any], devices: Sequence[jax.Device]) -> CompiledStep:
+def compile_train_step(
+    config: TrainConfig, hf_config: dict[str, Any], devices: Sequence[jax.Device], scan_layers: bool = True
+) -> CompiledStep:
     """Compile the trainer's train step for `config` on `devices` (see module docstring); the compiler's
-    errors (RESOURCE_EXHAUSTED when it does not fit) propagate."""
+    errors (RESOURCE_EXHAUSTED when it does not fit) propagate. `scan_layers=False` unrolls the layers, as the
+    trainer never does, so that the cost analysis counts every layer (bench/tpu_plan.py --executed-flops)."""
     started = time.perf_counter()
     mesh = mesh_lib.build_mesh(config.mesh, devices)
     dtype = run_setup.compute_dtype(config, devices[0].platform)
@@ -154,7 +158,8 @@ def compile_train_step(config: TrainConfig, hf_config: dict[str, Any], devices: 
     flops = run_setup.model_flops(
         model, run_setup.attention_width(tunix_config), config.max_target_length, experts.active_shares(model)
     )
-    graphdef, layout, lora, base = step_lib.split_for_step(model, family.layer_period(tunix_config))
+    period = family.layer_period(tunix_config) if scan_layers else None
+    graphdef, layout, lora, base = step_lib.split_for_step(model, period)
     stacking = layout.stacking
     adapters = {
         name: jax.ShapeDtypeStruct(value.shape, jnp.float32, sharding=value.sharding)
@@ -197,9 +202,9 @@ def compile_train_step(config: TrainConfig, hf_config: dict[str, Any], devices: 
         memory=memory,
         flops=cost.get("flops"),
         flops_per_token=flops.per_token,
-        tokens_per_chip=config.per_device_batch_size * config.max_target_length * config.gradient_accumulation_steps,
+        tokens_per_device=config.per_device_batch_size * config.max_target_length * config.gradient_accumulation_steps,
         compile_seconds=time.perf_counter() - started,
-        chips=len(devices),
+        devices=len(devices),
         layers_scanned=stacking.period * stacking.repeats if stacking else 0,
     )
 
