@@ -52,3 +52,13 @@ def test_machine_renders_its_node_labels_chips_and_pathways_instance(machine_typ
     assert pod["containers"][0]["resources"]["requests"] == {"google.com/tpu": chips}
     prefix = accelerators.TPU_MACHINES[machine_type].pathways_type
     assert f"--instance_type={prefix}:{topology}" in repr(train)
+
+
+@pytest.mark.parametrize(("generation", "device_kind"), [
+    ("v4", "TPU v4"), ("v5e", "TPU v5 lite"), ("v5p", "TPU v5p"), ("v6e", "TPU v6 lite"), ("v7x", "TPU7x"),
+])
+def test_the_measured_mfu_and_the_plan_use_the_same_peak_per_device(generation, device_kind):
+    from lorajob_trainer import metrics
+
+    chip = accelerators.TPU_CHIPS[generation]
+    assert metrics.peak_flops_per_device(device_kind, None) == chip.device().peak_bf16_flops

@@ -254,7 +254,21 @@ def test_mfu_counts_active_parameters_of_routed_experts():
     active = {"layers.0.mlp.experts.gate_up_proj.": 0.5, "layers.0.mlp.experts.down_proj.": 0.5}
     n = metrics.frozen_matmul_params(shapes, active)
     assert n == 8 * 4 + (8 * 8 * 16 + 4 * 16 * 8) // 2 + 8 * 2 * 4 + 8 * 32
-    flops = metrics.LoraFlops(frozen_matmul_params=n, attention_width=8, adapter_params=100, seq_len=16)
+    assert metrics.output_head_params(shapes) == 8 * 32
+    flops = metrics.LoraFlops(frozen_matmul_params=n, head_params=8 * 32, attention_width=8, adapter_params=100,
+                              seq_len=16)
     assert flops.per_token == 4 * n + 6 * 16 * 8 + 6 * 100
     assert metrics.mfu(1000.0, flops, 2, 1e9) == pytest.approx(1000.0 * flops.per_token / 2e9)
     assert metrics.frozen_matmul_params(shapes) > n  # all experts: the total, not the active, count
+
+
+def test_n_counts_a_tied_embedding_as_the_head_and_no_lookup_table():
+    """Gemma 4 E2B/E4B ties its head to the input embedding and also reads per-layer embedding tables by lookup."""
+    shapes = {
+        "embedder/input_embedding": (32, 8),
+        "embedder/per_layer_input_embedding": (32, 3, 4),
+        "embedder/per_layer_model_projection/w": (8, 3, 4),
+        "layers/0/attn/q_einsum/w": (8, 2, 4),
+    }
+    assert metrics.frozen_matmul_params(shapes) == 32 * 8 + 8 * 3 * 4 + 8 * 2 * 4
+    assert metrics.output_head_params(shapes) == 32 * 8

@@ -122,6 +122,9 @@ class Attempt:
     total_bytes: int | None = None
     memory: dict[str, int] = dataclasses.field(default_factory=dict)
     flops_per_step: float | None = None
+    """The model's (the 4N LoRA cost model): what MFU counts."""
+    executed_flops_per_step: float | None = None
+    """What the step runs: the model's, remat's recompute, the masked attention scores."""
     compiler_flops: float | None = None
     step_seconds: float | None = None
     tokens_per_second_per_chip: float | None = None
@@ -187,24 +190,26 @@ def compile_attempt(
                 "adapters_and_optimizer": memory.adapters + memory.optimizer_state, "batch": memory.batch},
         compiler_flops=step.flops, compile_seconds=step.compile_seconds, devices_per_chip=chip.devices_per_chip,
     )
-    _roofline(attempt, device, step.flops_per_token, step.tokens_per_device, memory.base_weights, step.devices,
-              config.remat_policy)
+    _roofline(attempt, device, step.flops_per_token, step.executed_flops_per_token, step.tokens_per_device,
+              memory.base_weights, step.devices, config.remat_policy)
     return attempt
 
 
 def _roofline(
-    attempt: Attempt, device: Chip, flops_per_token: float, tokens_per_device: int, weight_bytes_per_device: int,
-    devices: int, remat_policy: str, interconnect: str = "ICI",
+    attempt: Attempt, device: Chip, flops_per_token: float, executed_flops_per_token: float, tokens_per_device: int,
+    weight_bytes_per_device: int, devices: int, remat_policy: str, interconnect: str = "ICI",
 ) -> None:
-    """Step time = the largest of: the 4N model's FLOPs at the device's peak bf16 rate; every layer's gathered
-    weights read from HBM once per pass (forward, backward, and the recompute of remat "full"); the same
-    weights all-gathered over the interconnect once per pass (FSDP). Activations' traffic and overlap are left
-    out, so the MFU is a ceiling, not a forecast."""
+    """Step time = the largest of: the FLOPs the step runs (the model's, remat's recompute and the masked
+    attention scores) at the device's peak bf16 rate; every layer's gathered weights read from HBM once per pass
+    (forward, backward, and the recompute of remat "full"); the same weights all-gathered over the interconnect
+    once per pass (FSDP). MFU counts the model's FLOPs alone. Activations' traffic and overlap are left out, so
+    the MFU is a ceiling, not a forecast."""
     flops = flops_per_token * tokens_per_device
+    attempt.executed_flops_per_step = executed_flops_per_token * tokens_per_device
     passes = 3 if remat_policy == "full" else 2
     model_bytes = weight_bytes_per_device * devices
     times = {
-        "compute": flops / device.peak_bf16_flops,
+        "compute": attempt.executed_flops_per_step / device.peak_bf16_flops,
         "HBM bandwidth": passes * model_bytes / device.hbm_bandwidth,
         f"{interconnect} all-gathers": passes * model_bytes * (1 - 1 / devices) / device.interconnect_bandwidth,
     }
@@ -212,7 +217,7 @@ def _roofline(
     attempt.flops_per_step = flops
     attempt.step_seconds = times[attempt.bound]
     attempt.tokens_per_second_per_chip = attempt.devices_per_chip * tokens_per_device / attempt.step_seconds
-    attempt.mfu = times["compute"] / attempt.step_seconds
+    attempt.mfu = flops / device.peak_bf16_flops / attempt.step_seconds
 
 
 def analytic_attempt(config: TrainConfig, hf_config: dict[str, Any], gpu: Chip, target: Target) -> Attempt:
@@ -252,7 +257,8 @@ def analytic_attempt(config: TrainConfig, hf_config: dict[str, Any], gpu: Chip, 
                 "outputs_not_aliased": 0, "base_weights": base_bytes // target.chips,
                 "adapters_and_optimizer": adapter_bytes // target.chips, "batch": 0},
     )
-    _roofline(attempt, gpu, flops.per_token, tokens * config.gradient_accumulation_steps, base_bytes // target.chips,
+    _roofline(attempt, gpu, flops.per_token, flops.executed_per_token(config.remat_policy),
+              tokens * config.gradient_accumulation_steps, base_bytes // target.chips,
               target.chips, config.remat_policy, interconnect="NVLink")
     return attempt
 
@@ -296,12 +302,14 @@ def format_attempt(attempt: Attempt) -> list[str]:
         f"    arguments {_gb(m['arguments'])} (base weights {_gb(m['base_weights'])}, adapters + optimizer "
         f"{_gb(m['adapters_and_optimizer'])}, batch {_gb(m['batch'])}), temporaries {_gb(m['temporaries'])}, "
         f"outputs {_gb(m['outputs_not_aliased'])}",
-        f"  FLOPs per step per {unit}: {attempt.flops_per_step:.3e} (4N LoRA cost model"
+        f"  FLOPs per step per {unit}: {attempt.flops_per_step:.3e} (4N LoRA cost model), run "
+        f"{attempt.executed_flops_per_step:.3e} (with remat's recompute and the masked attention scores"
         + ("" if attempt.compiler_flops is None else
            f"; the compiler's cost analysis counts the scanned layer body once: {attempt.compiler_flops:.3e}") + ")",
         f"  roofline: {attempt.step_seconds:.3f} s/step, {attempt.tokens_per_second_per_chip:,.0f} tokens/s per "
-        f"chip, MFU ceiling {attempt.mfu:.0%}, bound by {attempt.bound} (the chip's peak bf16 FLOP/s, HBM and "
-        f"interconnect bandwidth from the catalogue; weights gathered and read once per pass, activations left out)",
+        f"chip, MFU ceiling {attempt.mfu:.0%}, bound by {attempt.bound} (the FLOPs run at the chip's peak bf16 "
+        f"FLOP/s, HBM and interconnect bandwidth from the catalogue; weights gathered and read once per pass, "
+        f"activations left out)",
         *([] if attempt.analytic else [f"  compiled in {attempt.compile_seconds:.0f} s"]),
     ]
 

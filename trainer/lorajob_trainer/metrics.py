@@ -31,6 +31,7 @@ PEAK_BF16_FLOPS = {
     "H200": 989e12,
     "H100": 989e12,
     "A100": 312e12,
+    "TPU7x": 4614e12 / 2,  # a tpu7x chip's two TensorCores are two devices
     "TPU v6 lite": 918e12,
     "TPU v5 lite": 197e12,
     "TPU v5p": 459e12,
@@ -41,6 +42,8 @@ PEAK_BF16_FLOPS = {
 class LoraFlops:
     frozen_matmul_params: int
     """N: base weights used as matmuls."""
+    head_params: int
+    """Of N, the output projection's, which remat never recomputes."""
     attention_width: int
     """Sum over layers of query heads * head_dim."""
     adapter_params: int
@@ -50,19 +53,51 @@ class LoraFlops:
     def per_token(self) -> float:
         return 4 * self.frozen_matmul_params + 6 * self.seq_len * self.attention_width + 6 * self.adapter_params
 
+    def executed_per_token(self, remat_policy: str) -> float:
+        """FLOPs the train step runs per token, which MFU does not count as useful: the recompute of remat and the
+        masked half of the attention scores (the step's attention is dense). See EXECUTED_MATMUL_FACTOR."""
+        layers = 4 * (self.frozen_matmul_params - self.head_params) + 6 * self.adapter_params
+        return (EXECUTED_MATMUL_FACTOR[remat_policy] * layers + 4 * self.head_params
+                + DENSE_ATTENTION_FLOPS[remat_policy] * self.seq_len * self.attention_width)
+
+
+EXECUTED_MATMUL_FACTOR = {"none": 1.0, "minimal": 1.0, "full": 1.369}
+"""The decoder layers' matmul FLOPs the step runs per model FLOP, by remat policy: "full" recomputes each
+layer's forward except the matmuls whose outputs only feed the residual stream (the compiler drops those);
+measured with the TPU compiler's cost analysis of the step unrolled (llama3.1-8b, v6e-8, 1,024 tokens:
+4.383e13 FLOPs per chip against 3.182e13 model FLOPs; `bench/tpu_plan.py --executed-flops`)."""
+DENSE_ATTENTION_FLOPS = {"none": 12, "minimal": 16, "full": 16}
+"""Attention FLOPs per token per (seq_len x attention width): every score of the causal mask is computed, 4 in
+the forward, 8 in the backward, 4 more where remat recomputes the scores; MFU counts 6 (the causal half)."""
+
 
 def frozen_matmul_params(base_shapes: dict[str, tuple[int, ...]], active: dict[str, float] | None = None) -> int:
     """N from `{dotted path: shape}` of the base (non-LoRA) parameters; `active` maps path prefixes
     (routed experts' modules) to the share of them a token uses."""
-    has_output_projection = any("lm_head" in path for path in base_shapes)
     total = 0.0
     for path, shape in base_shapes.items():
-        if len(shape) < 2:
-            continue
-        if has_output_projection and "embed" in path:
+        if len(shape) < 2 or (_is_embedding_table(path) and path != _output_head(base_shapes)):
             continue
         total += math.prod(shape) * active_share(path, active)
     return round(total)
+
+
+def output_head_params(base_shapes: dict[str, tuple[int, ...]]) -> int:
+    """Of N, the output projection's: `lm_head`, or the input embedding where the model ties them."""
+    return math.prod(base_shapes[_output_head(base_shapes)])
+
+
+def _is_embedding_table(path: str) -> bool:
+    """A table read by lookup, not by a matmul: the input embedding (Gemma 4's per-layer ones too)."""
+    return path.replace("/", ".").rsplit(".", 1)[-1].endswith("embedding")
+
+
+def _output_head(base_shapes: dict[str, tuple[int, ...]]) -> str:
+    heads = [path for path in base_shapes if "lm_head" in path and len(base_shapes[path]) >= 2]
+    if not heads:  # tied: the input embedding is the output projection
+        heads = [path for path in base_shapes if path.replace("/", ".").endswith("input_embedding")
+                 and not path.replace("/", ".").rsplit(".", 1)[-1].startswith("per_layer")]
+    return heads[0]
 
 
 def active_share(path: str, active: dict[str, float] | None) -> float:

@@ -85,6 +85,8 @@ class CompiledStep:
     """The compiler's cost analysis (a scanned loop's body counted once, so not the step's total)."""
     flops_per_token: float
     """The 4N LoRA cost model (metrics.LoraFlops) of one trained token."""
+    executed_flops_per_token: float
+    """What the step runs per token, recompute and masked attention included (LoraFlops.executed_per_token)."""
     tokens_per_device: int
     """Tokens one device runs per step (batch rows x length x accumulation)."""
     compile_seconds: float
@@ -202,6 +204,7 @@ def compile_train_step(
         memory=memory,
         flops=cost.get("flops"),
         flops_per_token=flops.per_token,
+        executed_flops_per_token=flops.executed_per_token(config.remat_policy),
         tokens_per_device=config.per_device_batch_size * config.max_target_length * config.gradient_accumulation_steps,
         compile_seconds=time.perf_counter() - started,
         devices=len(devices),

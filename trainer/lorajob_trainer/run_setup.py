@@ -109,8 +109,10 @@ def lora_flops(
     active: dict[str, float] | None = None,
 ) -> metrics_lib.LoraFlops:
     """The FLOPs model's counts; `active` as `LoraModel.active` (None: no routed experts)."""
+    shapes = _shapes(base)
     return metrics_lib.LoraFlops(
-        frozen_matmul_params=metrics_lib.frozen_matmul_params(_shapes(base), active),
+        frozen_matmul_params=metrics_lib.frozen_matmul_params(shapes, active),
+        head_params=metrics_lib.output_head_params(shapes),
         attention_width=attention_width_sum,
         adapter_params=round(sum(x.size * metrics_lib.active_share(name, active) for name, x in lora.items())),
         seq_len=seq_len,
