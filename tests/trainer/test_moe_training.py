@@ -272,3 +272,23 @@ def test_n_counts_a_tied_embedding_as_the_head_and_no_lookup_table():
     }
     assert metrics.frozen_matmul_params(shapes) == 32 * 8 + 8 * 3 * 4 + 8 * 2 * 4
     assert metrics.output_head_params(shapes) == 32 * 8
+
+
+def test_the_pallas_grouped_matmul_equals_ragged_dot_with_its_gradients():
+    """The adapters' kernel on TPU (run here in Pallas' interpreter): values and both gradients as `ragged_dot`'s,
+    with an empty group, for the rank-16 shapes of either adapter (rank out, then rank in)."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    group_sizes = jnp.array([100, 0, 60, 96], jnp.int32)
+    for d_in, d_out in ((256, 16), (16, 256)):
+        x = jax.random.normal(keys[0], (256, d_in), jnp.float32)
+        w = jax.random.normal(keys[1], (4, d_in, d_out), jnp.float32)
+        cotangent = jax.random.normal(keys[2], (256, d_out), jnp.float32)
+
+        def loss(x, w, kernel):
+            return jnp.sum(experts.grouped_matmul(x, w, group_sizes, kernel, interpret=True) * cotangent)
+
+        for argnum in (0, 1):
+            pallas = jax.grad(loss, argnums=argnum)(x, w, "pallas")
+            xla = jax.grad(loss, argnums=argnum)(x, w, "xla")
+            np.testing.assert_allclose(pallas, xla, rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose(loss(x, w, "pallas"), loss(x, w, "xla"), rtol=1e-5)
