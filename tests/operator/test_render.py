@@ -290,8 +290,9 @@ def test_convert_and_export_arguments_are_accepted_by_the_trainer_entry_points(m
     monkeypatch.setattr(fit, "check", lambda config, model_config, request: calls.append(
         ("fit", (model_config, request.targets[0].chips, config.per_device_batch_size), {}))
         or fit.Plan(fit.Attempt(
-            request.targets[0], fits=True, capacity_bytes=2, total_bytes=1, flops_per_step=1.0, step_seconds=1.0,
-            tokens_per_second_per_chip=1.0, mfu=0.5, bound="compute", compile_seconds=1.0,
+            request.targets[0], fits=True, capacity_bytes=2, total_bytes=1, flops_per_step=1.0,
+            executed_flops_per_step=1.5, step_seconds=1.0, tokens_per_second_per_chip=1.0, mfu=0.5, bound="compute",
+            compile_seconds=1.0,
             memory=dict.fromkeys(("arguments", "temporaries", "outputs_not_aliased", "base_weights",
                                   "adapters_and_optimizer", "batch"), 0),
         ), []))
