@@ -39,17 +39,23 @@ DEFAULT_CASES = ["qwen3-0.6b:v6e-4:1024", "qwen3-0.6b:v6e-4:2048", "llama3.1-8b:
                  "gemma4-26b:v6e-16:1024", "gemma4-26b:v6e-16:2048"]
 
 
+def _train_config(model: str, seq: int, remat: str, lora: dict | None = None, **fields):
+    """The benchmark's setting: one row of `seq` tokens per device, LoRA rank 16, alpha 32 (plus `lora`)."""
+    from lorajob_trainer.config import TrainConfig
+
+    return TrainConfig.from_dict({
+        "run_name": "plan", "base_output_directory": "/tmp/plan", "model_name": model,
+        "load_parameters_path": "unused", "hf_train_files": ["unused"], "steps": 1, "max_target_length": seq,
+        "per_device_batch_size": 1, "remat_policy": remat, "lora": {"lora_rank": 16, "lora_alpha": 32, **(lora or {})},
+        **fields,
+    })
+
+
 def ours(model: str, slice_name: str, seq: int, remat: str, base_quantization: str = "none", slices: int = 1,
          targets: list[str] | None = None) -> dict:
     from lorajob_trainer import catalog, fit
-    from lorajob_trainer.config import TrainConfig
 
-    config = TrainConfig.from_dict({
-        "run_name": "plan", "base_output_directory": "/tmp/plan", "model_name": model,
-        "load_parameters_path": "unused", "hf_train_files": ["unused"], "steps": 1, "max_target_length": seq,
-        "per_device_batch_size": 1, "remat_policy": remat,
-        "lora": {"lora_rank": 16, "lora_alpha": 32, "base_quantization": base_quantization, "target_modules": targets},
-    })
+    config = _train_config(model, seq, remat, {"base_quantization": base_quantization, "target_modules": targets})
     generation, topology = SLICES[slice_name]
     chip = TPU_CHIPS[generation]
     chips = chips_in(topology) * slices
@@ -94,15 +100,9 @@ def executed_flops(model: str, slice_name: str, seq: int, remat: str, maxtext: b
     MaxText runs with `attention=dot_product` here: its default splash-attention kernel is a custom call whose
     FLOPs the cost analysis does not see."""
     from lorajob_trainer import plan
-    from lorajob_trainer.config import TrainConfig
 
     hf_config, layers, *depths = _depths(model)
-    config = TrainConfig.from_dict({
-        "run_name": "plan", "base_output_directory": "/tmp/plan", "model_name": model,
-        "load_parameters_path": "unused", "hf_train_files": ["unused"], "steps": 1, "max_target_length": seq,
-        "per_device_batch_size": 1, "remat_policy": remat, "loss_chunk_length": seq,
-        "lora": {"lora_rank": 16, "lora_alpha": 32},
-    })
+    config = _train_config(model, seq, remat, loss_chunk_length=seq)
     generation, topology = SLICES[slice_name]
     devices = plan.topology_devices(f"{TPU_CHIPS[generation].compiler_name}:{topology}")
     steps = [plan.compile_train_step(config, _at_depth(hf_config, depth), devices, scan_layers=False)

@@ -134,13 +134,13 @@ class Attempt:
     error: str | None = None
     devices_per_chip: int = 1
     """Memory figures and capacity are per JAX device; tokens/s per chip counts all of a chip's devices."""
+    analytic: bool = False
+    """Estimated by `analytic_attempt` (GPUs), not compiled."""
 
     @property
     def unit(self) -> str:
         """What the memory figures are per: "chip", or "device" where a chip has several."""
         return "chip" if self.devices_per_chip == 1 else "device"
-    analytic: bool = False
-    """Estimated by `analytic_attempt` (GPUs), not compiled."""
 
 
 @dataclasses.dataclass

@@ -74,9 +74,10 @@ the forward, 8 in the backward, 4 more where remat recomputes the scores; MFU co
 def frozen_matmul_params(base_shapes: dict[str, tuple[int, ...]], active: dict[str, float] | None = None) -> int:
     """N from `{dotted path: shape}` of the base (non-LoRA) parameters; `active` maps path prefixes
     (routed experts' modules) to the share of them a token uses."""
+    head = _output_head(base_shapes)
     total = 0.0
     for path, shape in base_shapes.items():
-        if len(shape) < 2 or (_is_embedding_table(path) and path != _output_head(base_shapes)):
+        if len(shape) < 2 or (_is_embedding_table(path) and path != head):
             continue
         total += math.prod(shape) * active_share(path, active)
     return round(total)
@@ -87,16 +88,19 @@ def output_head_params(base_shapes: dict[str, tuple[int, ...]]) -> int:
     return math.prod(base_shapes[_output_head(base_shapes)])
 
 
+def _leaf(path: str) -> str:
+    return path.replace("/", ".").rsplit(".", 1)[-1]
+
+
 def _is_embedding_table(path: str) -> bool:
     """A table read by lookup, not by a matmul: the input embedding (Gemma 4's per-layer ones too)."""
-    return path.replace("/", ".").rsplit(".", 1)[-1].endswith("embedding")
+    return _leaf(path).endswith("embedding")
 
 
 def _output_head(base_shapes: dict[str, tuple[int, ...]]) -> str:
     heads = [path for path in base_shapes if "lm_head" in path and len(base_shapes[path]) >= 2]
     if not heads:  # tied: the input embedding is the output projection
-        heads = [path for path in base_shapes if path.replace("/", ".").endswith("input_embedding")
-                 and not path.replace("/", ".").rsplit(".", 1)[-1].startswith("per_layer")]
+        heads = [path for path in base_shapes if _leaf(path) == "input_embedding"]
     return heads[0]
 
 
