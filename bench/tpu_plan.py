@@ -98,7 +98,8 @@ def executed_flops(model: str, slice_name: str, seq: int, remat: str, maxtext: b
     layer periods (a scanned or chunked loop's body is counted once, so neither side is compiled scanned; our
     loss runs as one chunk), extrapolated to the model's depth, as are the model FLOPs (the plan's 4N model).
     MaxText runs with `attention=dot_product` here: its default splash-attention kernel is a custom call whose
-    FLOPs the cost analysis does not see."""
+    FLOPs the cost analysis does not see. Ours runs its attention in that kernel on TPU (models/splash.py), so its
+    count is the compiler's plus the kernel's from the plan's model (`CompiledStep.kernel_flops_per_token`)."""
     from lorajob_trainer import plan
 
     hf_config, layers, *depths = _depths(model)
@@ -109,7 +110,8 @@ def executed_flops(model: str, slice_name: str, seq: int, remat: str, maxtext: b
              for depth in depths]
     model_flops = [step.flops_per_token * step.tokens_per_device for step in steps]
     row = {"model_flops": _extrapolate(*model_flops, tuple(depths), layers),
-           "ours": _extrapolate(steps[0].flops, steps[1].flops, tuple(depths), layers)}
+           "ours": _extrapolate(*(step.flops + step.kernel_flops_per_token * step.tokens_per_device for step in steps),
+                                tuple(depths), layers)}
     if maxtext:
         import train_compile
 

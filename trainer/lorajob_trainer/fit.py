@@ -126,6 +126,8 @@ class Attempt:
     executed_flops_per_step: float | None = None
     """What the step runs: the model's, remat's recompute, the masked attention scores."""
     compiler_flops: float | None = None
+    attention_block: int | None = None
+    """The splash-attention kernel's block (the compiler's count leaves the kernel out); None: dense attention."""
     step_seconds: float | None = None
     tokens_per_second_per_chip: float | None = None
     mfu: float | None = None
@@ -188,7 +190,8 @@ def compile_attempt(
         memory={"arguments": memory.arguments, "temporaries": memory.temporaries,
                 "outputs_not_aliased": memory.outputs - memory.aliased, "base_weights": memory.base_weights,
                 "adapters_and_optimizer": memory.adapters + memory.optimizer_state, "batch": memory.batch},
-        compiler_flops=step.flops, compile_seconds=step.compile_seconds, devices_per_chip=chip.devices_per_chip,
+        compiler_flops=step.flops, attention_block=step.attention_block, compile_seconds=step.compile_seconds,
+        devices_per_chip=chip.devices_per_chip,
     )
     _roofline(attempt, device, step.flops_per_token, step.executed_flops_per_token, step.tokens_per_device,
               memory.base_weights, step.devices, config.remat_policy)
@@ -303,7 +306,9 @@ def format_attempt(attempt: Attempt) -> list[str]:
         f"{_gb(m['adapters_and_optimizer'])}, batch {_gb(m['batch'])}), temporaries {_gb(m['temporaries'])}, "
         f"outputs {_gb(m['outputs_not_aliased'])}",
         f"  FLOPs per step per {unit}: {attempt.flops_per_step:.3e} (4N LoRA cost model), run "
-        f"{attempt.executed_flops_per_step:.3e} (with remat's recompute and the masked attention scores"
+        f"{attempt.executed_flops_per_step:.3e} (with remat's recompute and "
+        + ("the masked attention scores" if attempt.attention_block is None else
+           f"the splash kernel's attention blocks of {attempt.attention_block} positions, which the compiler does not count")
         + ("" if attempt.compiler_flops is None else
            f"; the compiler's cost analysis counts the scanned layer body once: {attempt.compiler_flops:.3e}") + ")",
         f"  roofline: {attempt.step_seconds:.3f} s/step, {attempt.tokens_per_second_per_chip:,.0f} tokens/s per "

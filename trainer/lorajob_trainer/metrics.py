@@ -53,12 +53,21 @@ class LoraFlops:
     def per_token(self) -> float:
         return 4 * self.frozen_matmul_params + 6 * self.seq_len * self.attention_width + 6 * self.adapter_params
 
-    def executed_per_token(self, remat_policy: str) -> float:
+    def executed_per_token(self, remat_policy: str, attention_block: int | None = None) -> float:
         """FLOPs the train step runs per token, which MFU does not count as useful: the recompute of remat and the
-        masked half of the attention scores (the step's attention is dense). See EXECUTED_MATMUL_FACTOR."""
+        masked attention scores that dense attention computes (`attention_block` None) or the splash kernel's
+        blocks of `attention_block` positions straddling the causal diagonal. See EXECUTED_MATMUL_FACTOR."""
         layers = 4 * (self.frozen_matmul_params - self.head_params) + 6 * self.adapter_params
         return (EXECUTED_MATMUL_FACTOR[remat_policy] * layers + 4 * self.head_params
-                + DENSE_ATTENTION_FLOPS[remat_policy] * self.seq_len * self.attention_width)
+                + self.executed_attention_per_token(remat_policy, attention_block))
+
+    def executed_attention_per_token(self, remat_policy: str, attention_block: int | None = None) -> float:
+        """Of `executed_per_token`, the attention scores' and their mixing's (no weights)."""
+        if attention_block is None:
+            per_score = DENSE_ATTENTION_FLOPS[remat_policy]
+        else:
+            per_score = SPLASH_ATTENTION_FLOPS[remat_policy] * causal_block_share(self.seq_len // attention_block)
+        return per_score * self.seq_len * self.attention_width
 
 
 EXECUTED_MATMUL_FACTOR = {"none": 1.0, "minimal": 1.0, "full": 1.369}
@@ -69,6 +78,16 @@ measured with the TPU compiler's cost analysis of the step unrolled (llama3.1-8b
 DENSE_ATTENTION_FLOPS = {"none": 12, "minimal": 16, "full": 16}
 """Attention FLOPs per token per (seq_len x attention width): every score of the causal mask is computed, 4 in
 the forward, 8 in the backward, 4 more where remat recomputes the scores; MFU counts 6 (the causal half)."""
+SPLASH_ATTENTION_FLOPS = {"none": 18, "minimal": 22, "full": 22}
+"""The same for the splash kernel (models/splash.py) per score of the blocks it computes: 4 in the forward; in the
+backward 6 in its query-gradient kernel and 8 in its key/value-gradient kernel, each computing the scores again;
+4 more where remat runs the forward again (its output is no weight matmul's, so "minimal" recomputes it)."""
+
+
+def causal_block_share(blocks: int) -> float:
+    """The share of a causal square of `blocks` x `blocks` blocks the splash kernel computes: the lower triangle
+    with its diagonal."""
+    return (blocks + 1) / (2 * blocks)
 
 
 def frozen_matmul_params(base_shapes: dict[str, tuple[int, ...]], active: dict[str, float] | None = None) -> int:

@@ -28,7 +28,7 @@ from lorajob_trainer import lora as lora_lib
 from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import models, run_setup
 from lorajob_trainer import step as step_lib
-from lorajob_trainer.models import experts
+from lorajob_trainer.models import experts, splash
 from lorajob_trainer.config import TrainConfig, resolve_target_modules
 from lorajob_trainer.optim import build_optimizer
 
@@ -87,6 +87,11 @@ class CompiledStep:
     """The 4N LoRA cost model (metrics.LoraFlops) of one trained token."""
     executed_flops_per_token: float
     """What the step runs per token, recompute and masked attention included (LoraFlops.executed_per_token)."""
+    attention_block: int | None
+    """The block of the splash-attention kernel the step's attention runs in (models/splash.py); None: dense."""
+    kernel_flops_per_token: float
+    """Of `executed_flops_per_token`, the splash kernel's, which the compiler's cost analysis does not count (a
+    Pallas kernel is a custom call to it)."""
     tokens_per_device: int
     """Tokens one device runs per step (batch rows x length x accumulation)."""
     compile_seconds: float
@@ -186,6 +191,7 @@ def compile_train_step(
     }
     with jax.set_mesh(mesh):
         compiled = steps.train.lower(adapters, opt_state, base, batch).compile()
+    attention_block = splash.block_size(config.max_target_length) if splash.ran_in(compiled.as_text()) else None
     analysis = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):
@@ -204,7 +210,11 @@ def compile_train_step(
         memory=memory,
         flops=cost.get("flops"),
         flops_per_token=flops.per_token,
-        executed_flops_per_token=flops.executed_per_token(config.remat_policy),
+        executed_flops_per_token=flops.executed_per_token(config.remat_policy, attention_block),
+        attention_block=attention_block,
+        kernel_flops_per_token=(
+            0.0 if attention_block is None else flops.executed_attention_per_token(config.remat_policy, attention_block)
+        ),
         tokens_per_device=config.per_device_batch_size * config.max_target_length * config.gradient_accumulation_steps,
         compile_seconds=time.perf_counter() - started,
         devices=len(devices),

@@ -5,8 +5,10 @@ model would run with theta 1e6 and without Llama 3.1's frequency scaling. These 
 parameters (`q_proj`, `k_proj`, `v_proj`, `o_proj`, Qwen3's `q_norm` / `k_norm`: the names the tensor maps and
 LoRA targets use) and own the computation, `block`: grouped-query attention with the model's RoPE
 (`rope.apply_rope`), the KV cache as Tunix lays it out (`k`, `v` [B, S, kv heads, head dim], `end_index`), the
-attention mask, softmax in float32. Tunix's splash-attention branch is not used (`use_flash_attention` stays
-false in our configs), nor are its activation constraints, which read the legacy mesh context and do nothing
+attention mask, softmax in float32; a training step on TPU runs JAX's splash-attention kernel instead
+(models/splash.py). Tunix's own splash-attention branch is not used (`use_flash_attention` stays false in our
+configs: it ignores the segments of packed and padded sequences and reads the legacy mesh context), nor are its
+activation constraints, which read the legacy mesh context and do nothing
 under `jax.set_mesh` (the step constrains the residual stream itself: decoder.batch_sharded).
 """
 
@@ -20,6 +22,7 @@ from flax import nnx
 from tunix.models.llama3 import model as llama3_lib
 from tunix.models.qwen3 import model as qwen3_lib
 
+from lorajob_trainer.models import splash
 from lorajob_trainer.models.rope import RopeSpec, apply_rope
 
 MASKED = -2.3819763e38
@@ -58,15 +61,26 @@ class RopeAttention(nnx.Module):
             key = jax.lax.dynamic_update_slice(cache["k"], key, start)
             value = jax.lax.dynamic_update_slice(cache["v"], value, start)
             new_cache = {"k": key, "v": value, "end_index": cache["end_index"] + x.shape[1]}
-        batch, length, heads, head_dim = query.shape
-        kv_heads = key.shape[2]
-        grouped = query.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
-        scores = jnp.einsum("BTKGH,BSKH->BKGTS", grouped, key) * self.scale
-        if attn_mask is not None:
-            scores = jnp.where(attn_mask[:, None, None, :, :], scores, MASKED)
-        probabilities = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(key.dtype)
-        mixed = jnp.einsum("BKGTS,BSKH->BTKGH", probabilities, value).reshape(batch, length, heads, head_dim)
+        if attn_mask is not None and splash.applies(query, key, cache):
+            mixed = splash.causal_attention(query * self.scale, key, value, splash.segment_ids(attn_mask))
+        else:
+            mixed = dense_attention(query, key, value, attn_mask, self.scale)
         return new_cache, self.o_proj(mixed)
+
+
+def dense_attention(
+    query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None, scale: float
+) -> jax.Array:
+    """Grouped-query attention with every score computed: query [B, T, N, H], key and value [B, S, K, H] with K
+    dividing N, mask [B, T, S] (None: every position) -> [B, T, N, H]; softmax in float32."""
+    batch, length, heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    grouped = query.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", grouped, key) * scale
+    if mask is not None:
+        scores = jnp.where(mask[:, None, None, :, :], scores, MASKED)
+    probabilities = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(key.dtype)
+    return jnp.einsum("BKGTS,BSKH->BTKGH", probabilities, value).reshape(batch, length, heads, head_dim)
 
 
 class Qwen3Attention(RopeAttention, qwen3_lib.Attention):

@@ -1,0 +1,108 @@
+"""The splash-attention kernel a training step runs on TPU (models/splash.py), run here in Pallas' interpreter:
+the same outputs and gradients as the dense attention for packed and padded rows with grouped-query heads, on one
+device and split over a mesh; and the share of blocks it computes, which the plan's FLOPs count."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from lorajob_trainer import metrics, models
+from lorajob_trainer.models import splash
+from lorajob_trainer.models.attention import dense_attention
+
+REPO = Path(__file__).resolve().parents[2]
+BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM = 2, 384, 4, 2, 128
+"""Three blocks of 128 positions per side: the kernel skips the three above the diagonal."""
+
+
+def inputs() -> tuple[jax.Array, ...]:
+    """query, key, value, segment ids (row 0 packs three sequences, row 1 ends in padding) and a cotangent that
+    is zero at padding (where the loss never looks)."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    query = jax.random.normal(keys[0], (BATCH, LENGTH, HEADS, HEAD_DIM))
+    key = jax.random.normal(keys[1], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+    value = jax.random.normal(keys[2], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+    segments = np.ones((BATCH, LENGTH), np.int32)
+    segments[0, 100:200], segments[0, 200:] = 2, 3
+    segments[1, 250:] = 0
+    cotangent = jax.random.normal(keys[3], query.shape) * (segments != 0)[:, :, None, None]
+    return query, key, value, jnp.asarray(segments), cotangent
+
+
+def outputs_and_gradients(kernel: str) -> list[np.ndarray]:
+    """The attention's output and the gradients of sum(output · cotangent) by query, key and value."""
+    query, key, value, segments, cotangent = inputs()
+    mask, scale = models.attention_mask(segments), HEAD_DIM**-0.5
+
+    def attend(query, key, value):
+        if kernel == "splash":
+            return splash.causal_attention(query * scale, key, value, splash.segment_ids(mask), interpret=True)
+        return dense_attention(query, key, value, mask, scale)
+
+    def loss(query, key, value):
+        return jnp.sum(attend(query, key, value) * cotangent)
+
+    output = attend(query, key, value) * (segments != 0)[:, :, None, None]
+    return [np.asarray(x) for x in (output, *jax.grad(loss, argnums=(0, 1, 2))(query, key, value))]
+
+
+def test_the_kernel_equals_dense_attention_with_its_gradients():
+    for splashed, dense in zip(outputs_and_gradients("splash"), outputs_and_gradients("dense"), strict=True):
+        np.testing.assert_allclose(splashed, dense, atol=2e-5, rtol=1e-5)
+
+
+SHARDED_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import jax
+    sys.path.insert(0, sys.argv[1])
+    from lorajob_trainer import mesh as mesh_lib
+    from lorajob_trainer.config import MeshConfig
+    from test_splash_attention import outputs_and_gradients
+    mesh = mesh_lib.build_mesh(MeshConfig(fsdp=2, tensor=2))
+    with jax.set_mesh(mesh):
+        json.dump([x.tolist() for x in outputs_and_gradients("splash")], sys.stdout)
+    """
+)
+
+
+def test_on_a_mesh_each_device_attends_its_sequences_and_heads():
+    """Four devices, the batch split over fsdp and the heads (query and key/value) over tp: each runs the kernel
+    on what it holds, and the result is the one device's."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "trainer"), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-c", SHARDED_SCRIPT, str(Path(__file__).parent)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for sharded, single in zip(json.loads(result.stdout), outputs_and_gradients("splash"), strict=True):
+        np.testing.assert_allclose(np.array(sharded), single, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("length", [512, 1024, 4096])
+def test_the_flops_model_counts_the_blocks_the_kernel_computes(length):
+    """metrics.causal_block_share against the kernel's own schedule: the blocks its forward, query-gradient and
+    key/value-gradient passes visit (the mask info's non-empty blocks)."""
+    kernel = splash._kernel(1, length, False)
+    blocks = length // splash.block_size(length)
+    for info in (kernel.fwd_mask_info, kernel.dq_mask_info, kernel.dkv_mask_info):
+        visited = np.count_nonzero(np.asarray(info.block_mask))
+        assert visited / blocks**2 == pytest.approx(metrics.causal_block_share(blocks))
+
+
+def test_segment_ids_name_each_sequence_and_keep_padding_apart():
+    segments = jnp.array([[1, 1, 2, 2, 2, 0, 0], [3, 3, 3, 3, 3, 3, 3]])
+    np.testing.assert_array_equal(
+        splash.segment_ids(models.attention_mask(segments)),
+        [[0, 0, 2, 2, 2, splash.PADDING_SEGMENT, splash.PADDING_SEGMENT], [0] * 7],
+    )

@@ -1,0 +1,118 @@
+"""Causal attention of a training step through JAX's Pallas splash-attention kernel (TPU), the attention MaxText
+trains with by default.
+
+Dense attention (models/attention.py) materialises every score of every head, [B, K, G, T, S] in float32 and
+again in bfloat16, once per layer: 134 MB per sequence per layer of llama3.1-8b at 1,024 tokens, 8.6 GB at
+8,192 (it grows with the square of the length), and with it the masked half of the causal square. The kernel
+works in blocks, skips the blocks the causal mask empties, and keeps only the log-sum-exp for its backward pass,
+so its memory grows with the length, not its square.
+
+It runs where the step is traced on a mesh of TPU devices, without a KV cache, for lengths the kernel's
+128-wide blocks divide (`applies`); elsewhere (CPU, GPU, decoding) the dense attention runs. Pallas' interpreter
+runs the same kernel on any backend (`interpret`), which is how the tests compare the two.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import PartitionSpec
+
+from lorajob_trainer import mesh as mesh_lib
+
+BLOCK = 128
+"""The kernel's block granularity (a TPU vector register's lanes): lengths must be a multiple of it."""
+LARGEST_BLOCK = 512
+"""The block MaxText trains with by default (`sa_block_q` and the others)."""
+FORWARD_KERNEL = "splash_mha_fwd"
+"""The start of the forward kernel's name in a compiled step's HLO (`ran_in`)."""
+PADDING_SEGMENT = -1
+"""The segment id of a position that attends to nothing (padding): never equal to a real segment's."""
+
+
+def applies(query: jax.Array, key: jax.Array, cache: object) -> bool:
+    """Whether a training forward (no KV `cache`) of `query` [B, T, N, H] and `key` [B, T, K, H] runs through the
+    kernel: traced on a TPU mesh, T a multiple of `BLOCK`, the batch and both head counts divisible over the
+    mesh axes that split them."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if cache is not None or mesh.empty or mesh.abstract_device.platform != "tpu":
+        return False
+    batch, length, heads, _ = query.shape
+    tp = _size(mesh, ("tp",))
+    return (length % BLOCK == 0 and batch % _size(mesh, _batch_axes(mesh)) == 0
+            and heads % tp == 0 and key.shape[2] % tp == 0)
+
+
+def segment_ids(mask: jax.Array) -> jax.Array:
+    """int32 [B, T] from the step's attention mask [B, T, S] (models.attention_mask: causal, within a segment,
+    never to or from padding): each position's segment named by its first position (the first key it attends
+    to), `PADDING_SEGMENT` where it attends to nothing. The kernel masks causally by itself."""
+    return jnp.where(mask.any(axis=-1), jnp.argmax(mask, axis=-1), PADDING_SEGMENT).astype(jnp.int32)
+
+
+def causal_attention(
+    query: jax.Array, key: jax.Array, value: jax.Array, segments: jax.Array, *, interpret: bool = False
+) -> jax.Array:
+    """softmax(query · key over the causal mask within `segments`) · value: query [B, T, N, H] (already
+    scaled), key and value [B, T, K, H] with K dividing N (grouped-query), segments [B, T] -> [B, T, N, H].
+
+    On a mesh (`applies`), each device runs the kernel on its own sequences and heads (`jax.shard_map`): the
+    batch split as the step splits it, the heads over `tp`; the kernel is made for the shapes each device holds.
+    """
+    heads_first = (query.transpose(0, 2, 1, 3), key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3))
+    local = functools.partial(_attend, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:
+        batch, heads = _batch_axes(mesh), "tp" if mesh.shape.get("tp", 1) > 1 else None
+        split = PartitionSpec(batch, heads, None, None)
+        # check_vma off: the Pallas kernel's outputs carry no varying-axes type (JAX cannot infer one).
+        local = jax.shard_map(
+            local, in_specs=(split, split, split, PartitionSpec(batch, None)), out_specs=split, check_vma=False
+        )
+    return local(*heads_first, segments).transpose(0, 2, 1, 3)
+
+
+def _attend(query: jax.Array, key: jax.Array, value: jax.Array, segments: jax.Array, *, interpret: bool) -> jax.Array:
+    """The kernel over sequences held here: query [B, N, T, H], key and value [B, K, T, H] -> [B, N, T, H]."""
+    heads, length = query.shape[1], query.shape[2]
+    kernel = _kernel(heads, length, interpret)
+    return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash_kernel.SegmentIds(s, s)))(
+        query, key, value, segments
+    )
+
+
+def block_size(length: int) -> int:
+    """The kernel's blocks (query and key, forward and backward) for `length` positions, a multiple of `BLOCK`:
+    the largest of 512, 256 and 128 that divides it."""
+    return max(size for size in (LARGEST_BLOCK, 2 * BLOCK, BLOCK) if length % size == 0)
+
+
+def ran_in(compiled_text: str) -> bool:
+    """Whether a compiled step (`Compiled.as_text()`) runs its attention in the kernel."""
+    return FORWARD_KERNEL in compiled_text
+
+
+@functools.lru_cache(maxsize=16)
+def _kernel(heads: int, length: int, interpret: bool) -> splash_kernel.SplashAttentionKernel:
+    """The kernel for `heads` heads of `length` positions (its block masks are worked out once per shape)."""
+    block = block_size(length)
+    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length)) for _ in range(heads)])
+    sizes = splash_kernel.BlockSizes(
+        block_q=block, block_kv=block, block_kv_compute=block,
+        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+        block_q_dq=block, block_kv_dq=block,
+    )
+    return splash_kernel.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def _batch_axes(mesh: jax.sharding.AbstractMesh) -> tuple[str, ...]:
+    return tuple(axis for axis in mesh_lib.BATCH_AXES if axis in mesh.axis_names)
+
+
+def _size(mesh: jax.sharding.AbstractMesh, axes: tuple[str, ...]) -> int:
+    return int(np.prod([mesh.shape[axis] for axis in axes if axis in mesh.shape]))
