@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from lorajob_trainer import metrics, models
+from jax.extend import core
+from lorajob_trainer import metrics, models, remat
 from lorajob_trainer.models import splash
 from lorajob_trainer.models.attention import dense_attention
 
@@ -98,6 +99,34 @@ def test_the_flops_model_counts_the_blocks_the_kernel_computes(length):
     for info in (kernel.fwd_mask_info, kernel.dq_mask_info, kernel.dkv_mask_info):
         visited = np.count_nonzero(np.asarray(info.block_mask))
         assert visited / blocks**2 == pytest.approx(metrics.causal_block_share(blocks))
+
+
+def kernel_forwards(jaxpr: core.Jaxpr) -> int:
+    """The splash kernel's forward passes in `jaxpr` and the jaxprs inside it (remat's recompute among them)."""
+    count = 0
+    for equation in jaxpr.eqns:
+        if equation.primitive.name == "pallas_call" and str(equation.params.get("name")).startswith(splash.FORWARD_KERNEL):
+            count += 1
+        for param in equation.params.values():
+            for inner in param if isinstance(param, (list, tuple)) else [param]:
+                if isinstance(inner, (core.Jaxpr, core.ClosedJaxpr)):
+                    count += kernel_forwards(getattr(inner, "jaxpr", inner))
+    return count
+
+
+@pytest.mark.parametrize("policy", ["none", "minimal", "full"])
+def test_the_flops_model_counts_the_forwards_each_remat_policy_runs(policy):
+    """metrics.SPLASH_ATTENTION_FLOPS: 4 per kernel forward in the gradient's program (one, and one more where
+    remat recomputes the layer: "minimal" too, since the kernel's output is no weight matmul's), plus the
+    backward's 14."""
+    query, key, value, segments, _ = inputs()
+
+    def attend(query, key, value):
+        return jnp.sum(splash.causal_attention(query, key, value, segments, interpret=True))
+
+    layer = attend if policy == "none" else jax.checkpoint(attend, policy=remat.saveable(policy))
+    program = jax.make_jaxpr(jax.grad(layer, argnums=(0, 1, 2)))(query, key, value)
+    assert metrics.SPLASH_ATTENTION_FLOPS[policy] == 4 * kernel_forwards(program.jaxpr) + 14
 
 
 def test_segment_ids_name_each_sequence_and_keep_padding_apart():
