@@ -153,7 +153,8 @@ class LeaderElector:
                 self.transitions += 1
                 log.info("leading: %s holds the Lease %s; reconciling", self.name, self.lease)
                 self._on_started()
-        elif self._was_leading and not self.leading():
+        elif self._was_leading and not self.leading() and not self._stop.is_set():
+            # Once stopped, `release` hands the Lease on: a renewal answered after the stop is no loss of it.
             self._was_leading = False
             why = f"{self.holder} holds it now" if self.holder not in (None, self.name) else (
                 f"no renewal succeeded for {self.settings.renew_deadline_seconds:g} s")

@@ -123,6 +123,28 @@ def test_a_released_lease_passes_at_the_standbys_next_look(kube, pair):
     assert _lease(kube, lease)["spec"]["leaseTransitions"] == 1
 
 
+def test_a_leader_stopped_during_a_renewal_still_releases_the_lease(kube, pair):
+    """SIGTERM can arrive while a renewal is on the wire (often, on a loaded machine): that renewal's answer must
+    not count as losing the Lease, or the release is skipped and the standby waits out the lease (seen in CI)."""
+    a, b, lease = pair
+    renewing, renew = threading.Event(), a.elector.custom.get_namespaced_custom_object
+
+    def renewal_held_until_stopped(*args, **kwargs):
+        renewing.set()
+        wait_until(a.elector._stop.is_set, 10, "a is stopped")
+        return renew(*args, **kwargs)
+
+    a.elector.custom.get_namespaced_custom_object = renewal_held_until_stopped
+    assert renewing.wait(5), "a renews"
+    with OverlapSampler(a, b) as sampler:
+        a.elector.stop()
+        released = time.monotonic()
+        a.elector.release()
+        took = wait_until(b.elector.leading, FAST["lease_duration_seconds"] + SLACK_SECONDS, "b leads")
+    assert took - released < FAST["lease_duration_seconds"], "a did not release the Lease it still held"
+    assert sampler.overlaps == 0
+
+
 def test_a_crashed_leaders_lease_passes_after_the_lease_duration_and_never_before(kube, pair):
     a, b, lease = pair
     last_renewal = _lease(kube, lease)["metadata"]["resourceVersion"]
