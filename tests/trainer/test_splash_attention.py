@@ -39,15 +39,20 @@ def inputs() -> tuple[jax.Array, ...]:
     return query, key, value, jnp.asarray(segments), cotangent
 
 
-def outputs_and_gradients(kernel: str) -> list[np.ndarray]:
-    """The attention's output and the gradients of sum(output · cotangent) by query, key and value."""
+def outputs_and_gradients(kernel: str, window: int | None = None) -> list[np.ndarray]:
+    """The attention's output and the gradients of sum(output · cotangent) by query, key and value; with
+    `window`, a sliding-window layer's (Gemma 3's: each position sees itself and the `window` - 1 before it)."""
     query, key, value, segments, cotangent = inputs()
     mask, scale = models.attention_mask(segments), HEAD_DIM**-0.5
 
     def attend(query, key, value):
         if kernel == "splash":
-            return splash.causal_attention(query * scale, key, value, splash.segment_ids(mask), interpret=True)
-        return dense_attention(query, key, value, mask, scale)
+            return splash.causal_attention(
+                query * scale, key, value, splash.segment_ids(mask), window=window, interpret=True
+            )
+        positions = jnp.arange(LENGTH)
+        near = positions[:, None] - positions[None, :] < (window or LENGTH)
+        return dense_attention(query, key, value, mask & near, scale)
 
     def loss(query, key, value):
         return jnp.sum(attend(query, key, value) * cotangent)
@@ -56,8 +61,10 @@ def outputs_and_gradients(kernel: str) -> list[np.ndarray]:
     return [np.asarray(x) for x in (output, *jax.grad(loss, argnums=(0, 1, 2))(query, key, value))]
 
 
-def test_the_kernel_equals_dense_attention_with_its_gradients():
-    for splashed, dense in zip(outputs_and_gradients("splash"), outputs_and_gradients("dense"), strict=True):
+@pytest.mark.parametrize("window", [None, 200], ids=["causal", "sliding-window"])
+def test_the_kernel_equals_dense_attention_with_its_gradients(window):
+    for splashed, dense in zip(outputs_and_gradients("splash", window), outputs_and_gradients("dense", window),
+                               strict=True):
         np.testing.assert_allclose(splashed, dense, atol=2e-5, rtol=1e-5)
 
 
@@ -94,7 +101,7 @@ def test_on_a_mesh_each_device_attends_its_sequences_and_heads():
 def test_the_flops_model_counts_the_blocks_the_kernel_computes(length):
     """metrics.causal_block_share against the kernel's own schedule: the blocks its forward, query-gradient and
     key/value-gradient passes visit (the mask info's non-empty blocks)."""
-    kernel = splash._kernel(1, length, False)
+    kernel = splash._kernel(1, length, None, False)
     blocks = length // splash.block_size(length)
     for info in (kernel.fwd_mask_info, kernel.dq_mask_info, kernel.dkv_mask_info):
         visited = np.count_nonzero(np.asarray(info.block_mask))

@@ -37,6 +37,14 @@ def config(remat: str, model: str = "llama3.1-8b") -> TrainConfig:
     })
 
 
+def released_at_depth(model: str, layers: int) -> dict:
+    """The catalogue's config.json facts of `model`, cut to its first `layers` layers."""
+    hf = dict(catalog.released_config(model), num_hidden_layers=layers)
+    if "layer_types" in hf:
+        hf["layer_types"] = hf["layer_types"][:layers]
+    return hf
+
+
 def one_layer_at_a_time_bytes(hf: dict, layers: int, seq: int) -> int:
     """Per chip, bf16 weights and activations, one row of `seq` tokens per chip: each layer's input kept for the
     backward pass, plus one layer's gathered weights (for a MoE layer every expert's and the router), its MLP
@@ -61,7 +69,7 @@ def one_layer_at_a_time_bytes(hf: dict, layers: int, seq: int) -> int:
     ("llama3.1-8b", 4, TOPOLOGY, SEQ), ("qwen3-30b-a3b", 2, "v6e:2x4", SEQ), ("qwen3-0.6b", 2, TOPOLOGY, 8192),
 ])
 def test_step_needs_one_layer_at_a_time_on_v6e(model, layers, topology, seq):
-    hf = dict(catalog.released_config(model), num_hidden_layers=layers)
+    hf = released_at_depth(model, layers)
     step_config = config("full", model).model_copy(update={"max_target_length": seq})
     compiled = plan.compile_train_step(step_config, hf, plan.topology_devices(topology))
     bound = one_layer_at_a_time_bytes(hf, layers, seq)
@@ -73,7 +81,7 @@ def test_step_needs_one_layer_at_a_time_on_v6e(model, layers, topology, seq):
 
 def test_argument_bytes_are_the_abstract_arrays():
     """The compiler's argument bytes per chip are the inputs' shards: base, adapters, optimizer state, batch."""
-    hf = dict(catalog.released_config("qwen3-0.6b"), num_hidden_layers=2)
+    hf = released_at_depth("qwen3-0.6b", 2)
     memory = plan.compile_train_step(config("minimal"), hf, plan.topology_devices(TOPOLOGY)).memory
     expected = memory.base_weights + memory.adapters + memory.optimizer_state + memory.batch
     assert memory.base_weights > 0 and memory.adapters > 0 and memory.optimizer_state > 0
@@ -82,17 +90,17 @@ def test_argument_bytes_are_the_abstract_arrays():
 
 @pytest.mark.parametrize(("model", "layers", "remat", "seq", "attention_block"), [
     ("qwen3-0.6b", 2, "none", 192, None), ("qwen3-0.6b", 2, "full", 192, None), ("qwen3-0.6b", 2, "full", 256, 256),
-    ("qwen3-30b-a3b", 1, "none", 256, 256),
+    ("qwen3-30b-a3b", 1, "none", 256, 256), ("gemma3-1b", 2, "none", 256, 256),
 ])
 def test_the_plans_executed_flops_are_the_compilers(model, layers, remat, seq, attention_block):
     """The roofline's FLOPs (metrics.LoraFlops.executed_per_token: the model's, remat's recompute, the masked
     attention scores) against the compiler's count of the step unrolled, on a family other than the one its
-    remat factor was measured on (Qwen3, whose head is its input embedding). At lengths the splash kernel's
+    remat factor was measured on (Qwen3, whose head is its input embedding; Gemma 3). At lengths the splash kernel's
     blocks divide the attention runs in it, whose FLOPs the compiler does not count: the rest must be the
     compiler's, and at other lengths the dense attention's are counted. The MoE step's expert adapters
     compute their weight gradients in the Pallas grouped matmul: with `ragged_dot`'s, which the compiler
     lowers densely over every expert, the count was 1.12x the model's at one layer."""
-    hf = dict(catalog.released_config(model), num_hidden_layers=layers)
+    hf = released_at_depth(model, layers)
     step_config = config(remat, model).model_copy(update={"max_target_length": seq, "loss_chunk_length": seq})
     step = plan.compile_train_step(step_config, hf, plan.topology_devices(TOPOLOGY), scan_layers=False)
     assert step.layers_scanned == 0

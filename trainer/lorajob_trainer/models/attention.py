@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from tunix.models.gemma3 import model as gemma3_lib
 from tunix.models.llama3 import model as llama3_lib
 from tunix.models.qwen3 import model as qwen3_lib
 
@@ -61,7 +62,8 @@ class RopeAttention(nnx.Module):
             key = jax.lax.dynamic_update_slice(cache["k"], key, start)
             value = jax.lax.dynamic_update_slice(cache["v"], value, start)
             new_cache = {"k": key, "v": value, "end_index": cache["end_index"] + x.shape[1]}
-        if attn_mask is not None and splash.applies(query, key, cache):
+        batch, length, heads, _ = query.shape
+        if cache is None and attn_mask is not None and splash.applies(batch, length, heads, key.shape[2]):
             mixed = splash.causal_attention(query * self.scale, key, value, splash.segment_ids(attn_mask))
         else:
             mixed = dense_attention(query, key, value, attn_mask, self.scale)
@@ -89,3 +91,38 @@ class Qwen3Attention(RopeAttention, qwen3_lib.Attention):
 
 class Llama3Attention(RopeAttention, llama3_lib.Attention):
     qk_norm = False
+
+
+class Gemma3Attention(gemma3_lib.Attention):
+    """Tunix's Gemma 3 attention (its parameters, its decoding path) whose training forward on TPU runs in the
+    splash kernel, a sliding layer's with its window; Tunix computes every score."""
+
+    def block(
+        self, x: jax.Array, segment_pos: jax.Array, cache: dict[str, jax.Array] | None, attn_mask: jax.Array | None
+    ) -> tuple[dict[str, jax.Array] | None, jax.Array]:
+        batch, length = x.shape[:2]
+        if cache is not None or attn_mask is None or not splash.applies(batch, length, self.num_heads, self.num_kv_heads):
+            return super().block(x, segment_pos, cache, attn_mask)
+        query = self._query_norm(self.q_einsum(x))
+        key, value = self.kv_einsum(x)
+        key = self._key_norm(key)
+        rope = {"head_dim": self.head_dim, "base_frequency": self.rope_base_frequency,
+                "scale_factor": self.rope_scale_factor}
+        query = gemma3_lib.apply_rope(query, segment_pos, **rope) * self.query_pre_attn_scalar
+        key = gemma3_lib.apply_rope(key, segment_pos, **rope)
+        sliding = self.attn_type == gemma3_lib.AttentionType.LOCAL_SLIDING
+        mixed = splash.causal_attention(
+            query, key, value, splash.segment_ids(attn_mask), window=self.sliding_window_size if sliding else None
+        )
+        return None, self.attn_vec_einsum(mixed)
+
+    @classmethod
+    def replacing(cls, tunix: gemma3_lib.Attention, config: gemma3_lib.ModelConfig, rngs: nnx.Rngs) -> Gemma3Attention:
+        """This class with the layer type and RoPE of `tunix`, one of Tunix's decoder layers' attention."""
+        return cls(
+            num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, features=config.embed_dim,
+            head_dim=config.head_dim, attn_type=tunix.attn_type, sliding_window_size=config.sliding_window_size,
+            rope_base_frequency=tunix.rope_base_frequency, rope_scale_factor=tunix.rope_scale_factor,
+            query_pre_attn_norm=config.query_pre_attn_norm, rngs=rngs, shd_config=config.shd_config,
+            remat_config=config.remat_config, param_dtype=config.param_dtype,
+        )

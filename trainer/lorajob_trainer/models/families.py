@@ -17,7 +17,7 @@ from tunix.models.gemma3 import model as gemma3_lib
 from tunix.models.llama3 import model as llama3_lib
 from tunix.models.qwen3 import model as qwen3_lib
 
-from lorajob_trainer.models.attention import Llama3Attention, Qwen3Attention
+from lorajob_trainer.models.attention import Gemma3Attention, Llama3Attention, Qwen3Attention
 from lorajob_trainer.models.decoder import Decoder
 from lorajob_trainer.models.kv_split import split_kv_einsum
 from lorajob_trainer.models.rope import RopeSpec
@@ -66,13 +66,17 @@ class Family:
     def build(self, config: Any, hf_config: dict[str, Any], rngs: Any) -> Any:
         """The Tunix model for `config` (made from `hf_config`), with our attention where the family has one."""
         model = self.model_class(config, rngs=rngs)
+        self.replace_attention(model, config, hf_config, rngs)
+        if self.split_kv:
+            split_kv_einsum(model)
+        return model
+
+    def replace_attention(self, model: Any, config: Any, hf_config: dict[str, Any], rngs: Any) -> None:
+        """Gives each layer `attention` in place of Tunix's."""
         if self.attention is not None:
             spec = rope_spec(hf_config)
             for layer in model.layers:
                 layer.attn = self.attention(config, spec, rngs=rngs)
-        if self.split_kv:
-            split_kv_einsum(model)
-        return model
 
 
 def _required(hf: dict[str, Any], key: str) -> Any:
@@ -291,7 +295,14 @@ def _gemma3_maps(config: gemma3_lib.ModelConfig) -> list[TensorMap]:
     ] + _expand(per_layer, config.num_layers)
 
 
-GEMMA3 = Family(
+class Gemma3Family(Family):
+    def replace_attention(self, model: Any, config: Any, hf_config: dict[str, Any], rngs: Any) -> None:
+        """Tunix's Gemma 3 attention (its RoPE is right) with the splash kernel for training on TPU."""
+        for layer in model.layers:
+            layer.attn = Gemma3Attention.replacing(layer.attn, config, rngs)
+
+
+GEMMA3 = Gemma3Family(
     name="gemma3",
     hf_model_types=("gemma3_text", "gemma3"),
     model_class=Gemma3,

@@ -8,7 +8,8 @@ works in blocks, skips the blocks the causal mask empties, and keeps only the lo
 so its memory grows with the length, not its square.
 
 It runs where the step is traced on a mesh of TPU devices, without a KV cache, for lengths the kernel's
-128-wide blocks divide (`applies`); elsewhere (CPU, GPU, decoding) the dense attention runs. Pallas' interpreter
+128-wide blocks divide (`applies`), in the attention of Qwen3, Qwen3 MoE, Llama 3 and Gemma 3 (its sliding
+layers with the kernel's local mask); elsewhere (CPU, GPU, decoding, Gemma 4) the dense attention runs. Pallas' interpreter
 runs the same kernel on any backend (`interpret`), which is how the tests compare the two.
 """
 
@@ -35,17 +36,16 @@ PADDING_SEGMENT = -1
 """The segment id of a position that attends to nothing (padding): never equal to a real segment's."""
 
 
-def applies(query: jax.Array, key: jax.Array, cache: object) -> bool:
-    """Whether a training forward (no KV `cache`) of `query` [B, T, N, H] and `key` [B, T, K, H] runs through the
-    kernel: traced on a TPU mesh, T a multiple of `BLOCK`, the batch and both head counts divisible over the
-    mesh axes that split them."""
+def applies(batch: int, length: int, heads: int, kv_heads: int) -> bool:
+    """Whether a training forward (no KV cache) of `batch` rows of `length` positions with `heads` query and
+    `kv_heads` key/value heads runs through the kernel: traced on a TPU mesh, the length a multiple of `BLOCK`,
+    the rows and both head counts divisible over the mesh axes that split them."""
     mesh = jax.sharding.get_abstract_mesh()
-    if cache is not None or mesh.empty or mesh.abstract_device.platform != "tpu":
+    if mesh.empty or mesh.abstract_device.platform != "tpu":
         return False
-    batch, length, heads, _ = query.shape
     tp = _size(mesh, ("tp",))
     return (length % BLOCK == 0 and batch % _size(mesh, _batch_axes(mesh)) == 0
-            and heads % tp == 0 and key.shape[2] % tp == 0)
+            and heads % tp == 0 and kv_heads % tp == 0)
 
 
 def segment_ids(mask: jax.Array) -> jax.Array:
@@ -56,16 +56,18 @@ def segment_ids(mask: jax.Array) -> jax.Array:
 
 
 def causal_attention(
-    query: jax.Array, key: jax.Array, value: jax.Array, segments: jax.Array, *, interpret: bool = False
+    query: jax.Array, key: jax.Array, value: jax.Array, segments: jax.Array, *, window: int | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
     """softmax(query · key over the causal mask within `segments`) · value: query [B, T, N, H] (already
-    scaled), key and value [B, T, K, H] with K dividing N (grouped-query), segments [B, T] -> [B, T, N, H].
+    scaled), key and value [B, T, K, H] with K dividing N (grouped-query), segments [B, T] -> [B, T, N, H];
+    with `window`, each position sees itself and the `window` - 1 before it (a sliding-window layer).
 
     On a mesh (`applies`), each device runs the kernel on its own sequences and heads (`jax.shard_map`): the
     batch split as the step splits it, the heads over `tp`; the kernel is made for the shapes each device holds.
     """
     heads_first = (query.transpose(0, 2, 1, 3), key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3))
-    local = functools.partial(_attend, interpret=interpret)
+    local = functools.partial(_attend, window=window, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and mesh.size > 1:
         batch, heads = _batch_axes(mesh), "tp" if mesh.shape.get("tp", 1) > 1 else None
@@ -77,10 +79,12 @@ def causal_attention(
     return local(*heads_first, segments).transpose(0, 2, 1, 3)
 
 
-def _attend(query: jax.Array, key: jax.Array, value: jax.Array, segments: jax.Array, *, interpret: bool) -> jax.Array:
+def _attend(
+    query: jax.Array, key: jax.Array, value: jax.Array, segments: jax.Array, *, window: int | None, interpret: bool
+) -> jax.Array:
     """The kernel over sequences held here: query [B, N, T, H], key and value [B, K, T, H] -> [B, N, T, H]."""
     heads, length = query.shape[1], query.shape[2]
-    kernel = _kernel(heads, length, interpret)
+    kernel = _kernel(heads, length, window if window is not None and window < length else None, interpret)
     return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash_kernel.SegmentIds(s, s)))(
         query, key, value, segments
     )
@@ -98,10 +102,15 @@ def ran_in(compiled_text: str) -> bool:
 
 
 @functools.lru_cache(maxsize=16)
-def _kernel(heads: int, length: int, interpret: bool) -> splash_kernel.SplashAttentionKernel:
-    """The kernel for `heads` heads of `length` positions (its block masks are worked out once per shape)."""
+def _kernel(heads: int, length: int, window: int | None, interpret: bool) -> splash_kernel.SplashAttentionKernel:
+    """The kernel for `heads` heads of `length` positions, causal or within a sliding `window` (its block masks
+    are worked out once per shape)."""
     block = block_size(length)
-    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length)) for _ in range(heads)])
+    if window is None:
+        head_mask = splash_mask.CausalMask((length, length))
+    else:
+        head_mask = splash_mask.LocalMask((length, length), window_size=(window - 1, 0), offset=0)
+    mask = splash_mask.MultiHeadMask([head_mask for _ in range(heads)])
     sizes = splash_kernel.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block,
         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
