@@ -10,6 +10,9 @@ attention mask, softmax in float32; a training step on TPU runs JAX's splash-att
 configs: it ignores the segments of packed and padded sequences and reads the legacy mesh context), nor are its
 activation constraints, which read the legacy mesh context and do nothing
 under `jax.set_mesh` (the step constrains the residual stream itself: decoder.batch_sharded).
+
+Gemma 3's attention stays Tunix's (its RoPE is right) but for the training forward on TPU, which runs in the
+splash kernel too (`Gemma3Attention`).
 """
 
 from __future__ import annotations
