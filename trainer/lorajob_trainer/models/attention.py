@@ -66,7 +66,7 @@ class RopeAttention(nnx.Module):
             value = jax.lax.dynamic_update_slice(cache["v"], value, start)
             new_cache = {"k": key, "v": value, "end_index": cache["end_index"] + x.shape[1]}
         batch, length, heads, _ = query.shape
-        if cache is None and attn_mask is not None and splash.applies(batch, length, heads, key.shape[2]):
+        if splash.applies(batch, length, heads, key.shape[2], cache, attn_mask):
             mixed = splash.causal_attention(query * self.scale, key, value, splash.segment_ids(attn_mask))
         else:
             mixed = dense_attention(query, key, value, attn_mask, self.scale)
@@ -104,7 +104,7 @@ class Gemma3Attention(gemma3_lib.Attention):
         self, x: jax.Array, segment_pos: jax.Array, cache: dict[str, jax.Array] | None, attn_mask: jax.Array | None
     ) -> tuple[dict[str, jax.Array] | None, jax.Array]:
         batch, length = x.shape[:2]
-        if cache is not None or attn_mask is None or not splash.applies(batch, length, self.num_heads, self.num_kv_heads):
+        if not splash.applies(batch, length, self.num_heads, self.num_kv_heads, cache, attn_mask):
             return super().block(x, segment_pos, cache, attn_mask)
         query = self._query_norm(self.q_einsum(x))
         key, value = self.kv_einsum(x)

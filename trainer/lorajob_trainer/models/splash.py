@@ -36,12 +36,13 @@ PADDING_SEGMENT = -1
 """The segment id of a position that attends to nothing (padding): never equal to a real segment's."""
 
 
-def applies(batch: int, length: int, heads: int, kv_heads: int) -> bool:
-    """Whether a training forward (no KV cache) of `batch` rows of `length` positions with `heads` query and
-    `kv_heads` key/value heads runs through the kernel: traced on a TPU mesh, the length a multiple of `BLOCK`,
-    the rows and both head counts divisible over the mesh axes that split them."""
+def applies(batch: int, length: int, heads: int, kv_heads: int, cache: object, mask: jax.Array | None) -> bool:
+    """Whether an attention forward of `batch` rows of `length` positions with `heads` query and `kv_heads`
+    key/value heads runs through the kernel: a training forward (no KV `cache`, the step's `mask`) traced on a
+    TPU mesh, the length a multiple of `BLOCK`, the rows and both head counts divisible over the mesh axes that
+    split them."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.abstract_device.platform != "tpu":
+    if cache is not None or mask is None or mesh.empty or mesh.abstract_device.platform != "tpu":
         return False
     tp = _size(mesh, ("tp",))
     return (length % BLOCK == 0 and batch % _size(mesh, _batch_axes(mesh)) == 0
@@ -70,7 +71,7 @@ def causal_attention(
     local = functools.partial(_attend, window=window, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and mesh.size > 1:
-        batch, heads = _batch_axes(mesh), "tp" if mesh.shape.get("tp", 1) > 1 else None
+        batch, heads = _batch_axes(mesh), "tp" if _size(mesh, ("tp",)) > 1 else None
         split = PartitionSpec(batch, heads, None, None)
         # check_vma off: the Pallas kernel's outputs carry no varying-axes type (JAX cannot infer one).
         local = jax.shard_map(
