@@ -18,8 +18,8 @@ from jax.sharding import Mesh
 from lorajob_trainer import convert, export, lora, models, tiny, weights
 from lorajob_trainer.models.families import TensorMap
 from safetensors.numpy import load_file, save_file
+from trainer_testkit import trainer_env
 
-REPO = Path(__file__).resolve().parents[2]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -322,8 +322,7 @@ def adapted_logits(directory, mesh):
 def test_parameters_and_adapters_are_sharded_over_a_2x2_mesh(qwen3_dir, mesh, tmp_path):
     """HF safetensors and our Orbax base both load sharded on 4 devices and match one device."""
     orbax_dir = convert.convert_base("tiny-qwen3", qwen3_dir, tmp_path / "base", dtype=jnp.float32)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "trainer"), env.get("PYTHONPATH", "")])
+    env = trainer_env(devices=4)
     result = subprocess.run(
         [sys.executable, "-c", MULTI_DEVICE_SCRIPT, str(Path(__file__).parent), str(qwen3_dir), str(orbax_dir)],
         env=env,

@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -26,14 +25,13 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 from safetensors.numpy import load_file
-from trainer_testkit import arithmetic_rows, base_args, write_jsonl
+from trainer_testkit import arithmetic_rows, base_args, trainer_env, write_jsonl
 
 from lorajob_trainer import convert, exit_codes, export, lora, maxtext, models, tiny, weights
 from lorajob_trainer import train as train_lib
 
 FIXTURES = Path(__file__).parent / "fixtures" / "maxtext"
 NAMES = sorted(path.name for path in FIXTURES.iterdir() if (path / "fixture.json").is_file())
-REPO = Path(__file__).resolve().parents[2]
 GEMMA_NORM_ROUNDING = 2.0**-24
 
 
@@ -344,8 +342,7 @@ print(json.dumps({
 
 def test_maxtext_arrays_are_restored_sharded_over_a_2x2_mesh(hf_source, mesh):
     """Each device receives only its shard of the stacked MaxText arrays, and the result matches one device."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "trainer"), env.get("PYTHONPATH", "")])
+    env = trainer_env(devices=4)
     hf_dir = hf_source("qwen3-scanned")
     result = subprocess.run(
         [sys.executable, "-c", MULTI_DEVICE_SCRIPT, str(items("qwen3-scanned")), str(hf_dir)],

@@ -5,7 +5,6 @@ device and split over a mesh; and the share of blocks it computes, which the pla
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -19,8 +18,8 @@ from jax.extend import core
 from lorajob_trainer import metrics, models, remat
 from lorajob_trainer.models import splash
 from lorajob_trainer.models.attention import dense_attention
+from trainer_testkit import trainer_env
 
-REPO = Path(__file__).resolve().parents[2]
 BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM = 2, 384, 4, 2, 128
 """Three blocks of 128 positions per side: the kernel skips the three above the diagonal."""
 
@@ -86,8 +85,7 @@ SHARDED_SCRIPT = textwrap.dedent(
 def test_on_a_mesh_each_device_attends_its_sequences_and_heads():
     """Four devices, the batch split over fsdp and the heads (query and key/value) over tp: each runs the kernel
     on what it holds, and the result is the one device's."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "trainer"), env.get("PYTHONPATH", "")])
+    env = trainer_env(devices=4)
     result = subprocess.run(
         [sys.executable, "-c", SHARDED_SCRIPT, str(Path(__file__).parent)],
         env=env, capture_output=True, text=True, timeout=300,
