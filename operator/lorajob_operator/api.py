@@ -207,8 +207,8 @@ class TrainingSpec(_Model):
     """schedule of the learning rate after warmup."""
     gradient_accumulation_steps: int = Field(default=DEFAULTS.gradient_accumulation_steps, ge=1, le=1024)
     """gradientAccumulationSteps accumulates gradients over this many micro-batches per step."""
-    remat: Literal["none", "minimal", "full"] = DEFAULTS.remat_policy  # type: ignore[assignment]
-    """remat is what the backward pass recomputes per decoder layer (MaxText's names): none keeps every activation; minimal (the default) keeps the weight matmuls' outputs; full keeps only each layer's input, for about a third more compute and far less memory (the fit check suggests it when minimal does not fit)."""
+    remat: Literal["auto", "none", "minimal", "full"] = DEFAULTS.remat_policy  # type: ignore[assignment]
+    """remat is what the backward pass recomputes per decoder layer (MaxText's names): none keeps every activation; minimal keeps the weight matmuls' outputs; full keeps only each layer's input, for about a third more compute and far less memory. auto (the default) runs the first of none, minimal, full whose step fits the chips, as the TPU compiler judges it in the fit check (status.plan.remat says which)."""
     checkpoint_period: int = Field(default=DEFAULTS.checkpoint_period, ge=1, le=10_000_000)
     """checkpointPeriod saves a checkpoint every this many steps (and at the end); a resumed run restarts from the latest."""
     eval_interval: int | None = Field(default=None, ge=1, le=10_000_000)
@@ -636,6 +636,8 @@ class PlanStatus(_Model):
     """bound says what bounds the roofline: compute, HBM bandwidth or ICI all-gathers."""
     compile_seconds: float | None = None
     """compileSeconds is how long the compile took on the CPU step's pod."""
+    remat: str | None = None
+    """remat is the remat policy the step was compiled with: training.remat, or what auto chose."""
 
 
 class ModelEvaluation(_Model):

@@ -27,7 +27,7 @@ from lorajob_operator import accelerators, api, rules, validation
 from lorajob_operator.settings import RenderSettings, Resources
 from lorajob_trainer import catalog, distributed, fit
 from lorajob_trainer.config import ConfigError, TrainConfig
-from lorajob_trainer.contract import HF_TOKEN_ENV, HF_TOKEN_SOURCE_ENV, RunLayout
+from lorajob_trainer.contract import HF_TOKEN_ENV, HF_TOKEN_SOURCE_ENV, REMAT_AUTO, RunLayout
 
 JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 JOBSET_API_VERSION = f"{JOBSET_GROUP}/{JOBSET_VERSION}"
@@ -222,7 +222,7 @@ LARGER_TOPOLOGIES_TRIED = 2
 def plan_request(spec: api.LoRAJobSpec) -> fit.Request:
     """What `lorajob_trainer.fit` compiles the train step for (TPU backends): the chip's facts, the LoRAJob's own
     target, then the smallest changes, cheapest first: smaller per-device batches (the global batch kept by
-    accumulation), remat "full" (a third more compute, no more chips), then the next larger topologies of the
+    accumulation), remat "full" (a third more compute, no more chips; remat auto tries it at every target), then the next larger topologies of the
     machine type."""
     tpu, training = spec.compute.tpu, spec.training
     machine = accelerators.TPU_MACHINES[tpu.machine_type]
@@ -236,7 +236,7 @@ def plan_request(spec: api.LoRAJobSpec) -> fit.Request:
     while batch > 1 and batch % 2 == 0:
         batch, accumulation = batch // 2, accumulation * 2
         targets.append(target(tpu.topology, batch, accumulation))
-    if training.remat != "full":
+    if training.remat not in ("full", REMAT_AUTO):  # auto tries full itself
         targets.append(target(tpu.topology, training.per_device_batch_size, training.gradient_accumulation_steps, "full"))
     larger = sorted(
         (t for t in machine.topologies if accelerators.chips_in(t) > accelerators.chips_in(tpu.topology)),

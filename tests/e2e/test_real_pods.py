@@ -168,7 +168,7 @@ def test_a_lorajob_too_large_for_its_tpu_chips_ends_does_not_fit_before_a_tpu_jo
     assert reason["reason"] == "DoesNotFit", reason
     assert reason["message"].startswith("the check step failed (JobSet too-wide-check"), reason["message"]
     assert f"exited with code {exit_codes.DOES_NOT_FIT}" in reason["message"], reason["message"]
-    assert "the train step does not fit 2x4 (8 chips), per-device batch 2 x 1 accumulation, remat minimal: " in reason["message"], reason
+    assert "the train step does not fit 2x4 (8 chips), per-device batch 2 x 1 accumulation, remat auto: " in reason["message"], reason
     assert "fits (compiled): " in reason["message"] or "none of" in reason["message"], reason["message"]
     steps = {js["metadata"]["labels"]["lorajob.dev/phase"] for js in lorajobs.jobsets()
              if js["metadata"]["labels"].get("lorajob.dev/run-name") == "too-wide"}

@@ -3,8 +3,9 @@ each judged by compiling the trainer's step for the chip (libtpu, no TPU).
 
 The model is Qwen3 0.6B's width at two layers (the catalogue's config.json facts, depth cut so that each
 compile takes seconds), on one v5e chip (16 GiB): a per-device batch of 24 rows of 4,096 tokens holds every
-row's activations and loss logits and does not fit (16 rows take 15.3 of the 15.5 GB usable); the planner
-offers 12 rows x 2 accumulation steps or smaller, the same global batch.
+row's activations and loss logits and does not fit under remat minimal (16 rows take 15.3 of the 15.5 GB usable);
+the planner offers 12 rows x 2 accumulation steps or smaller, the same global batch. Under remat auto, the default,
+the same LoRAJob fits as it is: the plan takes the policy with the least recompute that fits.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ metadata: {name: too-wide}
 spec:
   model: {name: qwen3-0.6b, huggingFace: Qwen/Qwen3-0.6B}
   dataset: {name: openai/gsm8k, dataDir: main, columns: [question, answer]}
-  training: {steps: 10, perDeviceBatchSize: 24, maxTargetLength: 4096}
+  training: {steps: 10, perDeviceBatchSize: 24, maxTargetLength: 4096, remat: minimal}
   compute: {backend: mcjax, tpu: {machineType: ct5lp-hightpu-1t, topology: 1x1}}
   output: {baseOutputDirectory: gs://bucket/out}
 """
@@ -58,6 +59,21 @@ def test_a_step_that_does_not_fit_gets_the_smallest_change_that_does(two_layer_c
     assert refusal.endswith(f"; fits (compiled): {target.short()}, {suggestion.total_bytes / 1e9:.2f} GB per chip")
     record = contract.PlanRecord.from_line(result.record().line())
     assert record == result.record() and not record.fits and record.suggestion == target.describe()
+
+
+def test_remat_auto_fits_the_same_lorajob_with_the_least_recompute_that_fits(two_layer_catalogue):
+    doc = yaml.safe_load(LORAJOB)
+    del doc["spec"]["training"]["remat"]
+    result = planning.plan_lorajob(doc).plan
+    attempt = result.attempt
+    assert attempt.target.remat_policy == "auto" and result.tried == []
+    assert attempt.fits and attempt.total_bytes <= attempt.capacity_bytes
+    assert attempt.remat_policy == "full"  # none and minimal hold every row's activations: too much
+    assert [line.split(":")[0] for line in attempt.remat_rejected] == ["none", "minimal"]
+    assert "exceeds available HBM" in attempt.remat_rejected[1] or " GB > " in attempt.remat_rejected[1]
+    assert "remat auto: full (the least recompute that fits); none: " in "\n".join(fit.format_plan(result))
+    record = contract.PlanRecord.from_line(result.record().line())
+    assert record == result.record() and record.fits and record.remat_policy == "full"
 
 
 def test_a_gpu_lorajob_gets_the_analytic_estimate_saying_so(two_layer_catalogue):

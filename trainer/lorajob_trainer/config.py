@@ -203,10 +203,12 @@ class TrainConfig(_Section):
     [batch, length, vocab] logits, and skips chunks without trained tokens (each row's trained positions
     come first). Shorter chunks skip more of the prompt and padding but make more, smaller LM-head matmuls;
     64 suits SFT's usual share of answer tokens (bench/maxtext/README.md has the figures)."""
-    remat_policy: Literal["none", "minimal", "full"] = DEFAULTS.remat_policy  # type: ignore[assignment]
+    remat_policy: Literal["auto", "none", "minimal", "full"] = DEFAULTS.remat_policy  # type: ignore[assignment]
     """What the backward pass recomputes per decoder layer (MaxText's names): none = keep every activation;
     minimal = keep the weight matmuls' outputs, recompute norms, activations and attention scores;
-    full = keep only each layer's input."""
+    full = keep only each layer's input; auto = the first of these whose step fits the devices (the fit check's
+    choice in the run's plan.json, else compiled on the devices at start; minimal where a device reports no memory
+    capacity, as a CPU)."""
 
     router_aux_loss_coef: float | None = Field(None, ge=0)
     """Weight of the MoE load-balancing loss added to the LM loss, as transformers' router_aux_loss_coef

@@ -32,10 +32,11 @@ class Defaults:
     short period costs little and bounds the work a crash loses."""
     lora_rank: int = 16
     lora_alpha: float = 32.0
-    remat_policy: str = "minimal"
-    """Keep the weight matmuls' outputs, recompute the rest: the faster policy wherever it fits (the fit check
-    suggests "full" where it does not)."""
     """Twice the rank: the scale alpha/rank = 2 most LoRA recipes use."""
+    remat_policy: str = "auto"
+    """The policy of `REMAT_POLICIES` with the least recompute whose step fits the chips, chosen by the compiler:
+    by the fit check before a TPU is held (recorded in `RunLayout.plan` and status.plan), else by the train step on
+    its own devices."""
     train_split: str = "train"
     use_zarr3: bool = False
     """Off: Pathways cannot restore Zarr v3 base checkpoints efficiently."""
@@ -59,6 +60,12 @@ class Bounds:
 
 
 BOUNDS = Bounds()
+
+REMAT_POLICIES = ("none", "minimal", "full")
+"""What the backward pass recomputes per decoder layer, least recompute (and most memory) first; `auto` takes the
+first whose step fits."""
+REMAT_AUTO = "auto"
+REMAT_SETTINGS = (REMAT_AUTO, *REMAT_POLICIES)
 
 BASE_QUANTIZATIONS = ("none", "int8", "int4", "nf4", "fp8")
 """How the frozen base is held while the adapters train (QLoRA): as loaded (none), or each decoder projection and
@@ -134,6 +141,11 @@ class RunLayout:
     def evaluation_samples(self) -> str:
         """Every evaluated example with the base's and the adapter's answers, one JSON line each."""
         return join(self.run_directory, "evaluation-samples.jsonl")
+
+    @property
+    def plan(self) -> str:
+        """The fit check's record (`PlanRecord` as JSON): a train step with remat auto runs the policy it chose."""
+        return join(self.run_directory, "plan.json")
 
     @property
     def tensorboard(self) -> str:
@@ -377,6 +389,8 @@ class PlanRecord:
     compile_seconds: float | None = None
     suggestion: str | None = None
     """When it does not fit: the smallest change that fits, compiled."""
+    remat_policy: str | None = None
+    """The remat policy the step was compiled with: the LoRAJob's, or what remat auto chose."""
 
     def line(self) -> str:
         return PLAN_LINE_PREFIX + json.dumps(asdict(self), separators=(",", ":"))
@@ -392,7 +406,8 @@ class PlanRecord:
             return None
         numbers = {name: _finite_or_none(values.get(name))
                    for name in ("step_seconds", "tokens_per_second_per_chip", "mfu", "compile_seconds")}
-        texts = {name: values.get(name) if isinstance(values.get(name), str) else None for name in ("bound", "suggestion")}
+        texts = {name: values.get(name) if isinstance(values.get(name), str) else None
+                 for name in ("bound", "suggestion", "remat_policy")}
         return cls(fits=values["fits"], target=values["target"], chips=values["chips"], hbm_bytes_per_chip=values.get("hbm_bytes_per_chip"),
                    capacity_bytes=values["capacity_bytes"], **numbers, **texts)
 

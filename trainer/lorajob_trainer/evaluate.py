@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
 from lorajob_trainer import data as data_lib
+from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import storage
 from lorajob_trainer.contract import EVAL_SAMPLE_CHARACTERS, EvalRecord, EvalSample, ModelScore
 
@@ -131,7 +132,9 @@ def evaluate(trainer, step: int) -> EvalRecord:
     prompts = [prompt_tokens(trainer.tokenizer, conversation, longest_prompt) for conversation, _ in conversations]
     stop_ids = stop_token_ids(trainer.tokenizer)
     generator = trainer.generator(settings.max_new_tokens, stop_ids)
-    rows = generator.batch_rows(settings.batch_size or config.per_device_batch_size * trainer.mesh.size)
+    rows = generator.batch_rows(
+        settings.batch_size or mesh_lib.global_batch_rows(config.per_device_batch_size, trainer.mesh)
+    )
     judge = scorer(settings.scorer, settings.pattern)
     answers, scores = {}, {}
     for name, adapters in (("base", trainer.base_adapters), ("adapter", trainer.lora)):

@@ -29,7 +29,7 @@ from typing import Any
 
 from lorajob_trainer import exit_codes
 from lorajob_trainer.config import TrainConfig, parse_or_report
-from lorajob_trainer.contract import PlanRecord
+from lorajob_trainer.contract import REMAT_AUTO, REMAT_POLICIES, PlanRecord
 
 log = logging.getLogger("lorajob_trainer.fit")  # not __name__: run as __main__
 
@@ -134,6 +134,10 @@ class Attempt:
     bound: str | None = None
     compile_seconds: float | None = None
     error: str | None = None
+    remat_policy: str | None = None
+    """The remat policy compiled: the target's, or what its remat auto chose."""
+    remat_rejected: tuple[str, ...] = ()
+    """Under remat auto: the policies with less recompute tried first, each with why it was not taken."""
     devices_per_chip: int = 1
     """Memory figures and capacity are per JAX device; tokens/s per chip counts all of a chip's devices."""
     analytic: bool = False
@@ -163,13 +167,15 @@ class Plan:
             fits=a.fits, target=a.target.describe(), chips=a.target.chips, hbm_bytes_per_chip=a.total_bytes, capacity_bytes=a.capacity_bytes,
             step_seconds=a.step_seconds, tokens_per_second_per_chip=a.tokens_per_second_per_chip, mfu=a.mfu,
             bound=a.bound, compile_seconds=a.compile_seconds, suggestion=s.target.describe() if s else None,
+            remat_policy=a.remat_policy,
         )
 
 
 def compile_attempt(
     config: TrainConfig, hf_config: dict[str, Any], chip: TpuChip, chips_per_host: int, target: Target
 ) -> Attempt:
-    """The step of `config` at `target`'s batch, compiled for its chips; PlanError without libtpu."""
+    """The step of `config` at `target`'s batch, compiled for its chips (under remat auto, the policy with the least
+    recompute that fits: `plan.choose_remat`); PlanError without libtpu."""
     from lorajob_trainer import plan
 
     config = config.model_copy(update={
@@ -179,11 +185,24 @@ def compile_attempt(
     })
     devices = plan.topology_devices(f"{chip.compiler_name}:{target.topology}", target.slices, chips_per_host)
     device = chip.device()
-    try:
-        step = plan.compile_train_step(config, hf_config, devices)
-    except Exception as error:  # the compiler's RESOURCE_EXHAUSTED: the message says by how much
-        return Attempt(target, fits=False, capacity_bytes=device.capacity_bytes, error=str(error).strip().splitlines()[0],
-                       devices_per_chip=chip.devices_per_chip)
+    if target.remat_policy == REMAT_AUTO:
+        choice = plan.choose_remat(config, hf_config, devices, device.capacity_bytes)
+        policy, step, error, rejected = choice.policy, choice.step, choice.error, choice.rejected
+    else:
+        policy, step, error, rejected = target.remat_policy, None, None, ()
+        try:
+            step = plan.compile_train_step(config, hf_config, devices)
+        except Exception as refusal:  # the compiler's RESOURCE_EXHAUSTED: the message says by how much
+            error = str(refusal).strip().splitlines()[0]
+    if step is None:
+        return Attempt(target, fits=False, capacity_bytes=device.capacity_bytes, error=error, remat_policy=policy,
+                       remat_rejected=rejected, devices_per_chip=chip.devices_per_chip)
+    return attempt_of_step(target, step, chip, policy, rejected)
+
+
+def attempt_of_step(target: Target, step: Any, chip: TpuChip, policy: str, rejected: tuple[str, ...] = ()) -> Attempt:
+    """The figures of a compiled step (`plan.CompiledStep`) of `target` on `chip`, with the roofline's."""
+    device = chip.device()
     memory = step.memory
     attempt = Attempt(
         target, fits=memory.total <= device.capacity_bytes, capacity_bytes=device.capacity_bytes, total_bytes=memory.total,
@@ -191,10 +210,10 @@ def compile_attempt(
                 "outputs_not_aliased": memory.outputs - memory.aliased, "base_weights": memory.base_weights,
                 "adapters_and_optimizer": memory.adapters + memory.optimizer_state, "batch": memory.batch},
         compiler_flops=step.flops, attention_block=step.attention_block, compile_seconds=step.compile_seconds,
-        devices_per_chip=chip.devices_per_chip,
+        remat_policy=policy, remat_rejected=rejected, devices_per_chip=chip.devices_per_chip,
     )
     _roofline(attempt, device, step.flops_per_token, step.executed_flops_per_token, step.tokens_per_device,
-              memory.base_weights, step.devices, config.remat_policy)
+              memory.base_weights, step.devices, policy)
     return attempt
 
 
@@ -238,6 +257,15 @@ def analytic_attempt(config: TrainConfig, hf_config: dict[str, Any], gpu: Chip, 
     from lorajob_trainer import run_setup
     from lorajob_trainer.models import experts
 
+    if target.remat_policy == REMAT_AUTO:
+        rejected: list[str] = []
+        for policy in (policy for policy in REMAT_POLICIES if policy in ACTIVATION_BYTES):
+            attempt = analytic_attempt(config, hf_config, gpu, dataclasses.replace(target, remat_policy=policy))
+            if attempt.fits or policy == REMAT_POLICIES[-1]:
+                break
+            rejected.append(f"{policy}: {_gb(attempt.total_bytes)} > {_gb(attempt.capacity_bytes)}")
+        return dataclasses.replace(attempt, target=target, remat_rejected=tuple(rejected))
+    config = config.model_copy(update={"remat_policy": target.remat_policy})
     if config.remat_policy not in ACTIVATION_BYTES:
         return Attempt(target, fits=False, capacity_bytes=gpu.capacity_bytes, analytic=True,
                        error=f"no analytic estimate for remat_policy {config.remat_policy!r} (one of {', '.join(ACTIVATION_BYTES)})")
@@ -256,6 +284,7 @@ def analytic_attempt(config: TrainConfig, hf_config: dict[str, Any], gpu: Chip, 
     total = base_bytes // target.chips + adapter_bytes // target.chips + activations + working
     attempt = Attempt(
         target, fits=total <= gpu.capacity_bytes, capacity_bytes=gpu.capacity_bytes, total_bytes=total, analytic=True,
+        remat_policy=config.remat_policy,
         memory={"arguments": (base_bytes + adapter_bytes) // target.chips, "temporaries": activations + working,
                 "outputs_not_aliased": 0, "base_weights": base_bytes // target.chips,
                 "adapters_and_optimizer": adapter_bytes // target.chips, "batch": 0},
@@ -291,6 +320,10 @@ def _gb(value: int | None) -> str:
 
 def format_attempt(attempt: Attempt) -> list[str]:
     lines = [f"  target: {attempt.target.describe()}"]
+    if attempt.target.remat_policy == REMAT_AUTO:
+        refused = "".join(f"; {rejected}" for rejected in attempt.remat_rejected)
+        taken = "the least recompute that fits" if attempt.fits else "the last tried; none fits"
+        lines.append(f"  remat auto: {attempt.remat_policy} ({taken}){refused}")
     if attempt.analytic:
         lines.append("  estimated by the analytic model (no compiler runs for a GPU without the device; activations "
                      "calibrated on the TPU compiler's figures)")
@@ -348,7 +381,7 @@ def refusal(result: Plan) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lorajob_trainer import models, weights
+    from lorajob_trainer import models, storage, weights
     from lorajob_trainer.console import configure_logging
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -379,7 +412,13 @@ def main(argv: list[str] | None = None) -> int:
     if not result.attempt.fits:  # stderr only: its last line is the container's termination message
         print(refusal(result), file=sys.stderr)
         return exit_codes.DOES_NOT_FIT
-    print(result.record().line(), flush=True)
+    record = result.record().line()
+    try:  # the train step's remat auto reads the choice here; without it, it compiles on its chips to choose
+        storage.write_text(config.layout.plan, record + "\n")
+    except Exception as error:  # whatever the storage raises: the record is on stdout all the same
+        log.warning("could not write %s (%s): a train step with remat auto will choose by compiling on its chips",
+                    config.layout.plan, error)
+    print(record, flush=True)
     return 0
 
 

@@ -71,6 +71,12 @@ def batch_sharding(mesh: Mesh, leading_dims: int = 1) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*([None] * leading_dims), BATCH_AXES))
 
 
+def global_batch_rows(per_device_batch_size: int, mesh: Mesh) -> int:
+    """Rows of one micro-batch of the whole mesh: `per_device_batch_size` per device (MaxText's meaning), every
+    device counted, a tensor-parallel one too."""
+    return per_device_batch_size * mesh.size
+
+
 def data_parallel_size(mesh: Mesh) -> int:
     return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
 

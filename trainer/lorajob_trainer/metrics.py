@@ -170,6 +170,18 @@ def peak_device_memory_bytes(devices) -> int | None:
     return max(peaks) if peaks else None
 
 
+def device_memory_limit_bytes(devices) -> int | None:
+    """The smallest memory limit the devices report (`memory_stats()["bytes_limit"]`); None where one reports none
+    (a CPU)."""
+    limits = []
+    for device in devices:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        limits.append(stats["bytes_limit"])
+    return min(limits) if limits else None
+
+
 class StepTimer:
     """Wall time per step and an ETA from the recent average."""
 

@@ -30,6 +30,7 @@ from lorajob_trainer import models, run_setup
 from lorajob_trainer import step as step_lib
 from lorajob_trainer.models import experts, splash
 from lorajob_trainer.config import TrainConfig, resolve_target_modules
+from lorajob_trainer.contract import REMAT_POLICIES
 from lorajob_trainer.optim import build_optimizer
 
 
@@ -98,6 +99,8 @@ class CompiledStep:
     devices: int
     layers_scanned: int
     """Decoder layers inside the scan (0: unrolled)."""
+    executable: Any = None
+    """The compiled step (`jax.stages.Compiled`): callable with the step's arguments where its devices are real."""
 
 
 def bits(dtype: Any) -> int:
@@ -152,13 +155,30 @@ def abstract_lora_model(config: TrainConfig, hf_config: dict[str, Any], mesh: ja
     return model, family, tunix_config
 
 
-def compile_train_step(
+@dataclasses.dataclass(frozen=True)
+class AbstractStep:
+    """The train step of a config as the trainer builds it, and its arguments as ShapeDtypeStructs placed on the
+    mesh: what `compile_train_step` compiles, and what bench/chip_bench.py fills with random values to run."""
+
+    mesh: jax.sharding.Mesh
+    steps: step_lib.StepFunctions
+    adapters: dict[str, jax.ShapeDtypeStruct]
+    optimizer_state: Any
+    base: nnx.State
+    batch: dict[str, jax.ShapeDtypeStruct]
+    flops: Any
+    """metrics.LoraFlops of the model."""
+    layers_scanned: int
+    """Decoder layers inside the scan (0: unrolled)."""
+
+    def arguments(self) -> tuple[Any, ...]:
+        return self.adapters, self.optimizer_state, self.base, self.batch
+
+
+def abstract_step(
     config: TrainConfig, hf_config: dict[str, Any], devices: Sequence[jax.Device], scan_layers: bool = True
-) -> CompiledStep:
-    """Compile the trainer's train step for `config` on `devices` (see module docstring); the compiler's
-    errors (RESOURCE_EXHAUSTED when it does not fit) propagate. `scan_layers=False` unrolls the layers, as the
-    trainer never does, so that the cost analysis counts every layer (bench/tpu_plan.py --executed-flops)."""
-    started = time.perf_counter()
+) -> AbstractStep:
+    """The train step of `config` (a concrete remat policy) over `devices`, and its abstract arguments."""
     mesh = mesh_lib.build_mesh(config.mesh, devices)
     dtype = run_setup.compute_dtype(config, devices[0].platform)
     model, family, tunix_config = abstract_lora_model(config, hf_config, mesh, dtype)
@@ -183,14 +203,31 @@ def compile_train_step(
         graphdef, layout, optimizer, dtype, shardings, config.loss_chunk_length, config.remat_policy,
         run_setup.aux_loss_coef(config.router_aux_loss_coef, hf_config, model),
     )
-    rows = config.per_device_batch_size * mesh_lib.data_parallel_size(mesh)
+    rows = mesh_lib.global_batch_rows(config.per_device_batch_size, mesh)
     shape = (config.gradient_accumulation_steps, rows, config.max_target_length)
     batch = {
         name: jax.ShapeDtypeStruct(shape, jnp.float32 if name == "weights" else jnp.int32, sharding=shardings["batch"])
-        for name in ("inputs", "targets", "weights", "segment_ids", "positions")
+        for name in step_lib.BATCH_FIELDS
     }
-    with jax.set_mesh(mesh):
-        compiled = steps.train.lower(adapters, opt_state, base, batch).compile()
+    return AbstractStep(mesh, steps, adapters, opt_state, base, batch, flops,
+                        stacking.period * stacking.repeats if stacking else 0)
+
+
+def compile_train_step(
+    config: TrainConfig, hf_config: dict[str, Any], devices: Sequence[jax.Device], scan_layers: bool = True
+) -> CompiledStep:
+    """Compile the trainer's train step for `config` on `devices` (see module docstring); the compiler's
+    errors (RESOURCE_EXHAUSTED when it does not fit) propagate. `scan_layers=False` unrolls the layers, as the
+    trainer never does, so that the cost analysis counts every layer (bench/tpu_plan.py --executed-flops)."""
+    started = time.perf_counter()
+    step = abstract_step(config, hf_config, devices, scan_layers)
+    with jax.set_mesh(step.mesh):
+        compiled = step.steps.train.lower(*step.arguments()).compile()
+    return describe_compiled(compiled, step, config, started)
+
+
+def describe_compiled(compiled: Any, step: AbstractStep, config: TrainConfig, started: float) -> CompiledStep:
+    """The figures of a compiled train step (`jax.stages.Compiled`) of `step`; `started`: when building began."""
     attention_block = splash.block_size(config.max_target_length) if splash.ran_in(compiled.as_text()) else None
     analysis = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
@@ -201,11 +238,12 @@ def compile_train_step(
         outputs=analysis.output_size_in_bytes,
         aliased=analysis.alias_size_in_bytes,
         temporaries=analysis.temp_size_in_bytes,
-        base_weights=per_chip_bytes(base),
-        adapters=per_chip_bytes(adapters),
-        optimizer_state=per_chip_bytes(opt_state),
-        batch=per_chip_bytes(batch),
+        base_weights=per_chip_bytes(step.base),
+        adapters=per_chip_bytes(step.adapters),
+        optimizer_state=per_chip_bytes(step.optimizer_state),
+        batch=per_chip_bytes(step.batch),
     )
+    flops = step.flops
     return CompiledStep(
         memory=memory,
         flops=cost.get("flops"),
@@ -217,7 +255,40 @@ def compile_train_step(
         ),
         tokens_per_device=config.per_device_batch_size * config.max_target_length * config.gradient_accumulation_steps,
         compile_seconds=time.perf_counter() - started,
-        devices=len(devices),
-        layers_scanned=stacking.period * stacking.repeats if stacking else 0,
+        devices=len(step.mesh.devices.flat),
+        layers_scanned=step.layers_scanned,
+        executable=compiled,
     )
 
+
+@dataclasses.dataclass(frozen=True)
+class RematChoice:
+    """What `choose_remat` found: the policy taken (the last tried when none fits) and why the ones before it were
+    not."""
+
+    policy: str
+    fits: bool
+    step: CompiledStep | None
+    """The taken policy's compiled step; None when the compiler refused it (`error`)."""
+    error: str | None
+    rejected: tuple[str, ...]
+    """One line per policy tried before `policy` and refused, in order."""
+
+
+def choose_remat(
+    config: TrainConfig, hf_config: dict[str, Any], devices: Sequence[jax.Device], capacity_bytes: int
+) -> RematChoice:
+    """The remat policy with the least recompute (`REMAT_POLICIES` in order) whose train step, compiled for
+    `devices`, needs at most `capacity_bytes` per device."""
+    rejected: list[str] = []
+    for policy in REMAT_POLICIES:
+        step, error = None, None
+        try:
+            step = compile_train_step(config.model_copy(update={"remat_policy": policy}), hf_config, devices)
+        except Exception as refusal:  # the compiler's RESOURCE_EXHAUSTED: the message says by how much
+            error = str(refusal).strip().splitlines()[0]
+        fits = step is not None and step.memory.total <= capacity_bytes
+        if fits or policy == REMAT_POLICIES[-1]:
+            break
+        rejected.append(f"{policy}: " + (error or f"{step.memory.total / 1e9:.2f} GB > {capacity_bytes / 1e9:.2f} GB"))
+    return RematChoice(policy, fits, step, error, tuple(rejected))

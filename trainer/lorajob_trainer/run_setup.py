@@ -46,6 +46,8 @@ class LoraModel:
     """Weight of the MoE load-balancing loss in the training loss; None: the model has none."""
     layer_period: int | None = None
     """The family's layer period (Family.layer_period): the step scans over its repeats; None: unrolled."""
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    """The checkpoint's config.json (remat auto compiles the step from it: plan.choose_remat)."""
 
 
 def compute_dtype(config: TrainConfig, platform: str | None = None) -> jnp.dtype:
@@ -76,7 +78,7 @@ def load_lora_model(config: TrainConfig, mesh: Mesh, dtype: jnp.dtype) -> LoraMo
     return LoraModel(
         model, targets, attention_width(spec.tunix_config), experts.active_shares(model),
         aux_loss_coef(config.router_aux_loss_coef, spec.hf_config, model),
-        spec.family.layer_period(spec.tunix_config),
+        spec.family.layer_period(spec.tunix_config), spec.hf_config,
     )
 
 
@@ -203,7 +205,7 @@ def data_feed(config: TrainConfig, mesh: Mesh, loaded, accumulation: int, on_end
         on_end=on_end,
     )
     prefetch = PREFETCH_BATCHES if training else 0
-    rows_per_micro_batch = config.per_device_batch_size * mesh.size
+    rows_per_micro_batch = mesh_lib.global_batch_rows(config.per_device_batch_size, mesh)
     return make_feed(dataset, encode, mesh, accumulation, rows_per_micro_batch, options, prefetch)
 
 

@@ -27,6 +27,8 @@ from lorajob_trainer import weights
 from lorajob_trainer.models import decoder
 
 Batch = dict[str, jax.Array]
+BATCH_FIELDS = ("inputs", "targets", "weights", "segment_ids", "positions")
+"""A batch's arrays, each [accumulation, rows, length]: weights float32, the others int32."""
 
 
 class LoraLayout:

@@ -31,10 +31,14 @@ from lorajob_trainer import generate as generate_lib
 from lorajob_trainer import lora as lora_lib
 from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import metrics as metrics_lib
-from lorajob_trainer import models, run_setup, weights
+from lorajob_trainer import models, run_setup, storage, weights
+from lorajob_trainer import plan as plan_lib
 from lorajob_trainer.config import TrainConfig, describe_keys, parse_or_report
 from lorajob_trainer.console import ConsoleProgress, configure_logging
-from lorajob_trainer.contract import EVALUATING, STOPPED_EARLY, CheckpointRecord
+from lorajob_trainer.contract import (
+    EVALUATING, REMAT_AUTO, REMAT_POLICIES, STOPPED_EARLY, CheckpointRecord, last_plan,
+)
+from lorajob_trainer.fit import SAFETY_MARGIN
 from lorajob_trainer.optim import build_optimizer, learning_rate_per_step
 from lorajob_trainer.run_setup import LoraModel, compute_dtype, load_lora_model, model_flops
 from lorajob_trainer.step import (
@@ -105,9 +109,10 @@ class Trainer:
         self.learning_rates = learning_rate_per_step(config)
         self.opt_state = init_optimizer_state(self.optimizer, self.lora, mesh)
         self.shardings = step_shardings(self.lora, self.opt_state, base, mesh)
+        self.remat_policy = remat_for_run(config, lora_model.hf_config, list(mesh.devices.flat))
         self.steps = build_step_functions(
             self.graphdef, self.layout, self.optimizer, self.dtype, self.shardings,
-            config.loss_chunk_length, config.remat_policy, lora_model.aux_loss_coef,
+            config.loss_chunk_length, self.remat_policy, lora_model.aux_loss_coef,
         )
         self.tokenizer = data_lib.load_tokenizer(
             str(models.local_config_directory(config.tokenizer_directory)), config.chat_template_path
@@ -364,6 +369,30 @@ class Trainer:
         if self.checkpointer:
             self.checkpointer.close()
         self.writer.close()
+
+
+def remat_for_run(config: TrainConfig, hf_config: dict[str, Any], devices: list[jax.Device]) -> str:
+    """The remat policy the train step runs: the config's, or under auto the first of `REMAT_POLICIES` that fits:
+    as the fit check chose it before the chips were held (the run's plan.json, written by lorajob_trainer.fit from
+    this same config), else as the compiler judges it for `devices` against the memory they report, less the plan's
+    safety margin (`plan.choose_remat`); "minimal" where the devices report no memory limit (a CPU: host memory
+    is no compiler's to judge)."""
+    if config.remat_policy != REMAT_AUTO:
+        return config.remat_policy
+    recorded = last_plan(storage.read_text(config.layout.plan) or "")
+    if recorded is not None and recorded.fits and recorded.remat_policy in REMAT_POLICIES:
+        log.info("remat auto: %s, as the fit check chose (%s)", recorded.remat_policy, config.layout.plan)
+        return recorded.remat_policy
+    limit = metrics_lib.device_memory_limit_bytes(devices)
+    if limit is None:
+        log.info("remat auto: minimal (the devices report no memory limit)")
+        return "minimal"
+    capacity = int(limit * (1 - SAFETY_MARGIN))
+    choice = plan_lib.choose_remat(config, hf_config, devices, capacity)
+    log.info("remat auto: %s, compiled for these devices (%s of %.2f GB)%s", choice.policy,
+             "fits" if choice.fits else "none fits", capacity / 1e9,
+             "".join(f"; {rejected}" for rejected in choice.rejected))
+    return choice.policy
 
 
 SETUP_ERRORS = {

@@ -100,7 +100,7 @@ def plan_status(o: Observed) -> dict | None:
     return api.PlanStatus(
         target=record.target, hbm_bytes_per_chip=record.hbm_bytes_per_chip, capacity_bytes=record.capacity_bytes,
         step_seconds=record.step_seconds, tokens_per_second=tokens, mfu=record.mfu, bound=record.bound,
-        compile_seconds=record.compile_seconds,
+        compile_seconds=record.compile_seconds, remat=record.remat_policy,
     ).model_dump(by_alias=True, exclude_none=True)
 
 

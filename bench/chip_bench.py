@@ -1,0 +1,468 @@
+"""The trainer's step on one TPU chip, measured beside the plan's prediction for the same configuration (benchmark).
+
+    .venv/bin/python bench/chip_bench.py plan [--rows NAME...] [--out bench/chip_plan.json]   # here, no TPU needed
+    python3 bench/chip_bench.py run --plan bench/chip_plan.json [--rows NAME...] [--steps 10] [--json OUT]
+                                    [--profile ROW --profile-dir DIR]                            # on a v5e chip
+    python3 bench/chip_bench.py table RESULTS.json...                                             # the table again
+
+The rows (`ROWS`) are LoRAJobs a user would write for one v5e chip (`ct5lp-hightpu-1t`, topology 1x1): a
+catalogue model with random weights, LoRA rank 16 on the family's default targets, bf16, AdamW, remat `auto`.
+
+`plan` runs the fit check the LoRAJob's CPU step runs (`fit.compile_attempt`: the TPU compiler without a TPU):
+the remat policy auto takes, HBM per chip and the roofline's step time, saved as JSON. `run`, on the chip, gives
+each row a child process of its own (a clean peak-memory figure; one row running out of memory ends only that
+row): the same step built by the same code (`plan.abstract_step`) with the policy the plan chose (as the train
+step does), random weights made by one jit per tree (never one per weight: each distinct shape would compile),
+compiled (its own memory analysis beside the plan's), two warm-up steps, then `--steps` timed steps on a fixed
+batch; rows marked `feed` take their batches from the trainer's data loader instead (packed rows of a generated
+dataset, prefetched as in training) and report the host's time per step spent waiting for a batch. It prints one
+table: tokens/s, MFU (the 4N LoRA FLOPs model at the chip's 197 TFLOP/s), peak HBM (`memory_stats`), compile
+seconds, and the plan's HBM and step time with the ratios measured / predicted. `--profile ROW` also records a
+trace of three steps of that row (`jax.profiler`, with a Perfetto JSON) and prints where the chip's time went.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MACHINE_TYPE, TOPOLOGY = "ct5lp-hightpu-1t", "1x1"
+"""One v5e chip on a one-chip VM, the machine the device tool lends."""
+WARMUP_STEPS = 2
+PROFILED_STEPS = 3
+CHILD_TIMEOUT_S = 300
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    model: str
+    rows: int
+    length: int
+    base_quantization: str = "none"
+    feed: bool = False
+    """Batches from the trainer's data loader, not a fixed one."""
+
+    def config_values(self, remat: str) -> dict:
+        return {
+            "run_name": "chip-bench", "base_output_directory": "/tmp/chip-bench", "model_name": self.model,
+            "load_parameters_path": "random", "hf_train_files": ["generated"], "steps": 1000,
+            "max_target_length": self.length, "per_device_batch_size": self.rows, "remat_policy": remat,
+            "lora": {"lora_rank": 16, "lora_alpha": 32, "base_quantization": self.base_quantization},
+        }
+
+
+ROWS = {
+    "qwen3-0.6b/4x2048": Row("qwen3-0.6b", 4, 2048),
+    "qwen3-0.6b/1x8192": Row("qwen3-0.6b", 1, 8192),
+    "qwen3-0.6b/4x2048/feed": Row("qwen3-0.6b", 4, 2048, feed=True),
+    "qwen3-4b/2x2048": Row("qwen3-4b", 2, 2048),
+    "qwen3-4b/1x8192": Row("qwen3-4b", 1, 8192),
+    "llama3.1-8b-int8/1x2048": Row("llama3.1-8b", 1, 2048, "int8"),
+    "llama3.1-8b-int8/1x8192": Row("llama3.1-8b", 1, 8192, "int8"),
+    "llama3.1-8b-int4/1x2048": Row("llama3.1-8b", 1, 2048, "int4"),
+    "llama3.1-8b-int4/1x8192": Row("llama3.1-8b", 1, 8192, "int4"),
+}
+
+
+def model_config(model: str) -> dict:
+    """The model's config.json: the catalogue's released facts, or a tiny test model's (lorajob_trainer.tiny)."""
+    from lorajob_trainer import catalog, tiny
+
+    return tiny.tiny_config(model.removeprefix("tiny-")) if model.startswith("tiny-") else catalog.released_config(model)
+
+
+def train_config(row: Row, remat: str):
+    from lorajob_trainer.config import TrainConfig
+
+    return TrainConfig.from_dict(row.config_values(remat))
+
+
+# ---------------------------------------------------------------- plan (no TPU: the fit check's compile)
+
+
+def v5e():
+    from lorajob_operator.accelerators import TPU_CHIPS, TPU_MACHINES
+
+    machine = TPU_MACHINES[MACHINE_TYPE]
+    return TPU_CHIPS[machine.generation], machine.chips_per_vm
+
+
+def target(row: Row, remat: str):
+    from lorajob_trainer import fit
+
+    return fit.Target(MACHINE_TYPE, TOPOLOGY, 1, 1, row.rows, 1, remat)
+
+
+def plan_record(attempt, source: str) -> dict:
+    return {"fits": attempt.fits, "remat": attempt.remat_policy, "remat_rejected": list(attempt.remat_rejected),
+            "hbm_bytes": attempt.total_bytes, "capacity_bytes": attempt.capacity_bytes, "memory": attempt.memory,
+            "step_seconds": attempt.step_seconds, "mfu_ceiling": attempt.mfu, "bound": attempt.bound,
+            "compile_seconds": attempt.compile_seconds, "error": attempt.error, "source": source}
+
+
+def plan_row(name: str) -> dict:
+    """The fit check of the row's LoRAJob: compiled for a v5e 1x1 topology without a TPU."""
+    from lorajob_trainer import fit
+
+    row = ROWS[name]
+    chip, chips_per_host = v5e()
+    attempt = fit.compile_attempt(train_config(row, "auto"), model_config(row.model), chip, chips_per_host,
+                                  target(row, "auto"))
+    for line in fit.format_attempt(attempt):
+        print(f"{name}: {line.strip()}", flush=True)
+    return plan_record(attempt, "fit check (deviceless)")
+
+
+def plan_in_parallel(names: list[str], out: str, jobs: int) -> None:
+    """`plan` of each row in a process of its own, `jobs` at a time, merged into `out`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "trainer"), os.environ.get("PYTHONPATH", "")]),
+           "JAX_PLATFORMS": "cpu"}
+    pending, running = list(names), []
+    parts = Path(out).with_suffix(".parts")
+    parts.mkdir(exist_ok=True)
+    while pending or running:
+        while pending and len(running) < jobs:
+            name = pending.pop(0)
+            part = parts / (name.replace("/", "_") + ".json")
+            running.append(subprocess.Popen([sys.executable, __file__, "plan", "--rows", name, "--out", str(part)],
+                                            env=env))
+        running[0].wait()
+        running = [process for process in running if process.poll() is None]
+    merged = json.loads(Path(out).read_text()) if Path(out).exists() else {}
+    for part in sorted(parts.glob("*.json")):
+        merged.update(json.loads(part.read_text()))
+    Path(out).write_text(json.dumps(merged, indent=1) + "\n")
+    print(f"wrote {out} ({len(merged)} rows)")
+
+
+# ---------------------------------------------------------------- run (on the chip, one child per row)
+
+
+CHIP_COMPILE = "remat auto compiled on the chip (no fit check record)"
+
+
+def plan_on_chip(row: Row, hf_config: dict) -> tuple[dict, object]:
+    """What the train step does under remat auto without the fit check's record (train.remat_for_run): the policy
+    with the least recompute whose step, compiled for this chip, fits the chip's capacity; its figures as the plan
+    gives them, and the compiled step."""
+    import jax
+
+    from lorajob_trainer import fit
+    from lorajob_trainer import plan as plan_lib
+
+    chip, _ = v5e()
+    choice = plan_lib.choose_remat(train_config(row, "auto"), hf_config, jax.devices(), chip.device().capacity_bytes)
+    if choice.step is None:
+        raise RuntimeError(f"no remat policy compiles: {choice.error}; " + "; ".join(choice.rejected))
+    attempt = fit.attempt_of_step(target(row, "auto"), choice.step, chip, choice.policy, choice.rejected)
+    return plan_record(attempt, CHIP_COMPILE), choice.step.executable
+
+
+def random_like(abstract, seed: int):
+    """Arrays of the tree of ShapeDtypeStructs `abstract`, placed as they say, made by one jit: floats 0.02 x
+    normal, integers (quantised weights) uniform over a small range."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves, treedef = jax.tree.flatten(abstract)
+
+    def make(key):
+        values = []
+        for leaf_key, leaf in zip(jax.random.split(key, len(leaves)), leaves, strict=True):
+            if jnp.issubdtype(leaf.dtype, jnp.floating):
+                values.append((0.02 * jax.random.normal(leaf_key, leaf.shape, jnp.float32)).astype(leaf.dtype))
+            else:
+                values.append(jax.random.randint(leaf_key, leaf.shape, 0, 7, jnp.int32).astype(leaf.dtype))
+        return values
+
+    made = jax.jit(make, out_shardings=[leaf.sharding for leaf in leaves])(jax.random.key(seed))
+    return jax.tree.unflatten(treedef, made)
+
+
+def fixed_batch(abstract: dict, vocab_size: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    accumulation, rows, length = abstract["inputs"].shape
+    sharding = abstract["inputs"].sharding
+
+    def make(key):
+        tokens = jax.random.randint(key, (accumulation, rows, length + 1), 0, vocab_size, jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (accumulation, rows, length))
+        return {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "weights": jnp.ones(positions.shape, jnp.float32),
+                "segment_ids": jnp.ones(positions.shape, jnp.int32), "positions": positions}
+
+    return jax.jit(make, out_shardings={name: sharding for name in abstract})(jax.random.key(1))
+
+
+def generated_feed(config, mesh, tokenizer_dir: Path, data_file: Path):
+    """The trainer's data feed (run_setup.data_feed: packed, shuffled, prefetched) over a generated dataset of
+    question/answer rows, tokenised by the project's tiny tokenizer."""
+    import random
+
+    from lorajob_trainer import data as data_lib
+    from lorajob_trainer import run_setup, tiny
+    from lorajob_trainer.demo import write_jsonl
+
+    tiny.write_tiny_tokenizer(tokenizer_dir)
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "seven", "eleven", "plus", "minus", "times", "equals"]
+    length = config.max_target_length  # examples of a few to a dozen per row, as SFT data packs
+    write_jsonl(data_file, [
+        {"question": " ".join(rng.choices(words, k=rng.randint(length // 40, length // 10))),
+         "answer": " ".join(rng.choices(words, k=rng.randint(length // 40, length // 8)))}
+        for _ in range(5_000)
+    ])
+    config = config.model_copy(update={"hf_train_files": [str(data_file)], "train_data_columns": ["question", "answer"],
+                                       "tokenizer_path": str(tokenizer_dir)})
+    tokenizer = data_lib.load_tokenizer(str(tokenizer_dir))
+    loaded = run_setup.load_split(config, data_lib.train_source(config), tokenizer)
+    return run_setup.data_feed(config, mesh, loaded, config.gradient_accumulation_steps, config.epoch_policy)
+
+
+def measure(name: str, plan: dict, steps: int, profile_dir: str | None, work: Path) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from lorajob_trainer import metrics
+    from lorajob_trainer import plan as plan_lib
+    from lorajob_trainer.optim import build_optimizer
+
+    row = ROWS[name]
+    hf_config = model_config(row.model)
+    executable, compile_s = None, 0.0
+    if plan is None:  # as the train step without the fit check's record: remat auto compiled on this chip
+        compile_started = time.perf_counter()
+        plan, executable = plan_on_chip(row, hf_config)
+        compile_s = time.perf_counter() - compile_started
+    config = train_config(row, plan["remat"])
+    started = time.perf_counter()
+    step = plan_lib.abstract_step(config, hf_config, jax.devices())
+    base = random_like(step.base, 0)
+    adapters = random_like(step.adapters, 1)
+    opt_state = jax.jit(build_optimizer(config).init, out_shardings=jax.tree.map(lambda x: x.sharding,
+                                                                                   step.optimizer_state))(adapters)
+    batch = fixed_batch(step.batch, hf_config["vocab_size"])
+    jax.block_until_ready((base, adapters, opt_state, batch))
+    made_s = time.perf_counter() - started
+    if executable is None:
+        compile_started = time.perf_counter()
+        with jax.set_mesh(step.mesh):
+            executable = step.steps.train.lower(*step.arguments()).compile()
+        compile_s = time.perf_counter() - compile_started
+    compiled_hbm = plan_lib.describe_compiled(executable, step, config, 0.0).memory.total
+    compiled = executable
+    feed = generated_feed(config, step.mesh, work / "tokenizer", work / "data.jsonl") if row.feed else None
+
+    def next_batch(index: int) -> tuple[dict, float]:
+        if feed is None:
+            return batch, 0.0
+        waited = time.perf_counter()
+        return feed.next_batch(index), time.perf_counter() - waited
+
+    with jax.set_mesh(step.mesh):
+        for index in range(WARMUP_STEPS):
+            adapters, opt_state, out = compiled(adapters, opt_state, base, next_batch(index)[0])
+        float(out["loss"])
+        host_s = 0.0
+        tokens = 0.0
+        start = time.perf_counter()
+        for index in range(steps):
+            current, waited = next_batch(WARMUP_STEPS + index)
+            host_s += waited
+            adapters, opt_state, out = compiled(adapters, opt_state, base, current)
+            tokens += out["real_tokens"]
+        loss, tokens = float(out["loss"]), float(tokens)
+        elapsed = time.perf_counter() - start
+        profile = profiled_ops(compiled, (adapters, opt_state, base, batch), profile_dir) if profile_dir else None
+    if feed is not None:
+        feed.close()
+    tokens_per_s = tokens / elapsed
+    peak = metrics.peak_flops_per_device(jax.devices()[0].device_kind, None)
+    return {
+        "row": name, "device": jax.devices()[0].device_kind, "remat": plan["remat"], "steps": steps,
+        "tokens_per_s": tokens_per_s, "step_s": elapsed / steps, "host_wait_s_per_step": host_s / steps,
+        "mfu": metrics.mfu(tokens_per_s, step.flops, jax.device_count(), peak),
+        "gflops_per_token": step.flops.per_token / 1e9,
+        "peak_hbm_bytes": metrics.peak_device_memory_bytes(jax.local_devices()),
+        "hbm_limit_bytes": metrics.device_memory_limit_bytes(jax.local_devices()),
+        "chip_compiled_hbm_bytes": compiled_hbm, "compile_s": compile_s, "weights_made_s": made_s,
+        "final_loss": loss, "real_tokens_per_step": tokens / steps, "profile": profile,
+        "plan": plan,
+    }
+
+
+def profiled_ops(compiled, arguments, profile_dir: str) -> dict:
+    """Three steps traced (jax.profiler, with a Perfetto JSON); the chip's time by XLA op, largest first."""
+    import jax
+
+    adapters, opt_state, base, batch = arguments
+    jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)
+    for _ in range(PROFILED_STEPS):
+        adapters, opt_state, out = compiled(adapters, opt_state, base, batch)
+    float(out["loss"])
+    jax.profiler.stop_trace()
+    return op_breakdown(Path(profile_dir))
+
+
+def op_breakdown(profile_dir: Path, top: int = 25) -> dict:
+    """Device time by op name from the newest Perfetto JSON trace under `profile_dir`: the events of the TPU's
+    tracks ("/device:TPU:0" processes), summed by name, and the share of each."""
+    traces = sorted(profile_dir.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not traces:
+        return {"error": f"no Perfetto trace under {profile_dir}"}
+    trace = json.loads(gzip.open(traces[-1]).read())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    device_pids = {event["pid"] for event in events if event.get("ph") == "M" and event.get("name") == "process_name"
+                   and "TPU" in str(event.get("args", {}).get("name", ""))}
+    threads = {(event["pid"], event["tid"]): event["args"]["name"] for event in events
+               if event.get("ph") == "M" and event.get("name") == "thread_name"}
+    by_track: dict[str, Counter] = {}
+    for event in events:
+        if event.get("ph") == "X" and event.get("pid") in device_pids:
+            track = threads.get((event["pid"], event.get("tid")), str(event.get("tid")))
+            by_track.setdefault(track, Counter())[event["name"]] += float(event.get("dur", 0.0))
+    ops_track = next((track for track in by_track if "XLA Ops" in track), None)
+    if ops_track is None:
+        return {"error": "no 'XLA Ops' track in the trace", "tracks": sorted(by_track)}
+    ops = by_track[ops_track]
+    total = sum(ops.values())
+    return {"track": ops_track, "device_us_per_step": total / PROFILED_STEPS,
+            "top": [(name, us / PROFILED_STEPS, us / total) for name, us in ops.most_common(top)],
+            "trace": str(traces[-1])}
+
+
+def run_row(name: str, args) -> dict:
+    """`measure` of one row in a child process; its error when it fails."""
+    argv = [sys.executable, __file__, "child", "--row", name, "--plan", args.plan, "--steps", str(args.steps)]
+    if args.profile == name:
+        argv += ["--profile-dir", args.profile_dir]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "trainer"), os.environ.get("PYTHONPATH", "")])}
+    started = time.perf_counter()
+    try:
+        completed = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=args.child_timeout)
+    except subprocess.TimeoutExpired as error:
+        return {"row": name, "error": f"timed out after {args.child_timeout} s", "log": (error.stderr or b"")[-2000:]}
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+    if completed.returncode != 0 or not lines:
+        last = [line for line in completed.stderr.strip().splitlines() if line.strip()]
+        return {"row": name, "error": (last[-1] if last else f"exit {completed.returncode}")[:400],
+                "log": completed.stderr[-3000:], "wall_s": time.perf_counter() - started}
+    return {**json.loads(lines[-1].removeprefix("RESULT ")), "wall_s": time.perf_counter() - started}
+
+
+# ---------------------------------------------------------------- table
+
+
+def _gb(value) -> str:
+    return "-" if value is None else f"{value / 1e9:.2f}"
+
+
+def _percent(share) -> str:
+    return "-" if share is None else f"{100 * share:.1f} %"
+
+
+def _ratio(measured, predicted) -> str:
+    return "-" if not measured or not predicted else f"{measured / predicted:.2f}"
+
+
+def table(results: list[dict]) -> list[str]:
+    lines = ["| row | remat (auto) | tokens/s | MFU | peak HBM GB | plan HBM GB | measured/plan HBM | step s | "
+             "plan step s | measured/plan step | compile s | host wait s/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for result in results:
+        plan = result.get("plan") or {}
+        if "error" in result:
+            lines.append(f"| {result['row']} | {plan.get('remat', '-')} | {result['error'][:160]} | | | "
+                         f"{_gb(plan.get('hbm_bytes'))} | | | {plan.get('step_seconds') or 0:.3f} | | | |")
+            continue
+        lines.append(
+            f"| {result['row']} | {result['remat']} | {result['tokens_per_s']:,.0f} | {_percent(result['mfu'])} | "
+            f"{_gb(result['peak_hbm_bytes'])} | {_gb(plan['hbm_bytes'])} | "
+            f"{_ratio(result['peak_hbm_bytes'], plan['hbm_bytes'])} | {result['step_s']:.3f} | "
+            f"{plan['step_seconds']:.3f} | {_ratio(result['step_s'], plan['step_seconds'])} | "
+            f"{result['compile_s']:.0f} | {result['host_wait_s_per_step']:.4f} |"
+        )
+    return lines
+
+
+def print_profiles(results: list[dict]) -> None:
+    for result in results:
+        profile = result.get("profile")
+        if not profile:
+            continue
+        if "error" in profile:
+            print(f"profile of {result['row']}: {profile['error']}")
+            continue
+        print(f"profile of {result['row']}: {profile['device_us_per_step'] / 1e3:.1f} ms of chip time per step "
+              f"({profile['track']}), largest ops:")
+        for name, us, share in profile["top"]:
+            print(f"  {us / 1e3:9.2f} ms  {100 * share:5.1f} %  {name[:110]}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan_parser = sub.add_parser("plan", help="the fit check's prediction for each row (TPU compiler, no TPU)")
+    plan_parser.add_argument("--rows", nargs="+", choices=sorted(ROWS), default=list(ROWS))
+    plan_parser.add_argument("--out", default=str(REPO_ROOT / "bench" / "chip_plan.json"))
+    plan_parser.add_argument("--jobs", type=int, default=1, help="rows compiled at once, each in a process of its own")
+    run_parser = sub.add_parser("run", help="measure each row on the chip, one child process per row")
+    run_parser.add_argument("--rows", nargs="+", choices=sorted(ROWS), default=list(ROWS))
+    run_parser.add_argument("--plan", default=str(REPO_ROOT / "bench" / "chip_plan.json"))
+    run_parser.add_argument("--steps", type=int, default=10)
+    run_parser.add_argument("--json", help="write the results here too")
+    run_parser.add_argument("--profile", choices=sorted(ROWS), help="trace three steps of this row")
+    run_parser.add_argument("--profile-dir", default="/tmp/chip-bench-profile")
+    run_parser.add_argument("--child-timeout", type=int, default=CHILD_TIMEOUT_S)
+    table_parser = sub.add_parser("table", help="print the table of earlier results")
+    table_parser.add_argument("results", nargs="+")
+    child = sub.add_parser("child")
+    child.add_argument("--row", required=True)
+    child.add_argument("--plan", required=True)
+    child.add_argument("--steps", type=int, required=True)
+    child.add_argument("--profile-dir")
+    args = parser.parse_args(argv)
+
+    if args.command == "plan" and args.jobs > 1:
+        plan_in_parallel(args.rows, args.out, args.jobs)
+    elif args.command == "plan":
+        existing = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+        for name in args.rows:
+            existing[name] = plan_row(name)
+            Path(args.out).write_text(json.dumps(existing, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    elif args.command == "child":
+        plan = json.loads(Path(args.plan).read_text()).get(args.row) if Path(args.plan).exists() else None
+        work = Path(os.environ.get("TMPDIR", "/tmp")) / f"chip-bench-{os.getpid()}"
+        work.mkdir(parents=True, exist_ok=True)
+        print("RESULT " + json.dumps(measure(args.row, plan, args.steps, args.profile_dir, work)), flush=True)
+    elif args.command == "run":
+        plans = json.loads(Path(args.plan).read_text()) if Path(args.plan).exists() else {}
+        results = []
+        for name in args.rows:
+            result = run_row(name, args)
+            result.setdefault("plan", plans.get(name))
+            results.append(result)
+            print("\n".join(table([result])[2:]), flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        print("\n".join(table(results)))
+        print_profiles(results)
+    else:
+        results = [result for path in args.results for result in json.loads(Path(path).read_text())]
+        print("\n".join(table(results)))
+        print_profiles(results)
+
+
+if __name__ == "__main__":
+    main()
