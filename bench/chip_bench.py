@@ -351,7 +351,8 @@ def run_row(name: str, args) -> dict:
     try:
         completed = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=args.child_timeout)
     except subprocess.TimeoutExpired as error:
-        return {"row": name, "error": f"timed out after {args.child_timeout} s", "log": (error.stderr or b"")[-2000:]}
+        stderr = error.stderr.decode(errors="replace") if isinstance(error.stderr, bytes) else error.stderr or ""
+        return {"row": name, "error": f"timed out after {args.child_timeout} s", "log": stderr[-3000:]}
     lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
     if completed.returncode != 0 or not lines:
         last = [line for line in completed.stderr.strip().splitlines() if line.strip()]

@@ -25,15 +25,17 @@ from packaging.requirements import Requirement
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WHEELS = REPO_ROOT / ".whl-tpu"
 ROOTS = ("google-tunix", "qwix", "flax", "optax", "orbax-checkpoint", "datasets", "transformers", "safetensors",
-         "tokenizers", "tqdm", "huggingface-hub", "pydantic", "pyyaml", "etils", "perfetto", "einops")
-"""What the trainer imports on a chip (pyproject's trainer extra, less gcsfs, pathwaysutils and tensorboardX)."""
+         "tokenizers", "tqdm", "huggingface-hub", "pydantic", "pyyaml", "etils", "perfetto", "einops", "tensorboardx",
+         "cloudpickle", "python-dateutil", "six", "requests", "opentelemetry-api", "zipp")
+"""What the trainer imports on a chip (pyproject's trainer extra, less gcsfs and pathwaysutils; Tunix imports
+tensorboardX through metrax, and einops, cloudpickle, dateutil, requests and OpenTelemetry's API at import)."""
 ON_MACHINE = {"jax", "jaxlib", "libtpu", "numpy", "scipy", "ml-dtypes", "opt-einsum", "setuptools", "pip", "sympy",
               "mpmath", "pytest"}
 """Installed on the TPU machine; its versions are the ones JAX there was built with."""
 FROM_MACHINE_INDEX = ("tensorstore", "pyarrow", "pandas", "pillow", "xxhash", "hf-xet", "pytz", "tzdata")
 """Large binaries the machine's own index holds (file:///opt/pypi/simple): installed there with what they need from
 that index, not carried."""
-SKIPPED = {"gcsfs", "pathwaysutils", "tensorboardx", "tensorflow-datasets", "torch", "nvidia-*", "triton", "jax-cuda*",
+SKIPPED = {"gcsfs", "pathwaysutils", "tensorflow-datasets", "torch", "nvidia-*", "triton", "jax-cuda*",
            "grain", "array-record", "kagglehub", "kagglesdk", "hf-transfer", "uvloop", "numba", "llvmlite"}
 """Required by Tunix for its data pipelines, Hub and Kaggle downloads, by datasets and hub for speed-ups: none is
 imported by the trainer's step, model or data paths (name patterns)."""

@@ -38,16 +38,18 @@ def inputs() -> tuple[jax.Array, ...]:
     return query, key, value, jnp.asarray(segments), cotangent
 
 
-def outputs_and_gradients(kernel: str, window: int | None = None) -> list[np.ndarray]:
+def outputs_and_gradients(kernel: str, window: int | None = None, *, interpret: bool = True) -> list[np.ndarray]:
     """The attention's output and the gradients of sum(output · cotangent) by query, key and value; with
-    `window`, a sliding-window layer's (Gemma 3's: each position sees itself and the `window` - 1 before it)."""
+    `window`, a sliding-window layer's (Gemma 3's: each position sees itself and the `window` - 1 before it).
+    `interpret`: the splash kernel in Pallas' interpreter (any backend); False runs the compiled kernel, on a
+    TPU only (tests/chip/test_on_chip.py)."""
     query, key, value, segments, cotangent = inputs()
     mask, scale = models.attention_mask(segments), HEAD_DIM**-0.5
 
     def attend(query, key, value):
         if kernel == "splash":
             return splash.causal_attention(
-                query * scale, key, value, splash.segment_ids(mask), window=window, interpret=True
+                query * scale, key, value, splash.segment_ids(mask), window=window, interpret=interpret
             )
         positions = jnp.arange(LENGTH)
         near = positions[:, None] - positions[None, :] < (window or LENGTH)
@@ -65,6 +67,20 @@ def test_the_kernel_equals_dense_attention_with_its_gradients(window):
     for splashed, dense in zip(outputs_and_gradients("splash", window), outputs_and_gradients("dense", window),
                                strict=True):
         np.testing.assert_allclose(splashed, dense, atol=2e-5, rtol=1e-5)
+
+
+def test_a_kernel_first_made_inside_a_trace_serves_the_next_trace():
+    """The kernels are cached per shape: one made while a step is traced (remat auto's compile, say) must not hand
+    that trace's values to the next step traced at the same shape (found on a TPU chip: UnexpectedTracerError)."""
+    splash._kernel.cache_clear()
+    query, key, value, segments, _ = inputs()
+
+    def attention(query, key, value, segments):
+        return splash.causal_attention(query, key, value, segments, window=128, interpret=True)
+
+    first = jax.jit(attention)(query, key, value, segments)
+    second = jax.jit(lambda *arguments: attention(*arguments) + 0.0)(query, key, value, segments)
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
 
 
 SHARDED_SCRIPT = textwrap.dedent(

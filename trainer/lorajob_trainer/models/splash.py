@@ -117,7 +117,11 @@ def _kernel(heads: int, length: int, window: int | None, interpret: bool) -> spl
         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
         block_q_dq=block, block_kv_dq=block,
     )
-    return splash_kernel.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    # The kernel holds its block masks as arrays; made inside a trace they would be that trace's tracers, and the
+    # cache would hand them to the next trace (UnexpectedTracerError): make them as constants, whoever calls first.
+    with jax.ensure_compile_time_eval():
+        return splash_kernel.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                             interpret=interpret)
 
 
 def _batch_axes(mesh: jax.sharding.AbstractMesh) -> tuple[str, ...]:
