@@ -39,7 +39,16 @@ MACHINE_TYPE, TOPOLOGY = "ct5lp-hightpu-1t", "1x1"
 """One v5e chip on a one-chip VM, the machine the device tool lends."""
 WARMUP_STEPS = 2
 PROFILED_STEPS = 3
-CHILD_TIMEOUT_S = 300
+CHILD_TIMEOUT_S = 420
+"""A 4B row took over 230 s on the chip machine (its first compile alone ~75 s on 13 cores)."""
+COMPILATION_CACHE = "/tmp/chip-bench-compilation-cache"
+"""JAX's persistent compilation cache, shared by the rows' processes: a row whose step another row compiled (the
+data-loader row and its fixed-batch twin) loads it instead of compiling again."""
+
+
+def stage(row: str, what: str, since: float) -> None:
+    """A progress line on stderr (what a row timed out in shows in the parent's error)."""
+    print(f"[{row}] {what} after {time.perf_counter() - since:.1f} s", file=sys.stderr, flush=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +248,8 @@ def measure(name: str, plan: dict, steps: int, profile_dir: str | None, work: Pa
 
     row = ROWS[name]
     hf_config = model_config(row.model)
+    began = time.perf_counter()
+    stage(name, f"imported, on {jax.devices()[0].device_kind}", began)
     executable, compile_s = None, 0.0
     if plan is None:  # as the train step without the fit check's record: remat auto compiled on this chip
         compile_started = time.perf_counter()
@@ -254,11 +265,13 @@ def measure(name: str, plan: dict, steps: int, profile_dir: str | None, work: Pa
     batch = fixed_batch(step.batch, hf_config["vocab_size"])
     jax.block_until_ready((base, adapters, opt_state, batch))
     made_s = time.perf_counter() - started
+    stage(name, f"random weights made ({made_s:.1f} s)", began)
     if executable is None:
         compile_started = time.perf_counter()
         with jax.set_mesh(step.mesh):
             executable = step.steps.train.lower(*step.arguments()).compile()
         compile_s = time.perf_counter() - compile_started
+    stage(name, f"compiled ({compile_s:.1f} s)", began)
     compiled_hbm = plan_lib.describe_compiled(executable, step, config, 0.0).memory.total
     compiled = executable
     feed = generated_feed(config, step.mesh, work / "tokenizer", work / "data.jsonl") if row.feed else None
@@ -283,6 +296,7 @@ def measure(name: str, plan: dict, steps: int, profile_dir: str | None, work: Pa
             tokens += out["real_tokens"]
         loss, tokens = float(out["loss"]), float(tokens)
         elapsed = time.perf_counter() - start
+        stage(name, f"{steps} steps timed ({elapsed:.1f} s)", began)
         profile = profiled_ops(compiled, (adapters, opt_state, base, batch), profile_dir) if profile_dir else None
     if feed is not None:
         feed.close()
@@ -346,13 +360,16 @@ def run_row(name: str, args) -> dict:
     argv = [sys.executable, __file__, "child", "--row", name, "--plan", args.plan, "--steps", str(args.steps)]
     if args.profile == name:
         argv += ["--profile-dir", args.profile_dir]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "trainer"), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "trainer"), os.environ.get("PYTHONPATH", "")]),
+           "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", COMPILATION_CACHE)}
     started = time.perf_counter()
     try:
         completed = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=args.child_timeout)
     except subprocess.TimeoutExpired as error:
         stderr = error.stderr.decode(errors="replace") if isinstance(error.stderr, bytes) else error.stderr or ""
-        return {"row": name, "error": f"timed out after {args.child_timeout} s", "log": stderr[-3000:]}
+        stages = [line for line in stderr.splitlines() if line.startswith(f"[{name}]")]
+        return {"row": name, "error": f"timed out after {args.child_timeout} s; last: {stages[-1] if stages else 'no stage'}",
+                "log": stderr[-3000:]}
     lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
     if completed.returncode != 0 or not lines:
         last = [line for line in completed.stderr.strip().splitlines() if line.strip()]

@@ -69,10 +69,9 @@ def test_the_kernel_equals_dense_attention_with_its_gradients(window):
         np.testing.assert_allclose(splashed, dense, atol=2e-5, rtol=1e-5)
 
 
-def test_a_kernel_first_made_inside_a_trace_serves_the_next_trace():
-    """The kernels are cached per shape: one made while a step is traced (remat auto's compile, say) must not hand
-    that trace's values to the next step traced at the same shape (found on a TPU chip: UnexpectedTracerError)."""
-    splash._kernel.cache_clear()
+def test_a_second_trace_at_the_same_shape_attends_as_the_first():
+    """A kernel made while one step is traced (remat auto's compile, say) must not hand that trace's values to the
+    next step traced at the same shape (found on a TPU chip: UnexpectedTracerError)."""
     query, key, value, segments, _ = inputs()
 
     def attention(query, key, value, segments):

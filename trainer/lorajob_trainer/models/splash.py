@@ -102,10 +102,11 @@ def ran_in(compiled_text: str) -> bool:
     return FORWARD_KERNEL in compiled_text
 
 
-@functools.lru_cache(maxsize=16)
 def _kernel(heads: int, length: int, window: int | None, interpret: bool) -> splash_kernel.SplashAttentionKernel:
-    """The kernel for `heads` heads of `length` positions, causal or within a sliding `window` (its block masks
-    are worked out once per shape)."""
+    """The kernel for `heads` heads of `length` positions, causal or within a sliding `window`, made anew in each
+    trace: it holds its block masks as arrays, which inside a trace are that trace's values, so a kernel kept from
+    one trace fails in the next (UnexpectedTracerError). The masks' block analysis, the costly part, is cached by
+    JAX's own mask processing (splash_attention_mask_info's process_mask)."""
     block = block_size(length)
     if window is None:
         head_mask = splash_mask.CausalMask((length, length))
@@ -117,11 +118,7 @@ def _kernel(heads: int, length: int, window: int | None, interpret: bool) -> spl
         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
         block_q_dq=block, block_kv_dq=block,
     )
-    # The kernel holds its block masks as arrays; made inside a trace they would be that trace's tracers, and the
-    # cache would hand them to the next trace (UnexpectedTracerError): make them as constants, whoever calls first.
-    with jax.ensure_compile_time_eval():
-        return splash_kernel.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                             interpret=interpret)
+    return splash_kernel.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
 def _batch_axes(mesh: jax.sharding.AbstractMesh) -> tuple[str, ...]:
