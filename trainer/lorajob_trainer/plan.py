@@ -261,6 +261,10 @@ def describe_compiled(compiled: Any, step: AbstractStep, config: TrainConfig, st
     )
 
 
+OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"
+"""How the TPU compiler's refusal of a step too large for the device's memory begins."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RematChoice:
     """What `choose_remat` found: the policy taken (the last tried when none fits) and why the ones before it were
@@ -285,7 +289,9 @@ def choose_remat(
         step, error = None, None
         try:
             step = compile_train_step(config.model_copy(update={"remat_policy": policy}), hf_config, devices)
-        except Exception as refusal:  # the compiler's RESOURCE_EXHAUSTED: the message says by how much
+        except Exception as refusal:  # the compiler's RESOURCE_EXHAUSTED says by how much; anything else is a fault
+            if OUT_OF_MEMORY not in str(refusal):
+                raise
             error = str(refusal).strip().splitlines()[0]
         fits = step is not None and step.memory.total <= capacity_bytes
         if fits or policy == REMAT_POLICIES[-1]:
