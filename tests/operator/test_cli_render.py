@@ -78,7 +78,9 @@ def test_render_applies_the_policies_of_the_namespace_as_the_operator_does(tmp_p
     assert pod["containers"][0]["image"] == "registry.example/team-a/trainer:1"
 
     ungoverned = _lorajob_cli("render", *map(str, files), "--namespace", "team-b")  # the policy selects team=a only
-    assert "team-a-queue" not in ungoverned.stdout
+    assert ungoverned.returncode == 0, ungoverned.stderr
+    rendered = [js for js in yaml.safe_load_all(ungoverned.stdout) if js]
+    assert rendered and "team-a-queue" not in {js["metadata"]["labels"].get("kueue.x-k8s.io/queue-name") for js in rendered}
     assert "no LoRAJobPolicy applied" in _lorajob_cli("render", str(files[1])).stderr
 
     lorajob["spec"]["compute"]["tpu"]["topology"] = "8x8"  # a topology the policy does not allow

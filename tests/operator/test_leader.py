@@ -177,11 +177,9 @@ def test_a_leader_that_cannot_renew_stops_before_a_standby_may_start(kube, pair)
     a, b, lease = pair
     with OverlapSampler(a, b) as sampler:
         a.api_client.configuration.host = "https://127.0.0.1:9"  # every renewal fails from now on
-        cut = time.monotonic()
         stopped = wait_until(lambda: a.stopped, FAST["renew_deadline_seconds"] + SLACK_SECONDS, "a stops leading")
         took = wait_until(b.elector.leading, FAST["lease_duration_seconds"] + SLACK_SECONDS, "b leads")
-    assert stopped - cut <= FAST["renew_deadline_seconds"] + SLACK_SECONDS
-    assert stopped < took and sampler.overlaps == 0
+    assert stopped < took and sampler.overlaps == 0  # (wait_until bounds how long after the cut a stopped)
 
 
 def test_leader_timing_must_let_a_leader_stop_before_its_lease_passes():
