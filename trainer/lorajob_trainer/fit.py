@@ -322,7 +322,7 @@ def format_attempt(attempt: Attempt) -> list[str]:
     lines = [f"  target: {attempt.target.describe()}"]
     if attempt.target.remat_policy == REMAT_AUTO:
         refused = "".join(f"; {rejected}" for rejected in attempt.remat_rejected)
-        taken = "the least recompute that fits" if attempt.fits else "the last tried; none fits"
+        taken = "the least recompute that fits" if attempt.fits else "it keeps the least, and does not fit: none does"
         lines.append(f"  remat auto: {attempt.remat_policy} ({taken}){refused}")
     if attempt.analytic:
         lines.append("  estimated by the analytic model (no compiler runs for a GPU without the device; activations "

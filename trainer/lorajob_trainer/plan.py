@@ -267,8 +267,8 @@ OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"
 
 @dataclasses.dataclass(frozen=True)
 class RematChoice:
-    """What `choose_remat` found: the policy taken (the last tried when none fits) and why the ones before it were
-    not."""
+    """What `choose_remat` found: the policy taken (the one that keeps the least when none fits) and why the ones
+    with less recompute were not."""
 
     policy: str
     fits: bool
@@ -283,18 +283,25 @@ def choose_remat(
     config: TrainConfig, hf_config: dict[str, Any], devices: Sequence[jax.Device], capacity_bytes: int
 ) -> RematChoice:
     """The remat policy with the least recompute (`REMAT_POLICIES` in order) whose train step, compiled for
-    `devices`, needs at most `capacity_bytes` per device."""
-    rejected: list[str] = []
-    for policy in REMAT_POLICIES:
-        step, error = None, None
+    `devices`, needs at most `capacity_bytes` per device. The policy that keeps the least is compiled first: when
+    even it does not fit, none does, and one compile says so (a LoRAJob too large for its chips)."""
+
+    def compiled(policy: str) -> tuple[CompiledStep | None, str | None]:
         try:
-            step = compile_train_step(config.model_copy(update={"remat_policy": policy}), hf_config, devices)
+            return compile_train_step(config.model_copy(update={"remat_policy": policy}), hf_config, devices), None
         except Exception as refusal:  # the compiler's RESOURCE_EXHAUSTED says by how much; anything else is a fault
             if OUT_OF_MEMORY not in str(refusal):
                 raise
-            error = str(refusal).strip().splitlines()[0]
-        fits = step is not None and step.memory.total <= capacity_bytes
-        if fits or policy == REMAT_POLICIES[-1]:
-            break
+            return None, str(refusal).strip().splitlines()[0]
+
+    *less_recompute, least_memory = REMAT_POLICIES
+    fallback, error = compiled(least_memory)
+    if fallback is None or fallback.memory.total > capacity_bytes:
+        return RematChoice(least_memory, False, fallback, error, ())
+    rejected: list[str] = []
+    for policy in less_recompute:
+        step, error = compiled(policy)
+        if step is not None and step.memory.total <= capacity_bytes:
+            return RematChoice(policy, True, step, None, tuple(rejected))
         rejected.append(f"{policy}: " + (error or f"{step.memory.total / 1e9:.2f} GB > {capacity_bytes / 1e9:.2f} GB"))
-    return RematChoice(policy, fits, step, error, tuple(rejected))
+    return RematChoice(least_memory, True, fallback, None, tuple(rejected))
