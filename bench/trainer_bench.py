@@ -303,8 +303,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--loss-chunk", type=int, default=TrainConfig.model_fields["loss_chunk_length"].default,
                         help="loss_chunk_length: positions per LM-head chunk (default: the trainer's)")
-    parser.add_argument("--remat", choices=["none", "minimal", "full"],
-                        default=TrainConfig.model_fields["remat_policy"].default, help="remat_policy")
+    parser.add_argument("--remat", choices=["none", "minimal", "full"], default="minimal",
+                        help="remat_policy (default: minimal, what remat auto runs on a CPU; bench/chip_bench.py plans "
+                             "auto's choice for a TPU chip)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (needed on CPU)")
     parser.add_argument("--frameworks", default="jax,torch")
     parser.add_argument("--single-thread", action="store_true", help="CPU: one thread for each framework")

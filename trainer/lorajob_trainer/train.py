@@ -383,7 +383,8 @@ def remat_for_run(config: TrainConfig, hf_config: dict[str, Any], devices: list[
     if recorded is not None and recorded.fits and recorded.remat_policy in REMAT_POLICIES:
         log.info("remat auto: %s, as the fit check chose (%s)", recorded.remat_policy, config.layout.plan)
         return recorded.remat_policy
-    limit = metrics_lib.device_memory_limit_bytes(devices)
+    limit = metrics_lib.device_memory_limit_bytes([device for device in devices
+                                                  if device.process_index == jax.process_index()])
     if limit is None:
         log.info("remat auto: minimal (the devices report no memory limit)")
         return "minimal"
