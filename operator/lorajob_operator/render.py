@@ -233,16 +233,20 @@ def plan_request(spec: api.LoRAJobSpec) -> fit.Request:
 
     batch, accumulation = training.per_device_batch_size, training.gradient_accumulation_steps
     targets = [target(tpu.topology, batch, accumulation)]
+    # Whether a change fits is what an alternative asks; under auto, "full" (which keeps the least) answers it in one
+    # compile, and the train step's own plan chooses the policy again for the target it runs on.
+    alternative = "full" if training.remat == REMAT_AUTO else training.remat
     while batch > 1 and batch % 2 == 0:
         batch, accumulation = batch // 2, accumulation * 2
-        targets.append(target(tpu.topology, batch, accumulation))
+        targets.append(target(tpu.topology, batch, accumulation, alternative))
     if training.remat not in ("full", REMAT_AUTO):  # auto tries full itself
         targets.append(target(tpu.topology, training.per_device_batch_size, training.gradient_accumulation_steps, "full"))
     larger = sorted(
         (t for t in machine.topologies if accelerators.chips_in(t) > accelerators.chips_in(tpu.topology)),
         key=accelerators.chips_in,
     )[:LARGER_TOPOLOGIES_TRIED]
-    targets += [target(t, training.per_device_batch_size, training.gradient_accumulation_steps) for t in larger]
+    targets += [target(t, training.per_device_batch_size, training.gradient_accumulation_steps, alternative)
+                for t in larger]
     return fit.Request(accelerators.TPU_CHIPS[machine.generation], machine.chips_per_vm, tuple(targets))
 
 

@@ -322,9 +322,9 @@ def test_convert_and_export_arguments_are_accepted_by_the_trainer_entry_points(m
 def test_the_fit_check_tries_the_cheapest_changes_first():
     spec = parsed(lorajob(spec=spec_dict(training={"steps": 10, "perDeviceBatchSize": 4})))
     request = render.plan_request(spec)
-    # remat auto (the default) tries none, minimal and full at each target itself: no separate "full" target.
+    # remat auto (the default) at the LoRAJob's own target; an alternative asks only whether it fits: remat full.
     assert [(t.topology, t.per_device_batch_size, t.gradient_accumulation_steps, t.remat_policy) for t in request.targets] == [
-        ("4x4", 4, 1, "auto"), ("4x4", 2, 2, "auto"), ("4x4", 1, 4, "auto"), ("4x8", 4, 1, "auto"), ("8x8", 4, 1, "auto"),
+        ("4x4", 4, 1, "auto"), ("4x4", 2, 2, "full"), ("4x4", 1, 4, "full"), ("4x8", 4, 1, "full"), ("8x8", 4, 1, "full"),
     ]
     assert request.chip.hbm_bytes == 32 * 2**30 and [t.chips for t in request.targets][-1] == 64
     minimal = render.plan_request(parsed(lorajob(spec=spec_dict(training={"steps": 10, "remat": "minimal"}))))
