@@ -12,7 +12,7 @@ catalogue model with random weights, LoRA rank 16 on the family's default target
 the remat policy auto takes, HBM per chip and the roofline's step time, saved as JSON. `run`, on the chip, gives
 each row a child process of its own (a clean peak-memory figure; one row running out of memory ends only that
 row): the same step built by the same code (`plan.abstract_step`) with the policy the plan chose (as the train
-step does), random weights made by one jit per tree (never one per weight: each distinct shape would compile),
+step does), random weights made by one jit per tree (trainer_bench.random_like),
 compiled (its own memory analysis beside the plan's), two warm-up steps, then `--steps` timed steps on a fixed
 batch; rows marked `feed` take their batches from the trainer's data loader instead (packed rows of a generated
 dataset, prefetched as in training) and report the host's time per step spent waiting for a batch. It prints one
@@ -35,6 +35,9 @@ from collections import Counter
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO_ROOT / "bench"), str(REPO_ROOT / "trainer")]  # trainer_bench's helpers; this checkout's trainer
+
+from trainer_bench import child_env, random_like  # noqa: E402
 MACHINE_TYPE, TOPOLOGY = "ct5lp-hightpu-1t", "1x1"
 """One v5e chip on a one-chip VM, the machine the device tool lends."""
 WARMUP_STEPS = 2
@@ -133,8 +136,7 @@ def plan_row(name: str) -> dict:
 
 def plan_in_parallel(names: list[str], out: str, jobs: int) -> None:
     """`plan` of each row in a process of its own, `jobs` at a time, merged into `out`."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "trainer"), os.environ.get("PYTHONPATH", "")]),
-           "JAX_PLATFORMS": "cpu"}
+    env = child_env(JAX_PLATFORMS="cpu")
     pending, running = list(names), []
     parts = Path(out).with_suffix(".parts")
     parts.mkdir(exist_ok=True)
@@ -174,27 +176,6 @@ def plan_on_chip(row: Row, hf_config: dict) -> tuple[dict, object]:
         raise RuntimeError(f"no remat policy compiles: {choice.error}; " + "; ".join(choice.rejected))
     attempt = fit.attempt_of_step(target(row, "auto"), choice.step, chip, choice.policy, choice.rejected)
     return plan_record(attempt, CHIP_COMPILE), choice.step.executable
-
-
-def random_like(abstract, seed: int):
-    """Arrays of the tree of ShapeDtypeStructs `abstract`, placed as they say, made by one jit: floats 0.02 x
-    normal, integers (quantised weights) uniform over a small range."""
-    import jax
-    import jax.numpy as jnp
-
-    leaves, treedef = jax.tree.flatten(abstract)
-
-    def make(key):
-        values = []
-        for leaf_key, leaf in zip(jax.random.split(key, len(leaves)), leaves, strict=True):
-            if jnp.issubdtype(leaf.dtype, jnp.floating):
-                values.append((0.02 * jax.random.normal(leaf_key, leaf.shape, jnp.float32)).astype(leaf.dtype))
-            else:
-                values.append(jax.random.randint(leaf_key, leaf.shape, 0, 7, jnp.int32).astype(leaf.dtype))
-        return values
-
-    made = jax.jit(make, out_shardings=[leaf.sharding for leaf in leaves])(jax.random.key(seed))
-    return jax.tree.unflatten(treedef, made)
 
 
 def fixed_batch(abstract: dict, vocab_size: int) -> dict:
@@ -360,8 +341,7 @@ def run_row(name: str, args) -> dict:
     argv = [sys.executable, __file__, "child", "--row", name, "--plan", args.plan, "--steps", str(args.steps)]
     if args.profile == name:
         argv += ["--profile-dir", args.profile_dir]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "trainer"), os.environ.get("PYTHONPATH", "")]),
-           "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", COMPILATION_CACHE)}
+    env = child_env(JAX_COMPILATION_CACHE_DIR=os.environ.get("JAX_COMPILATION_CACHE_DIR", COMPILATION_CACHE))
     started = time.perf_counter()
     try:
         completed = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=args.child_timeout)
@@ -400,8 +380,9 @@ def table(results: list[dict]) -> list[str]:
     for result in results:
         plan = result.get("plan") or {}
         if "error" in result:
+            step = "-" if plan.get("step_seconds") is None else f"{plan['step_seconds']:.3f}"
             lines.append(f"| {result['row']} | {plan.get('remat', '-')} | {result['error'][:160]} | | | "
-                         f"{_gb(plan.get('hbm_bytes'))} | | | {plan.get('step_seconds') or 0:.3f} | | | |")
+                         f"{_gb(plan.get('hbm_bytes'))} | | | {step} | | | |")
             continue
         lines.append(
             f"| {result['row']} | {result['remat']} | {result['tokens_per_s']:,.0f} | {_percent(result['mfu'])} | "

@@ -104,6 +104,28 @@ def bench_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
+def random_like(abstract, seed: int):
+    """Arrays of the tree of ShapeDtypeStructs `abstract`, placed as they say, made by one jit (one per weight would
+    compile once per distinct shape: minutes on a TPU): floats 0.02 x normal, integers (quantised weights) uniform
+    over a small range."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves, treedef = jax.tree.flatten(abstract)
+
+    def make(key):
+        values = []
+        for leaf_key, leaf in zip(jax.random.split(key, len(leaves)), leaves, strict=True):
+            if jnp.issubdtype(leaf.dtype, jnp.floating):
+                values.append((0.02 * jax.random.normal(leaf_key, leaf.shape, jnp.float32)).astype(leaf.dtype))
+            else:
+                values.append(jax.random.randint(leaf_key, leaf.shape, 0, 7, jnp.int32).astype(leaf.dtype))
+        return values
+
+    made = jax.jit(make, out_shardings=[leaf.sharding for leaf in leaves])(jax.random.key(seed))
+    return jax.tree.unflatten(treedef, made)
+
+
 def random_lora_model(hf: dict, rank: int, dtype, mesh):
     """(The model of config `hf` with random weights made in place on the mesh and LoRA on its family's
     default targets, its Tunix config)."""
@@ -117,11 +139,11 @@ def random_lora_model(hf: dict, rank: int, dtype, mesh):
     family = models.family_for_hf_config(hf)
     tunix_config = family.config_from_hf(hf, dtype)
     graphdef, state = nnx.split(models.abstract_model(family, tunix_config, hf))
-    for index, (_, variable) in enumerate(nnx.to_flat_state(state)):
-        shape = tuple(variable.get_value().shape)
-        make = jax.jit(lambda key, shape=shape: 0.02 * jax.random.normal(key, shape, dtype),
-                       out_shardings=variable_sharding(mesh, variable))
-        variable.set_value(make(jax.random.key(index)))
+    variables = [variable for _, variable in nnx.to_flat_state(state)]
+    abstract = [jax.ShapeDtypeStruct(tuple(variable.get_value().shape), dtype, sharding=variable_sharding(mesh, variable))
+                for variable in variables]
+    for variable, value in zip(variables, random_like(abstract, 0), strict=True):
+        variable.set_value(value)
     model = lora_lib.apply_lora(nnx.merge(graphdef, state), rank=rank, alpha=2.0 * rank,
                                 target_regex=lora_lib.module_path_regex(family.name), mesh=mesh, rngs=nnx.Rngs(0))
     return model, tunix_config
@@ -260,9 +282,15 @@ def child(args) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment for a bench's child process, with this checkout's trainer package first (and `extra`)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "trainer"), os.environ.get("PYTHONPATH", "")]),
+            **extra}
+
+
 def run_child(script: str, argv: list[str], single_thread: bool) -> dict:
     """The `RESULT {json}` line of `script argv` run in a child process (a clean peak-memory figure)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "trainer"), os.environ.get("PYTHONPATH", "")])}
+    env = child_env()
     if single_thread:
         # The same CPU budget for both, immune to other load: one XLA thread, one OpenMP thread.
         env["OMP_NUM_THREADS"] = "1"

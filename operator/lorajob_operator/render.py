@@ -222,8 +222,9 @@ LARGER_TOPOLOGIES_TRIED = 2
 def plan_request(spec: api.LoRAJobSpec) -> fit.Request:
     """What `lorajob_trainer.fit` compiles the train step for (TPU backends): the chip's facts, the LoRAJob's own
     target, then the smallest changes, cheapest first: smaller per-device batches (the global batch kept by
-    accumulation), remat "full" (a third more compute, no more chips; remat auto tries it at every target), then the next larger topologies of the
-    machine type."""
+    accumulation), remat "full" (a third more compute, no more chips), then the next larger topologies of the
+    machine type. Under remat auto the LoRAJob's own target keeps auto (the fit check chooses its policy) and each
+    alternative is compiled with "full", which answers whether that change fits in one compile."""
     tpu, training = spec.compute.tpu, spec.training
     machine = accelerators.TPU_MACHINES[tpu.machine_type]
 

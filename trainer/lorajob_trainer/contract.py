@@ -65,7 +65,6 @@ REMAT_POLICIES = ("none", "minimal", "full")
 """What the backward pass recomputes per decoder layer, least recompute (and most memory) first; `auto` takes the
 first whose step fits."""
 REMAT_AUTO = "auto"
-REMAT_SETTINGS = (REMAT_AUTO, *REMAT_POLICIES)
 
 BASE_QUANTIZATIONS = ("none", "int8", "int4", "nf4", "fp8")
 """How the frozen base is held while the adapters train (QLoRA): as loaded (none), or each decoder projection and

@@ -19,7 +19,6 @@ import jax
 from lorajob_trainer.contract import REMAT_POLICIES
 
 RematPolicy = Literal["none", "minimal", "full"]
-RematSetting = Literal["auto", "none", "minimal", "full"]
 
 _SAVEABLE = {
     "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
