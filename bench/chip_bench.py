@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/chip_bench.py plan [--rows NAME...] [--out bench/chip_plan.json]   # here, no TPU needed
     python3 bench/chip_bench.py run --plan bench/chip_plan.json [--rows NAME...] [--steps 10] [--json OUT]
-                                    [--profile ROW --profile-dir DIR]                            # on a v5e chip
+                                    [--profile ROW... --profile-dir DIR]                         # on a v5e chip
     python3 bench/chip_bench.py table RESULTS.json...                                             # the table again
 
 The rows (`ROWS`) are LoRAJobs a user would write for one v5e chip (`ct5lp-hightpu-1t`, topology 1x1): a
@@ -16,9 +16,12 @@ step does), random weights made by one jit per tree (trainer_bench.random_like),
 compiled (its own memory analysis beside the plan's), two warm-up steps, then `--steps` timed steps on a fixed
 batch; rows marked `feed` take their batches from the trainer's data loader instead (packed rows of a generated
 dataset, prefetched as in training) and report the host's time per step spent waiting for a batch. It prints one
-table: tokens/s, MFU (the 4N LoRA FLOPs model at the chip's 197 TFLOP/s), peak HBM (`memory_stats`), compile
-seconds, and the plan's HBM and step time with the ratios measured / predicted. `--profile ROW` also records a
-trace of three steps of that row (`jax.profiler`, with a Perfetto JSON) and prints where the chip's time went.
+table: tokens/s, MFU (the 4N LoRA FLOPs model at the chip's 197 TFLOP/s), peak HBM (`memory_stats`: the buffers in
+use plus what the TPU reserves for the program's temporaries), compile seconds, and the plan's HBM and step time
+with the ratios measured / predicted. `--profile ROW...` also records a trace of three steps of those rows
+(`jax.profiler`, with a Perfetto JSON) and prints where the chip's time went, by op and by category; `--peer
+SCRIPT` runs Tunix's PeftTrainer (../shared/tools/tunix_peft_bench.py, carried to the chip) after each qwen3 row on
+the same shapes.
 """
 
 from __future__ import annotations
@@ -43,7 +46,11 @@ MACHINE_TYPE, TOPOLOGY = "ct5lp-hightpu-1t", "1x1"
 WARMUP_STEPS = 2
 PROFILED_STEPS = 3
 CHILD_TIMEOUT_S = 420
-"""A 4B row took over 230 s on the chip machine (its first compile alone ~75 s on 13 cores)."""
+"""Rows took 80-135 s on the chip machine (a compile of 45-75 s on its 13 cores), 200-300 s while random weights
+were still made one threefry kernel per weight."""
+ATTENTION_KERNEL = "splash 1024 blocks, fused backward"
+"""How the step's splash kernel is configured (models/splash.py), recorded with each result: results measured
+before its change say "splash 512 blocks, dq kernel apart"."""
 COMPILATION_CACHE = "/tmp/chip-bench-compilation-cache"
 """JAX's persistent compilation cache, shared by the rows' processes: a row whose step another row compiled (the
 data-loader row and its fixed-batch twin) loads it instead of compiling again."""
@@ -289,6 +296,8 @@ def measure(name: str, plan: dict, steps: int, profile_dir: str | None, work: Pa
         "mfu": metrics.mfu(tokens_per_s, step.flops, jax.device_count(), peak),
         "gflops_per_token": step.flops.per_token / 1e9,
         "peak_hbm_bytes": metrics.peak_device_memory_bytes(jax.local_devices()),
+        "attention_kernel": ATTENTION_KERNEL,
+        "memory_stats": jax.local_devices()[0].memory_stats(),
         "hbm_limit_bytes": metrics.device_memory_limit_bytes(jax.local_devices()),
         "chip_compiled_hbm_bytes": compiled_hbm, "compile_s": compile_s, "weights_made_s": made_s,
         "final_loss": loss, "real_tokens_per_step": tokens / steps, "profile": profile,
@@ -312,7 +321,7 @@ def profiled_ops(compiled, arguments, profile_dir: str) -> dict:
 def op_breakdown(profile_dir: Path, top: int = 25) -> dict:
     """Device time by op name from the newest Perfetto JSON trace under `profile_dir`: the events of the TPU's
     tracks ("/device:TPU:0" processes), summed by name, and the share of each."""
-    traces = sorted(profile_dir.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    traces = sorted(profile_dir.rglob("*trace.json.gz"), key=lambda p: p.stat().st_mtime)
     if not traces:
         return {"error": f"no Perfetto trace under {profile_dir}"}
     trace = json.loads(gzip.open(traces[-1]).read())
@@ -322,10 +331,17 @@ def op_breakdown(profile_dir: Path, top: int = 25) -> dict:
     threads = {(event["pid"], event["tid"]): event["args"]["name"] for event in events
                if event.get("ph") == "M" and event.get("name") == "thread_name"}
     by_track: dict[str, Counter] = {}
+    categories: dict[str, Counter] = {}
+    details: dict[str, dict] = {}
     for event in events:
         if event.get("ph") == "X" and event.get("pid") in device_pids:
             track = threads.get((event["pid"], event.get("tid")), str(event.get("tid")))
-            by_track.setdefault(track, Counter())[event["name"]] += float(event.get("dur", 0.0))
+            duration = float(event.get("dur", 0.0))
+            by_track.setdefault(track, Counter())[event["name"]] += duration
+            args = event.get("args") or {}
+            category = args.get("hlo_category") or args.get("category") or "-"
+            categories.setdefault(track, Counter())[str(category)] += duration
+            details.setdefault(event["name"], {key: str(value)[:200] for key, value in args.items()})
     ops_track = next((track for track in by_track if "XLA Ops" in track), None)
     if ops_track is None:
         return {"error": "no 'XLA Ops' track in the trace", "tracks": sorted(by_track)}
@@ -333,14 +349,23 @@ def op_breakdown(profile_dir: Path, top: int = 25) -> dict:
     total = sum(ops.values())
     return {"track": ops_track, "device_us_per_step": total / PROFILED_STEPS,
             "top": [(name, us / PROFILED_STEPS, us / total) for name, us in ops.most_common(top)],
+            "categories": [(name, us / PROFILED_STEPS, us / total) for name, us in categories[ops_track].most_common()],
+            "details": {name: details[name] for name, _ in ops.most_common(top)},
             "trace": str(traces[-1])}
+
+
+def last_error(stderr: str, returncode: int) -> str:
+    """The line of a failed child's stderr that says what failed: its last exception line, else its last line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line.split(":")[0] or "RESOURCE_EXHAUSTED" in line]
+    return (errors[-1] if errors else lines[-1] if lines else f"exit {returncode}")[:400]
 
 
 def run_row(name: str, args) -> dict:
     """`measure` of one row in a child process; its error when it fails."""
     argv = [sys.executable, __file__, "child", "--row", name, "--plan", args.plan, "--steps", str(args.steps)]
-    if args.profile == name:
-        argv += ["--profile-dir", args.profile_dir]
+    if name in (args.profile or []):
+        argv += ["--profile-dir", str(Path(args.profile_dir) / name.replace("/", "_"))]
     env = child_env(JAX_COMPILATION_CACHE_DIR=os.environ.get("JAX_COMPILATION_CACHE_DIR", COMPILATION_CACHE))
     started = time.perf_counter()
     try:
@@ -350,12 +375,44 @@ def run_row(name: str, args) -> dict:
         stages = [line for line in stderr.splitlines() if line.startswith(f"[{name}]")]
         return {"row": name, "error": f"timed out after {args.child_timeout} s; last: {stages[-1] if stages else 'no stage'}",
                 "log": stderr[-3000:]}
+    for line in completed.stderr.splitlines():
+        if line.startswith(f"[{name}]"):
+            print(line, file=sys.stderr, flush=True)
     lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
     if completed.returncode != 0 or not lines:
-        last = [line for line in completed.stderr.strip().splitlines() if line.strip()]
-        return {"row": name, "error": (last[-1] if last else f"exit {completed.returncode}")[:400],
+        return {"row": name, "error": last_error(completed.stderr, completed.returncode),
                 "log": completed.stderr[-3000:], "wall_s": time.perf_counter() - started}
     return {**json.loads(lines[-1].removeprefix("RESULT ")), "wall_s": time.perf_counter() - started}
+
+
+TUNIX_REMAT = {"none": "none", "minimal": "block", "full": "decoder"}
+"""Tunix Qwen3's RematConfig nearest to each of ours: BLOCK recomputes the attention block, DECODER the whole layer."""
+TUNIX_PRESETS = {"qwen3-0.6b": "qwen3_0p6b", "qwen3-4b": "qwen3_4b"}
+
+
+def run_peer(result: dict, args) -> dict | None:
+    """The peer on the row just measured (same shapes, the remat nearest ours, our FLOPs model for its MFU): the
+    Tunix PeftTrainer script named by --peer, in a child of its own; None for rows Tunix has no model for."""
+    row = ROWS[result["row"]]
+    if row.feed or row.base_quantization != "none" or row.model not in TUNIX_PRESETS or "error" in result:
+        return None
+    name = f"tunix-peft/{result['row']}"
+    remat = TUNIX_REMAT[result["remat"]]
+    argv = [sys.executable, args.peer, "--preset", TUNIX_PRESETS[row.model], "--batch", str(row.rows),
+            "--seq", str(row.length), "--steps", str(args.steps), "--remat", remat,
+            "--gflops-per-token", str(result["gflops_per_token"])]
+    try:
+        completed = subprocess.run(argv, capture_output=True, text=True, env=child_env(), timeout=args.peer_timeout)
+    except subprocess.TimeoutExpired:
+        return {"row": name, "error": f"did not finish (remat {remat}) within {args.peer_timeout} s", "plan": {}}
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        return {"row": name, "error": last_error(completed.stderr, completed.returncode), "plan": {},
+                "log": completed.stderr[-3000:]}
+    peer = json.loads(lines[-1].removeprefix("RESULT "))
+    return {"row": name, "remat": f"tunix {remat}", "tokens_per_s": peer["tokens_per_s"], "mfu": peer.get("mfu_v5e_197"),
+            "peak_hbm_bytes": peer["peak_hbm_gib"] * 2**30, "step_s": peer["step_s"],
+            "compile_s": peer["compile_s"], "host_wait_s_per_step": 0.0, "plan": {}, "peer": peer}
 
 
 # ---------------------------------------------------------------- table
@@ -373,23 +430,26 @@ def _ratio(measured, predicted) -> str:
     return "-" if not measured or not predicted else f"{measured / predicted:.2f}"
 
 
+def _seconds(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def table(results: list[dict]) -> list[str]:
     lines = ["| row | remat (auto) | tokens/s | MFU | peak HBM GB | plan HBM GB | measured/plan HBM | step s | "
-             "plan step s | measured/plan step | compile s | host wait s/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "plan step s | measured/plan step | compile s | host wait s/step | attention |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for result in results:
         plan = result.get("plan") or {}
         if "error" in result:
-            step = "-" if plan.get("step_seconds") is None else f"{plan['step_seconds']:.3f}"
             lines.append(f"| {result['row']} | {plan.get('remat', '-')} | {result['error'][:160]} | | | "
-                         f"{_gb(plan.get('hbm_bytes'))} | | | {step} | | | |")
+                         f"{_gb(plan.get('hbm_bytes'))} | | | {_seconds(plan.get('step_seconds'))} | | | | |")
             continue
         lines.append(
             f"| {result['row']} | {result['remat']} | {result['tokens_per_s']:,.0f} | {_percent(result['mfu'])} | "
-            f"{_gb(result['peak_hbm_bytes'])} | {_gb(plan['hbm_bytes'])} | "
-            f"{_ratio(result['peak_hbm_bytes'], plan['hbm_bytes'])} | {result['step_s']:.3f} | "
-            f"{plan['step_seconds']:.3f} | {_ratio(result['step_s'], plan['step_seconds'])} | "
-            f"{result['compile_s']:.0f} | {result['host_wait_s_per_step']:.4f} |"
+            f"{_gb(result['peak_hbm_bytes'])} | {_gb(plan.get('hbm_bytes'))} | "
+            f"{_ratio(result['peak_hbm_bytes'], plan.get('hbm_bytes'))} | {result['step_s']:.3f} | "
+            f"{_seconds(plan.get('step_seconds'))} | {_ratio(result['step_s'], plan.get('step_seconds'))} | "
+            f"{result['compile_s']:.0f} | {result['host_wait_s_per_step']:.4f} | {result.get('attention_kernel', '-')} |"
         )
     return lines
 
@@ -405,7 +465,10 @@ def print_profiles(results: list[dict]) -> None:
         print(f"profile of {result['row']}: {profile['device_us_per_step'] / 1e3:.1f} ms of chip time per step "
               f"({profile['track']}), largest ops:")
         for name, us, share in profile["top"]:
-            print(f"  {us / 1e3:9.2f} ms  {100 * share:5.1f} %  {name[:110]}")
+            print(f"  {us / 1e3:9.2f} ms  {100 * share:5.1f} %  {name[:40]}  {profile['details'].get(name, {})}"[:300])
+        print("  by category:")
+        for name, us, share in profile["categories"]:
+            print(f"  {us / 1e3:9.2f} ms  {100 * share:5.1f} %  {name}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -420,11 +483,15 @@ def main(argv: list[str] | None = None) -> None:
     run_parser.add_argument("--plan", default=str(REPO_ROOT / "bench" / "chip_plan.json"))
     run_parser.add_argument("--steps", type=int, default=10)
     run_parser.add_argument("--json", help="write the results here too")
-    run_parser.add_argument("--profile", choices=sorted(ROWS), help="trace three steps of this row")
+    run_parser.add_argument("--profile", nargs="+", choices=sorted(ROWS), help="trace three steps of these rows")
     run_parser.add_argument("--profile-dir", default="/tmp/chip-bench-profile")
     run_parser.add_argument("--child-timeout", type=int, default=CHILD_TIMEOUT_S)
+    run_parser.add_argument("--peer", help="Tunix's PeftTrainer script (../shared/tools/tunix_peft_bench.py): run it "
+                                           "after each qwen3 row on the same shapes")
+    run_parser.add_argument("--peer-timeout", type=int, default=240)
     table_parser = sub.add_parser("table", help="print the table of earlier results")
     table_parser.add_argument("results", nargs="+")
+    table_parser.add_argument("--plan", help="also list the rows no result has, with this plan's figures")
     child = sub.add_parser("child")
     child.add_argument("--row", required=True)
     child.add_argument("--plan", required=True)
@@ -453,12 +520,22 @@ def main(argv: list[str] | None = None) -> None:
             result.setdefault("plan", plans.get(name))
             results.append(result)
             print("\n".join(table([result])[2:]), flush=True)
+            peer = run_peer(result, args) if args.peer else None
+            if peer:
+                results.append(peer)
+                print("\n".join(table([peer])[2:]), flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
         print("\n".join(table(results)))
         print_profiles(results)
     else:
         results = [result for path in args.results for result in json.loads(Path(path).read_text())]
+        measured = {result["row"] for result in results if "error" not in result}
+        results = [result for result in results if "error" not in result or result["row"] not in measured]
+        if args.plan:
+            plans, listed = json.loads(Path(args.plan).read_text()), {result["row"] for result in results}
+            results += [{"row": name, "error": "not measured", "plan": plans.get(name)} for name in ROWS
+                        if name not in listed]
         print("\n".join(table(results)))
         print_profiles(results)
 

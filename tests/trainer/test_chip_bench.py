@@ -45,14 +45,40 @@ def test_the_profile_breakdown_sums_the_chips_op_track(chip_bench, tmp_path):
         {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
         {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "XLA Ops"}},
         {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "XLA Modules"}},
-        *[{"ph": "X", "pid": 1, "tid": 7, "name": "fusion.1", "dur": 600.0, "ts": i} for i in range(3)],
-        *[{"ph": "X", "pid": 1, "tid": 7, "name": "splash_mha_fwd", "dur": 300.0, "ts": i} for i in range(3)],
+        *[{"ph": "X", "pid": 1, "tid": 7, "name": "fusion.1", "dur": 600.0, "ts": i,
+           "args": {"hlo_category": "convolution fusion"}} for i in range(3)],
+        *[{"ph": "X", "pid": 1, "tid": 7, "name": "splash_mha_fwd", "dur": 300.0, "ts": i,
+           "args": {"hlo_category": "custom-call"}} for i in range(3)],
         {"ph": "X", "pid": 1, "tid": 8, "name": "jit_train_step", "dur": 5000.0, "ts": 0},
         {"ph": "X", "pid": 2, "tid": 7, "name": "host work", "dur": 9000.0, "ts": 0},
     ]
-    trace = tmp_path / "plugins" / "profile" / "run" / "host.trace.json.gz"
+    trace = tmp_path / "plugins" / "profile" / "run" / "perfetto_trace.json.gz"
     trace.parent.mkdir(parents=True)
     trace.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
     breakdown = chip_bench.op_breakdown(tmp_path)
     assert breakdown["track"] == "XLA Ops" and breakdown["device_us_per_step"] == pytest.approx(900.0)
     assert [(name, us) for name, us, _ in breakdown["top"]] == [("fusion.1", 600.0), ("splash_mha_fwd", 300.0)]
+    assert [(name, us) for name, us, _ in breakdown["categories"]] == [("convolution fusion", 600.0),
+                                                                        ("custom-call", 300.0)]
+
+
+def test_the_table_of_several_calls_keeps_each_rows_success_and_lists_the_rows_not_measured(chip_bench, tmp_path,
+                                                                                           capsys):
+    """A row that failed in one call and was measured in a later one shows its measurement; a row no call measured
+    is listed with the plan's figures; a failed child's error is its exception line, not the traceback's footer."""
+    plan = {"remat": "full", "hbm_bytes": 12e9, "step_seconds": 0.5}
+    measured = {"row": "qwen3-4b/2x2048", "remat": "full", "tokens_per_s": 4800.0, "mfu": 0.44,
+                "peak_hbm_bytes": 10.4e9, "step_s": 0.85, "compile_s": 66.0, "host_wait_s_per_step": 0.0, "plan": plan}
+    failed = {"row": "qwen3-4b/2x2048", "plan": plan, "error": chip_bench.last_error(
+        "Traceback (most recent call last):\njax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: 22.46G\n----\n"
+        "For simplicity, JAX has removed its internal frames from the traceback of the following exception.", 1)}
+    assert failed["error"] == "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: 22.46G"
+    (tmp_path / "a.json").write_text(json.dumps([failed]))
+    (tmp_path / "b.json").write_text(json.dumps([measured]))
+    (tmp_path / "plan.json").write_text(json.dumps({"qwen3-0.6b/1x8192": {**plan, "hbm_bytes": 13.5e9}}))
+    chip_bench.main(["table", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--plan", str(tmp_path / "plan.json")])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert rows[0].startswith("| qwen3-4b/2x2048 | full | 4,800 | 44.0 % | 10.40 | 12.00 | 0.87 |")
+    assert not any("RESOURCE_EXHAUSTED" in row for row in rows)
+    assert any(row.startswith("| qwen3-0.6b/1x8192 | full | not measured | | | 13.50 |") for row in rows)
+    assert len(rows) == len(chip_bench.ROWS)  # the measured row and every other row of the bench, once each

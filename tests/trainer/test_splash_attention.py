@@ -112,11 +112,13 @@ def test_on_a_mesh_each_device_attends_its_sequences_and_heads():
 
 @pytest.mark.parametrize("length", [512, 1024, 4096])
 def test_the_flops_model_counts_the_blocks_the_kernel_computes(length):
-    """metrics.causal_block_share against the kernel's own schedule: the blocks its forward, query-gradient and
-    key/value-gradient passes visit (the mask info's non-empty blocks)."""
+    """metrics.causal_block_share against the kernel's own schedule: the blocks its forward and its fused backward
+    pass (the query and key/value gradients together: no dq pass of its own) visit (the mask info's non-empty
+    blocks)."""
     kernel = splash._kernel(1, length, None, False)
     blocks = length // splash.block_size(length)
-    for info in (kernel.fwd_mask_info, kernel.dq_mask_info, kernel.dkv_mask_info):
+    assert kernel.dq_mask_info is None
+    for info in (kernel.fwd_mask_info, kernel.dkv_mask_info):
         visited = np.count_nonzero(np.asarray(info.block_mask))
         assert visited / blocks**2 == pytest.approx(metrics.causal_block_share(blocks))
 

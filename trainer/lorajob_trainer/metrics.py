@@ -162,11 +162,16 @@ def peak_host_memory_bytes() -> int:
 
 
 def peak_device_memory_bytes(devices) -> int | None:
+    """The largest peak of the devices' memory (`memory_stats()`): the buffers in use plus the memory reserved,
+    where a device reports it. A TPU reserves the compiled programs' temporaries apart from the buffers in use:
+    on a v5e chip a qwen3-0.6b step's 11.50 GB of temporaries showed only as `peak_bytes_reserved`, beside 1.35 GB
+    of `peak_bytes_in_use` (weights, adapters, optimizer state); their sum, 12.85 GB, is what the step took
+    against the compiler's 13.38 GB. None where no device reports memory (a CPU)."""
     peaks = []
     for device in devices:
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
         if stats and "peak_bytes_in_use" in stats:
-            peaks.append(stats["peak_bytes_in_use"])
+            peaks.append(stats["peak_bytes_in_use"] + stats.get("peak_bytes_reserved", 0))
     return max(peaks) if peaks else None
 
 

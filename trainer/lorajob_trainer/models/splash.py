@@ -28,8 +28,13 @@ from lorajob_trainer import mesh as mesh_lib
 
 BLOCK = 128
 """The kernel's block granularity (a TPU vector register's lanes): lengths must be a multiple of it."""
-LARGEST_BLOCK = 512
-"""The block MaxText trains with by default (`sa_block_q` and the others)."""
+LARGEST_BLOCK = 1024
+"""The largest query and key block: on a v5e chip, 1,024-position blocks (computed in 512-wide slices) with the
+fused backward kernel ran a causal forward + backward at 2,048 positions in 0.74-0.75 of the time of MaxText's
+default (512 everywhere, dq in a kernel of its own); 2,048-position query blocks overflow the kernel's VMEM
+(bench/splash_blocks.py, bench/results/v5e-splash-blocks-2026-12-06.json)."""
+COMPUTE_BLOCK = 512
+"""The slice of a key block each inner step of the kernel computes."""
 FORWARD_KERNEL = "splash_mha_fwd"
 """The start of the forward kernel's name in a compiled step's HLO (`ran_in`)."""
 PADDING_SEGMENT = -1
@@ -93,8 +98,8 @@ def _attend(
 
 def block_size(length: int) -> int:
     """The kernel's blocks (query and key, forward and backward) for `length` positions, a multiple of `BLOCK`:
-    the largest of 512, 256 and 128 that divides it."""
-    return max(size for size in (LARGEST_BLOCK, 2 * BLOCK, BLOCK) if length % size == 0)
+    the largest of 1,024, 512, 256 and 128 that divides it."""
+    return max(size for size in (LARGEST_BLOCK, 4 * BLOCK, 2 * BLOCK, BLOCK) if length % size == 0)
 
 
 def ran_in(compiled_text: str) -> bool:
@@ -108,15 +113,15 @@ def _kernel(heads: int, length: int, window: int | None, interpret: bool) -> spl
     one trace fails in the next (UnexpectedTracerError). The masks' block analysis, the costly part, is cached by
     JAX's own mask processing (splash_attention_mask_info's process_mask)."""
     block = block_size(length)
+    compute = min(block, COMPUTE_BLOCK)
     if window is None:
         head_mask = splash_mask.CausalMask((length, length))
     else:
         head_mask = splash_mask.LocalMask((length, length), window_size=(window - 1, 0), offset=0)
     mask = splash_mask.MultiHeadMask([head_mask for _ in range(heads)])
     sizes = splash_kernel.BlockSizes(
-        block_q=block, block_kv=block, block_kv_compute=block,
-        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-        block_q_dq=block, block_kv_dq=block,
+        block_q=block, block_kv=block, block_kv_compute=compute,
+        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=compute, use_fused_bwd_kernel=True,
     )
     return splash_kernel.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
