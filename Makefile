@@ -1,5 +1,5 @@
 # The two entry points of the README: each does all set-up itself (idempotent, cached).
-.PHONY: setup demo test crds train-demo
+.PHONY: setup demo test lint crds train-demo
 
 setup:
 	scripts/setup.sh
@@ -7,8 +7,11 @@ setup:
 demo: setup
 	.venv/bin/python scripts/demo.py
 
-test: setup
+test: setup lint
 	.venv/bin/python -m pytest
+
+lint: setup
+	.venv/bin/ruff check
 
 train-demo: setup
 	HF_HUB_OFFLINE=1 .venv/bin/python -m lorajob_trainer.demo --out out/train-demo

@@ -228,7 +228,6 @@ def generated_feed(config, mesh, tokenizer_dir: Path, data_file: Path):
 
 def measure(name: str, plan: dict, steps: int, profile_dir: str | None, work: Path) -> dict:
     import jax
-    import jax.numpy as jnp
 
     from lorajob_trainer import metrics
     from lorajob_trainer import plan as plan_lib

@@ -54,7 +54,7 @@ class FirstJobSetWatch:
                 with self._changed:
                     self.seen.setdefault(name, time.monotonic())
                     self._changed.notify_all()
-        except Exception:  # noqa: BLE001 - stop() closes the connection under the stream
+        except Exception:
             if not self._stopped:
                 raise
 

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from operator_latency import NAMESPACE, REPO_ROOT, FirstJobSetWatch, _lorajob, direct_jobset  # noqa: E402
+from operator_latency import NAMESPACE, REPO_ROOT, FirstJobSetWatch, _lorajob, direct_jobset
 
 DIRECT_NAMESPACE = "bench-direct"
 CLIENT_THREADS = 16

@@ -99,7 +99,7 @@ def main() -> None:
         for name, sizes in candidates(shape[3]).items():
             try:
                 figures = measure(shape, sizes, args.repeats, args.interpret)
-            except Exception as error:  # a block combination the kernel refuses: say so, go on
+            except Exception as error:  # noqa: BLE001 - a block combination the kernel refuses: say so, go on
                 figures = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
             baseline = baseline or figures.get("forward_backward_ms")
             result = {"shape": shape_name, "candidate": name, "sizes": sizes, **figures}

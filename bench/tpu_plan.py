@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "maxtext"))
 
-from lorajob_operator.accelerators import TPU_CHIPS, chips_in  # noqa: E402  (JAX-free)
+from lorajob_operator.accelerators import TPU_CHIPS, chips_in
 
 SLICES = {
     "v6e-1": ("v6e", "1x1"), "v6e-4": ("v6e", "2x2"), "v6e-8": ("v6e", "2x4"), "v6e-16": ("v6e", "4x4"),

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from . import toolchain
 from .versions import DEFAULT_VERSIONS, VersionSet, bin_dir, build_dir
@@ -38,7 +38,7 @@ class Component:
     binaries: tuple[str, ...]
     module: str
     version: Callable[[VersionSet], str]
-    build: Callable[["BuildContext", "Component"], None]
+    build: Callable[[BuildContext, Component], None]
     main_package: str = ""  # for components built in a wrapper module
 
 

@@ -12,7 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import yaml
 
@@ -64,7 +64,7 @@ class ControlPlane:
         """Per component name: whether it serves again after `restart` (registered by whoever launched it)."""
 
     @classmethod
-    def start(cls, config: ControlPlaneConfig = ControlPlaneConfig()) -> "ControlPlane":
+    def start(cls, config: ControlPlaneConfig = ControlPlaneConfig()) -> ControlPlane:
         bin_dir = build.build(("kubernetes", "etcd"))
         if config.state_dir is None:
             state_dir, owns = Path(tempfile.mkdtemp(prefix="lorajob-devcluster-", dir=default_state_parent())), True
@@ -85,7 +85,7 @@ class ControlPlane:
             raise
         return plane
 
-    def __enter__(self) -> "ControlPlane":
+    def __enter__(self) -> ControlPlane:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -28,7 +28,7 @@ a pod) does the same for one pod and takes precedence.
 from __future__ import annotations
 
 import dataclasses
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 import yaml
@@ -265,6 +265,6 @@ def cluster_logs(name: str, namespace: str, containers: list[str], logs_file: Pa
 
 def cri_log(lines: list[str], stream: str = "stdout", at: datetime | None = None) -> str:
     """`lines` as a container runtime writes them to a log file (`<RFC 3339 time> <stream> F <line>`)."""
-    at = at or datetime.now(timezone.utc)
-    stamp = at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f000Z")
+    at = at or datetime.now(UTC)
+    stamp = at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%f000Z")
     return "".join(f"{stamp} {stream} F {line}\n" for line in lines)

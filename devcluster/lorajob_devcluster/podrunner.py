@@ -45,7 +45,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 from .kwok_stages import KWOK_API_VERSION, cri_log
@@ -65,7 +65,7 @@ class PodConfigError(ValueError):
 
 
 def now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def expand(text: str, values: dict[str, str]) -> str:

@@ -7,7 +7,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 STOP_GRACE_SECONDS = 10.0
 
@@ -50,7 +50,7 @@ class ManagedProcess:
     log_path: Path
     popen: subprocess.Popen | None = None
 
-    def start(self) -> "ManagedProcess":
+    def start(self) -> ManagedProcess:
         log = open(self.log_path, "ab")
         # A new session keeps Ctrl-C in the foreground CLI from reaching children before we stop them in order.
         self.popen = subprocess.Popen(

@@ -16,7 +16,7 @@ import ssl
 import sys
 import urllib.request
 from pathlib import Path
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import yaml
 
@@ -102,13 +102,13 @@ class SimCluster:
     @contextlib.contextmanager
     def start(
         cls, config: SimClusterConfig = SimClusterConfig(), plane_config: ControlPlaneConfig = ControlPlaneConfig()
-    ) -> Iterator["SimCluster"]:
+    ) -> Iterator[SimCluster]:
         """`with SimCluster.start() as cluster:` runs a fresh control plane plus the simulated cluster."""
         with ControlPlane.start(plane_config) as plane:
             yield cls.upgrade(plane, config)
 
     @classmethod
-    def upgrade(cls, plane: ControlPlane, config: SimClusterConfig = SimClusterConfig()) -> "SimCluster":
+    def upgrade(cls, plane: ControlPlane, config: SimClusterConfig = SimClusterConfig()) -> SimCluster:
         """Start every simulated-cluster component on `plane`; they stop with `plane.stop()`.
 
         Independent steps overlap: the controllers start while the large CRDs are being established."""

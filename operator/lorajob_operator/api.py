@@ -90,9 +90,9 @@ class Phase(str, Enum):
     Suspended = "Suspended"
 
 
-ModelName = Literal[tuple(catalog.MODELS)]  # type: ignore[valid-type]
-TpuMachineType = Literal[tuple(accelerators.TPU_MACHINES)]  # type: ignore[valid-type]
-GpuAccelerator = Literal[accelerators.GPU_ACCELERATORS]  # type: ignore[valid-type]
+ModelName = Literal[tuple(catalog.MODELS)]
+TpuMachineType = Literal[tuple(accelerators.TPU_MACHINES)]
+GpuAccelerator = Literal[accelerators.GPU_ACCELERATORS]
 
 
 class CheckpointStorage(_Model):
@@ -207,7 +207,7 @@ class TrainingSpec(_Model):
     """schedule of the learning rate after warmup."""
     gradient_accumulation_steps: int = Field(default=DEFAULTS.gradient_accumulation_steps, ge=1, le=1024)
     """gradientAccumulationSteps accumulates gradients over this many micro-batches per step."""
-    remat: Literal["auto", "none", "minimal", "full"] = DEFAULTS.remat_policy  # type: ignore[assignment]
+    remat: Literal["auto", "none", "minimal", "full"] = DEFAULTS.remat_policy
     """remat is what the backward pass recomputes per decoder layer (MaxText's names): none keeps every activation; minimal keeps the weight matmuls' outputs; full keeps only each layer's input, for about a third more compute and far less memory. auto (the default) runs the first of none, minimal, full whose step fits the chips, as the TPU compiler judges it in the fit check (status.plan.remat says which)."""
     checkpoint_period: int = Field(default=DEFAULTS.checkpoint_period, ge=1, le=10_000_000)
     """checkpointPeriod saves a checkpoint every this many steps (and at the end); a resumed run restarts from the latest."""
@@ -256,7 +256,7 @@ class LoRASpec(_Model):
     """rsLoRA scales the adapter output by alpha/sqrt(rank) instead of alpha/rank (rank-stabilised LoRA, PEFT's use_rslora), so the update keeps its size at large ranks. An adapter in restoreFrom must have been trained the same way."""
     dora: bool = False
     """dora trains DoRA adapters (PEFT's use_dora): besides A and B, a magnitude per output feature of each adapted weight, W' = m * (W + scale*B*A) / ||W + scale*B*A||. It adapts attention and dense MLP projections, not routed experts: for a mixture-of-experts model set targetModules to leave the experts out. An adapter in restoreFrom must be a DoRA one too."""
-    base_quantization: Literal[BASE_QUANTIZATIONS] = Field(default="none", alias="baseQuantization")  # type: ignore[valid-type]
+    base_quantization: Literal[BASE_QUANTIZATIONS] = Field(default="none", alias="baseQuantization")
     """baseQuantization holds the frozen base model quantised while the adapters train (QLoRA): none keeps the weights as loaded (bf16); int8, int4, nf4 (4-bit NormalFloat) and fp8 (float8 e4m3) quantise every decoder projection and routed expert per output channel, which cuts the weights' HBM to about a half (int8, fp8) or a quarter (int4, nf4). The embedding, norms and MoE routers stay as loaded. The adapters stay in full precision and export as an ordinary PEFT adapter for the unquantised base."""
     target_modules: str | None = Field(default=None, max_length=PATH_MAX)
     """targetModules is a regular expression over module paths that overrides the model family's default (attention q/k/v/o and MLP gate/up/down)."""
@@ -392,7 +392,7 @@ class EvaluationSpec(_Model):
         )
     )
 
-    scorer: Literal[tuple(SCORERS)] = "exactMatch"  # type: ignore[valid-type]
+    scorer: Literal[tuple(SCORERS)] = "exactMatch"
     """scorer: exactMatch (equal after lower-casing, whitespace and end punctuation normalised), contains (the reference within the answer), regex (what pattern extracts from both is equal) or gsm8k (the number after `####`)."""
     pattern: str | None = Field(default=None, min_length=1, max_length=1024)
     """pattern is the regex of scorer regex; its first group, else the whole match, is the answer."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from lorajob_operator import api, policy, render
 

@@ -21,9 +21,9 @@ import socket
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import urllib3
 from kubernetes import client
@@ -55,7 +55,7 @@ def identity(settings: LeaderSettings) -> str:
 
 def _micro_time(moment: datetime) -> str:
     """A Lease's MicroTime (RFC 3339 with exactly six fractional digits)."""
-    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class LeaderElector:
@@ -118,7 +118,7 @@ class LeaderElector:
             lease = self._read()
             if lease is None or lease["spec"].get("holderIdentity") != self.name:
                 return
-            now = _micro_time(datetime.now(timezone.utc))
+            now = _micro_time(datetime.now(UTC))
             lease["spec"] = {**lease["spec"], "holderIdentity": None, "leaseDurationSeconds": 1,
                              "renewTime": now, "acquireTime": now}
             self._replace(lease)
@@ -163,7 +163,7 @@ class LeaderElector:
 
     def _acquire_or_renew(self, now: float) -> bool:
         lease = self._read()
-        wall = _micro_time(datetime.now(timezone.utc))
+        wall = _micro_time(datetime.now(UTC))
         mine = {"holderIdentity": self.name, "leaseDurationSeconds": self.settings.lease_duration_seconds, "renewTime": wall}
         if lease is None:
             body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",

@@ -12,7 +12,8 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
+from collections.abc import Callable
 
 STARTUP_TIMEOUT_SECONDS = 60.0
 T = TypeVar("T")
@@ -48,7 +49,7 @@ class OperatorProcess:
         self.identity = self.settings.get("LORAJOB_LEADER_IDENTITY") or f"local-{uuid.uuid4().hex[:8]}"
         self._process: subprocess.Popen | None = None
 
-    def start(self) -> "OperatorProcess":
+    def start(self) -> OperatorProcess:
         environment = {key: value for key, value in os.environ.items() if not key.startswith("LORAJOB_")}
         environment |= {"KUBECONFIG": str(self.kubeconfig), "LORAJOB_METRICS_PORT": "0",
                         "LORAJOB_LEADER_IDENTITY": self.identity, **self.settings}
@@ -123,7 +124,7 @@ class OperatorProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
 
-    def __enter__(self) -> "OperatorProcess":
+    def __enter__(self) -> OperatorProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -189,7 +190,7 @@ class OperatorReplicas:
             time.sleep(0.1)
         return value
 
-    def start(self) -> "OperatorReplicas":
+    def start(self) -> OperatorReplicas:
         """Starts the replicas not running, the first one alone until it leads; returns when every other one
         stands by (its caches synced, it has looked at the Lease: the campaign starts after the sync)."""
         for index, replica in enumerate(self.replicas):
@@ -218,7 +219,7 @@ class OperatorReplicas:
         for replica in self.replicas:
             replica.stop()
 
-    def __enter__(self) -> "OperatorReplicas":
+    def __enter__(self) -> OperatorReplicas:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -8,7 +8,7 @@ whether this replica leads are read at scrape time (`STATE`). Each Controller ha
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import parse_qs, urlparse
 from wsgiref.simple_server import WSGIServer
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Annotated, Callable, Iterable, Literal, Mapping
+from typing import Annotated, Literal
+from collections.abc import Callable, Iterable, Mapping
 
 from pydantic import ConfigDict, Field
 
@@ -133,7 +134,7 @@ class LoRAJobPolicy(_Model):
     spec: LoRAJobPolicySpec
 
     @classmethod
-    def from_object(cls, obj: Mapping) -> "LoRAJobPolicy":
+    def from_object(cls, obj: Mapping) -> LoRAJobPolicy:
         return cls(name=obj["metadata"]["name"], spec=obj.get("spec") or {})
 
 
@@ -238,7 +239,8 @@ class PolicyRule:
     def cel_message(self) -> str:
         pieces: list[str] = []
         for literal, group in itertools.groupby(self._parts(), key=lambda part: isinstance(part, str)):
-            pieces += [_cel_string("".join(group))] if literal else [f"({part.cel})" for part in group]
+            parts = list(group)
+            pieces += [_cel_string("".join(parts))] if literal else [f"({part.cel})" for part in parts]
         return " + ".join(pieces)
 
     def cel_validation(self) -> str:

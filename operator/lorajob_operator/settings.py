@@ -137,7 +137,7 @@ class OperatorSettings:
             )
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> "OperatorSettings":
+    def from_env(cls, environ: dict[str, str] | None = None) -> OperatorSettings:
         """Settings with overrides from `LORAJOB_<SECTION>_<FIELD>` variables (upper case, dots as `_`).
 
         For example LORAJOB_RENDER_IMAGES_TRAINER=..., LORAJOB_RENDER_RESOURCES_CONVERT_CPU=2 or

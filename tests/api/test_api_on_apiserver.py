@@ -49,7 +49,8 @@ def test_valid_examples_are_accepted_by_kubectl(kube, custom, path):
 
 @pytest.mark.parametrize("path", INVALID, ids=lambda p: p.name)
 def test_invalid_examples_are_rejected_by_kubectl_with_their_message(kube, custom, path):
-    expected = next(l.split("# expect:", 1)[1].strip() for l in path.read_text().splitlines() if l.startswith("# expect:"))
+    expected = next(line.split("# expect:", 1)[1].strip() for line in path.read_text().splitlines()
+                    if line.startswith("# expect:"))
     result = kube.kubectl("apply", "--dry-run=server", "-n", NAMESPACE, "-f", str(path), check=False)
     assert result.returncode != 0
     assert expected in result.stderr, result.stderr

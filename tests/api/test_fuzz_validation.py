@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 import pytest
@@ -192,7 +192,7 @@ def _operator_pass(body: dict, spec: api.LoRAJobSpec | None) -> decide.Decision:
     if spec and spec.scheduling.queue_name:
         view.stores[caches.LOCAL_QUEUES].upsert({"metadata": {"name": spec.scheduling.queue_name, "namespace": NAMESPACE,
                                                               "resourceVersion": "1"}, "spec": {"clusterQueue": "cq"}})
-    observed = observe(view, body, datetime(2026, 1, 1, tzinfo=timezone.utc), RenderSettings())
+    observed = observe(view, body, datetime(2026, 1, 1, tzinfo=UTC), RenderSettings())
     return decide.decide(observed, ReconcileSettings())
 
 

@@ -35,7 +35,7 @@ class Record:
         self._watches: list = []
         self._threads = [threading.Thread(target=self._follow, args=(plural,), daemon=True) for plural in self.RESOURCES]
 
-    def __enter__(self) -> "Record":
+    def __enter__(self) -> Record:
         """Start watching; return once the first lists are in (what happens from then on is recorded)."""
         from lorajob_devcluster import wait_for
 

@@ -6,7 +6,7 @@ chaos run, test_chaos.py, kills leaders during bursts and running chains.)"""
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 import pytest
 from conftest import FAST_OPERATOR
@@ -65,7 +65,7 @@ def test_the_standby_writes_nothing_and_takes_over_a_killed_leader(lorajobs, rep
 def test_a_stopped_leader_hands_the_lease_over_at_once(lorajobs, replicas):
     leader = replicas.wait_for_leader()
     (standby,) = [r for r in replicas.replicas if r is not leader]
-    stopped = datetime.now(timezone.utc)  # the Lease's times are the replicas' wall clocks, on this machine
+    stopped = datetime.now(UTC)  # the Lease's times are the replicas' wall clocks, on this machine
     leader.stop()  # SIGTERM, as a drain or a rolling update sends; returns once the process has exited
     assert replicas.wait_for_leader(timeout=TAKEOVER_BOUND_SECONDS + SLACK_SECONDS) is standby
     taken = datetime.fromisoformat(replicas.lease()["acquireTime"].replace("Z", "+00:00"))

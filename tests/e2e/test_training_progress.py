@@ -4,7 +4,7 @@ API server's pods/log) -> the operator -> status.progress -> `kubectl get lj`.""
 from __future__ import annotations
 
 import pytest
-from lorajobs import STEPS, every_image, progress_line, sample
+from lorajobs import every_image, progress_line, sample
 
 from lorajob_devcluster import HANG_IMAGE
 from lorajob_devcluster.kwok_stages import cri_log
@@ -75,7 +75,7 @@ def test_without_a_readable_log_the_job_runs_on_and_the_operator_says_why(lorajo
     as a node without a kubelet would; the operator logs it and carries on."""
     lorajobs.apply(sample("unlogged", train_only=True, images=every_image(HANG_IMAGE)))
     lorajobs.wait_phase("unlogged", "Training", timeout=60)
-    reason = "no progress for LoRAJob {}/unlogged: cannot read the trainer log of JobSet unlogged".format(lorajobs.namespace)
+    reason = f"no progress for LoRAJob {lorajobs.namespace}/unlogged: cannot read the trainer log of JobSet unlogged"
     lorajobs.wait_until(lambda: reason in operator.log_path.read_text(), "the operator logging the unreadable log", timeout=30)
 
     obj = lorajobs.get("unlogged")

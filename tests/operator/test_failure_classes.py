@@ -4,7 +4,7 @@ lets a trainer save a checkpoint on SIGTERM."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 
 import pytest
 from builders import UID, compute, condition, failed_pod, jobset, lorajob, owner, parsed, spec_dict, workload
@@ -16,7 +16,7 @@ from lorajob_operator.render import parse_spec
 from lorajob_operator.settings import ReconcileSettings, RenderSettings
 from lorajob_trainer import exit_codes
 
-NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 AFTER_BACKOFF = NOW + timedelta(minutes=5)
 SETTINGS = ReconcileSettings(retry_backoff_seconds=10, retry_backoff_max_seconds=60)
 HEAD_POD = "qwen3-gsm8k-pathways-head-0-0-xyz12"

@@ -38,7 +38,7 @@ class Candidate:
         self.started: list[float] = []
         self.stopped: list[float] = []
 
-    def start(self) -> "Candidate":
+    def start(self) -> Candidate:
         self.elector.start(lambda: self.started.append(time.monotonic()), lambda: self.stopped.append(time.monotonic()))
         return self
 
@@ -60,7 +60,7 @@ class OverlapSampler:
         while not self._stop.wait(0.005):
             self.overlaps += sum(c.elector.leading() for c in self.candidates) > 1
 
-    def __enter__(self) -> "OverlapSampler":
+    def __enter__(self) -> OverlapSampler:
         self._thread.start()
         return self
 

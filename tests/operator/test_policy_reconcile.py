@@ -3,7 +3,7 @@ rendered JobSets and status.resolved, never the spec."""
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 from builders import UID, jobset, lorajob, owner, spec_dict
 
@@ -12,7 +12,7 @@ from lorajob_operator.reconcile.decide import Create, decide
 from lorajob_operator.reconcile.observed import Observed, observe_child
 from lorajob_operator.settings import ReconcileSettings, RenderSettings
 
-NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 SETTINGS = ReconcileSettings()
 TEAM_LABELS = {"lorajob.dev/team": "a"}
 TPU_RULE = 'LoRAJobPolicy "v5e-only" rule tpu.allowed: TPU ct6e-standard-4t 4x4 (spec.compute.tpu) is not allowed'

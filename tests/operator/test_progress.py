@@ -7,7 +7,7 @@ import dataclasses
 import json
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 import pytest
@@ -26,7 +26,7 @@ from lorajob_operator.settings import ReconcileSettings
 from lorajob_trainer.contract import PROGRESS_LINE_PREFIX, CheckpointRecord, DataRecord, PlanRecord, ProgressRecord, RunLayout
 from lorajob_trainer.metrics import MetricsWriter
 
-NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 SETTINGS = ReconcileSettings()
 COMPLETED = condition("Completed", reason="AllJobsCompleted")
 TRAIN_ONLY = spec_dict(model={"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://bucket/qwen3/0/items"}, export={"enabled": False})

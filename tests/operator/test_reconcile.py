@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 
 import pytest
 from builders import UID, condition, failed_pod, jobset, lorajob, spec_dict, workload
@@ -16,7 +16,7 @@ from lorajob_operator.render import parse_spec
 from lorajob_operator.settings import ReconcileSettings
 from lorajob_trainer.contract import EvalRecord, ModelScore, ProgressRecord
 
-NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 SETTINGS = ReconcileSettings(retry_backoff_seconds=10, retry_backoff_max_seconds=60)
 COMPLETED = condition("Completed", reason="AllJobsCompleted")
 PENDING_MESSAGE = "couldn't assign flavors to pod set worker: insufficient unused quota for google.com/tpu in flavor v6e, 16 more needed"

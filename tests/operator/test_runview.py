@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 from builders import condition, lorajob
 
 from lorajob_operator import runview
 from lorajob_trainer.contract import PROGRESS_LINE_PREFIX
 
-NOW = datetime(2026, 1, 1, 0, 10, tzinfo=timezone.utc)
+NOW = datetime(2026, 1, 1, 0, 10, tzinfo=UTC)
 
 
 def line(**values) -> str:

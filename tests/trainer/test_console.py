@@ -52,7 +52,8 @@ def test_a_pipe_or_the_operators_pods_get_no_bar():
 
 def test_the_trainer_at_a_terminal_draws_the_bar_and_no_output_holds_the_token(tmp_path):
     """One real run at a terminal; the Hugging Face token in its environment reaches no log line, checkpoint
-    or exported file."""
+    or exported file, nor the error of a conversion that hands it to the Hub client (a download that fails:
+    the Hub is offline here)."""
     token = "hf_" + uuid.uuid4().hex
     env = {**trainer_env(devices=1), "HF_TOKEN": token}
     model_dir = tiny_checkpoint(tmp_path / "model")
@@ -82,7 +83,11 @@ def test_the_trainer_at_a_terminal_draws_the_bar_and_no_output_holds_the_token(t
                                str(tmp_path / "out" / "run" / "checkpoints"), "--out", str(tmp_path / "adapter")],
                               capture_output=True, env=env, timeout=600)
     assert exported.returncode == 0, exported.stderr[-3000:]
-    assert token.encode() not in output + exported.stdout + exported.stderr
+    downloaded = subprocess.run([sys.executable, "-m", "lorajob_trainer.convert", "base", "--model-name", "qwen3-0.6b",
+                                 "--hf", "lorajob-tests/no-such-model", "--out", str(tmp_path / "converted")],
+                                capture_output=True, env={**env, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert downloaded.returncode != 0 and b"lorajob-tests/no-such-model" in downloaded.stderr, downloaded.stderr[-3000:]
+    assert token.encode() not in output + exported.stdout + exported.stderr + downloaded.stdout + downloaded.stderr
     written = [path for path in (tmp_path / "out").rglob("*") if path.is_file()] + list((tmp_path / "adapter").rglob("*"))
     assert len(written) > 5 and [path for path in written if path.is_file() and token.encode() in path.read_bytes()] == []
 

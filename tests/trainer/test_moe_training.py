@@ -284,7 +284,7 @@ def test_the_pallas_grouped_matmul_equals_ragged_dot_with_its_gradients():
         w = jax.random.normal(keys[1], (4, d_in, d_out), jnp.float32)
         cotangent = jax.random.normal(keys[2], (256, d_out), jnp.float32)
 
-        def loss(x, w, kernel):
+        def loss(x, w, kernel, cotangent=cotangent):
             return jnp.sum(experts.grouped_matmul(x, w, group_sizes, kernel, interpret=True) * cotangent)
 
         for argnum in (0, 1):

@@ -50,7 +50,7 @@ def ensure_writable(directory: str | Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
         probe.write_text("")
         probe.unlink()
-    except Exception as error:  # noqa: BLE001 - each storage backend raises its own errors
+    except Exception as error:
         raise OutputNotWritable(f"cannot write the output directory {directory}: {error}") from error
 
 
@@ -159,7 +159,7 @@ class Checkpointer:
                 force=True,
             )
             self._manager.check_for_errors()
-        except Exception as error:  # noqa: BLE001 - any storage failure ends the run with its step
+        except Exception as error:
             raise CheckpointError(f"checkpoint write failed at step {step}: {error}") from error
         self._unfinished_step = step
 
@@ -201,7 +201,7 @@ class Checkpointer:
         try:
             self._manager.wait_until_finished()
             self._manager.check_for_errors()
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             raise CheckpointError(f"checkpoint write failed at step {step}: {error}") from error
         if step is not None and self._manager.latest_step() != step:
             raise CheckpointError(f"checkpoint write failed at step {step}: it did not complete")

@@ -47,12 +47,12 @@ class LoraConfig(_Section):
     use_dora: bool = False
     """DoRA (PEFT's use_dora): each adapted weight's output features also get a learned magnitude,
     W' = m * (W + s B A) / ||W + s B A||. Not on routed experts."""
-    base_quantization: Literal[BASE_QUANTIZATIONS] = "none"  # type: ignore[valid-type]
+    base_quantization: Literal[BASE_QUANTIZATIONS] = "none"
     """QLoRA: hold the frozen decoder projections quantised (contract.BASE_QUANTIZATIONS); the adapters stay
     in the base's dtype."""
 
     @model_validator(mode="after")
-    def _variants_combine(self) -> "LoraConfig":
+    def _variants_combine(self) -> LoraConfig:
         if self.use_dora and self.base_quantization != "none":
             raise ValueError(DORA_NEEDS_FULL_PRECISION)
         return self
@@ -98,7 +98,7 @@ class GenerationEvalConfig(_Section):
     enabled: bool = False
     """After the last step, generate answers to the evaluation prompts with the base model and with the trained
     adapter, score both and write <run>/evaluation.json (and print a LORAJOB_EVAL line)."""
-    scorer: Literal[EVAL_SCORERS] = "exact_match"  # type: ignore[valid-type]
+    scorer: Literal[EVAL_SCORERS] = "exact_match"
     """How an answer is scored against the reference answer (contract.EVAL_SCORERS)."""
     pattern: str = ""
     """scorer=regex: the regex whose first group (else whole match) is the answer, searched in both texts."""
@@ -112,7 +112,7 @@ class GenerationEvalConfig(_Section):
     """Examples whose prompt and answers the record carries."""
 
     @model_validator(mode="after")
-    def _pattern_compiles(self) -> "GenerationEvalConfig":
+    def _pattern_compiles(self) -> GenerationEvalConfig:
         if self.scorer == "regex" and not self.pattern:
             raise ValueError("generation_eval.scorer=regex needs generation_eval.pattern")
         if self.pattern:
@@ -203,7 +203,7 @@ class TrainConfig(_Section):
     [batch, length, vocab] logits, and skips chunks without trained tokens (each row's trained positions
     come first). Shorter chunks skip more of the prompt and padding but make more, smaller LM-head matmuls;
     64 suits SFT's usual share of answer tokens (bench/maxtext/README.md has the figures)."""
-    remat_policy: Literal["auto", "none", "minimal", "full"] = DEFAULTS.remat_policy  # type: ignore[assignment]
+    remat_policy: Literal["auto", "none", "minimal", "full"] = DEFAULTS.remat_policy
     """What the backward pass recomputes per decoder layer (MaxText's names): none = keep every activation;
     minimal = keep the weight matmuls' outputs, recompute norms, activations and attention scores;
     full = keep only each layer's input; auto = the first of these whose step fits the devices (the fit check's

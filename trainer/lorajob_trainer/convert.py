@@ -78,7 +78,7 @@ def _write_base(model_name: str, hf_dir: Path, out: Path, dtype: Any) -> None:
 
 
 def read_peft_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    from safetensors.numpy import load_file  # noqa: PLC0415
+    from safetensors.numpy import load_file
 
     config_path, tensors_path = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
     for path in (config_path, tensors_path):

@@ -423,7 +423,7 @@ class PrefetchedRows:
         while not self._stop.is_set():
             try:
                 item = (step, self.packer.next_rows(step), self.packer.state(), None)
-            except BaseException as error:  # handed to the training loop, which names the step
+            except BaseException as error:  # noqa: BLE001 - handed to the training loop, which names the step
                 item = (step, None, None, error)
             if not self._put(item) or item[3] is not None:
                 return

@@ -73,7 +73,7 @@ def adapter_config(metadata: CheckpointMetadata, target_modules: list[str], base
 
 def export_adapter(checkpoint: str | Path, out: str | Path, *, base_name: str | None = None) -> Path:
     """Write the PEFT adapter of `checkpoint` to `out`; returns `out`."""
-    from safetensors.numpy import save_file  # noqa: PLC0415
+    from safetensors.numpy import save_file
 
     params, metadata = lora.load_adapter_checkpoint(checkpoint)
     tensors, found = lora.to_peft(params, metadata.family, num_layers(params), metadata.lora_rank)
@@ -157,7 +157,7 @@ def export_merged(
     checkpoint: str | Path, out: str | Path, *, base: str | Path | None = None, base_config: str | Path | None = None
 ) -> Path:
     """Write base + adapter as one HF model directory (host memory holds the whole model)."""
-    from lorajob_trainer import models  # noqa: PLC0415 - the adapter-only path needs no accelerator runtime
+    from lorajob_trainer import models
 
     params, metadata = lora.load_adapter_checkpoint(checkpoint)
     base = str(base or metadata.load_parameters_path)
@@ -177,13 +177,13 @@ def _write_merged(
     config_dir: str | Path | None,
     out: Path,
 ) -> Path:
-    import jax  # noqa: PLC0415 - the adapter-only path needs no accelerator runtime
-    import jax.numpy as jnp  # noqa: PLC0415
-    from etils import epath  # noqa: PLC0415
-    from flax import nnx  # noqa: PLC0415
+    import jax
+    import jax.numpy as jnp
+    from etils import epath
+    from flax import nnx
 
-    from lorajob_trainer import mesh as mesh_lib  # noqa: PLC0415
-    from lorajob_trainer import models, weights  # noqa: PLC0415
+    from lorajob_trainer import mesh as mesh_lib
+    from lorajob_trainer import models, weights
 
     mesh = mesh_lib.host_mesh(jax.devices()[:1])
     model, spec = models.load_model(metadata.base_model, base, mesh=mesh, dtype=jnp.float32, config_dir=config_dir)
@@ -213,7 +213,7 @@ def _write_merged(
 def _other_towers(spec) -> tuple[str, dict[str, np.ndarray]]:
     """A multimodal base's language-model prefix and its other tensors (vision/audio towers, projections),
     copied unchanged so that the merged export is the full checkpoint."""
-    from lorajob_trainer import weights  # noqa: PLC0415
+    from lorajob_trainer import weights
 
     if spec.format != "hf":
         raise ExportError(
@@ -226,7 +226,7 @@ def _other_towers(spec) -> tuple[str, dict[str, np.ndarray]]:
 
 
 def _hf_dtype(hf_config: dict) -> np.dtype:
-    import ml_dtypes  # noqa: PLC0415
+    import ml_dtypes
 
     name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
     return {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(name, np.float32)

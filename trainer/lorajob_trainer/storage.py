@@ -78,7 +78,7 @@ def hf_token() -> str:
 
 def download_hf_repo(repo_id: str, patterns: Sequence[str]) -> Path:
     """Snapshot of the files of Hub repo `repo_id` matching `patterns` (kept in the HF cache)."""
-    from huggingface_hub import snapshot_download  # noqa: PLC0415
+    from huggingface_hub import snapshot_download
 
     try:
         snapshot = snapshot_download(repo_id, allow_patterns=list(patterns), token=os.environ.get(TOKEN_ENV) or None)
@@ -91,7 +91,7 @@ def download_hf_repo(repo_id: str, patterns: Sequence[str]) -> Path:
 
 def upload_to_hub(folder: Path, repo_id: str) -> None:
     """Push every file under `folder` to the Hub model repo `repo_id` (created private if missing)."""
-    from huggingface_hub import HfApi  # noqa: PLC0415
+    from huggingface_hub import HfApi
 
     api = HfApi(token=hf_token())
     api.create_repo(repo_id, repo_type="model", private=True, exist_ok=True)

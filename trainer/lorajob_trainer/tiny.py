@@ -120,10 +120,10 @@ def tiny_config(family: str, **overrides: Any) -> dict[str, Any]:
 
 def random_hf_weights(hf_config: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
     """Random float32 HF tensors for `hf_config` (norm weights near their neutral value)."""
-    import jax.numpy as jnp  # noqa: PLC0415 - keep `--help` and config-only use free of JAX start-up
-    from flax import nnx  # noqa: PLC0415
+    import jax.numpy as jnp
+    from flax import nnx
 
-    from lorajob_trainer import models, weights  # noqa: PLC0415
+    from lorajob_trainer import models, weights
 
     family = models.family_for_hf_config(hf_config)
     tunix_config = family.config_from_hf(hf_config, jnp.float32)
@@ -144,7 +144,7 @@ def write_hf_checkpoint(
     directory: str | Path, hf_config: dict[str, Any], tensors: dict[str, np.ndarray], *, shards: int = 1
 ) -> Path:
     """config.json, generation_config.json and safetensors (`shards` files)."""
-    from lorajob_trainer import weights  # noqa: PLC0415
+    from lorajob_trainer import weights
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -180,7 +180,7 @@ def _training_text(seed: int = 0, lines: int = 2000) -> list[str]:
 
 def write_tiny_tokenizer(directory: str | Path) -> Path:
     """tokenizer.json + tokenizer_config.json (chat template, special tokens) loadable by AutoTokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -192,7 +192,8 @@ class Trainer:
         log.info("starting from adapter %s (step %d of %s)", path, metadata.step, metadata.base_model)
         return {
             name: jax.make_array_from_callback(
-                current.shape, current.sharding, lambda index, host=params[name]: host[index].astype(current.dtype)
+                current.shape, current.sharding,
+                lambda index, host=params[name], dtype=current.dtype: host[index].astype(dtype)
             )
             for name, current in self.lora.items()
         }

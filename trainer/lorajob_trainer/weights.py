@@ -167,7 +167,7 @@ def decoder_prefix(names: Iterable[str]) -> str:
 
 def save_hf_safetensors(directory: str | Path, tensors: Mapping[str, np.ndarray], *, shards: int = 1) -> None:
     """Write `tensors` as `model.safetensors`, or as `shards` files plus `model.safetensors.index.json`."""
-    from safetensors.numpy import save_file  # noqa: PLC0415 - only writers need it
+    from safetensors.numpy import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -131,13 +131,13 @@ class Controller:
         (the leader's: they end up in status)."""
         try:
             self.sweep.due()
-        except Exception:  # noqa: BLE001 - the next sweep tries again; the watches still deliver
+        except Exception:
             log.exception("comparing the caches with the API server's lists failed")
         if not self.leadership.leading():
             return
         try:
             self.kueue_visibility.refresh()
-        except Exception:  # noqa: BLE001 - the positions worked out from the caches stand in
+        except Exception:
             log.exception("reading queue positions from Kueue's visibility API failed")
 
     def _dropped(self, resource: caches.Resource, obj: dict) -> None:
@@ -157,7 +157,7 @@ class Controller:
             except NotLeader as refused:  # the Lease was lost during the pass; whoever holds it now redoes it
                 log.info("pass over LoRAJob %s/%s stopped: %s", *key, refused)
                 after, result = None, "not-leader"
-            except Exception:  # noqa: BLE001 - one bad object must not stop the loop; it is retried
+            except Exception:
                 log.exception("reconciling LoRAJob %s/%s failed", *key)
                 after, result = self.settings.reconcile.blocked_recheck_seconds, "error"
             finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 from lorajob_operator.caches import Caches
 from lorajob_operator.controller.cluster import JOBSET, LORAJOB, Cluster
@@ -38,7 +38,7 @@ class Reconciler:
         if body is None or body["metadata"].get("deletionTimestamp"):
             self.train_logs.forget(key)
             return None
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         observed = observe(self.view, body, now, self.settings.render)
         failed = [c for c in observed.children.values() if c.failed and c.owned]
         if failed and observed.status.get("phase") not in TERMINAL_PHASES:

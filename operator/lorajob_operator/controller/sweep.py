@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from lorajob_operator import caches
 from lorajob_operator.caches import Caches

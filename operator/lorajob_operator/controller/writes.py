@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 from kubernetes.client.exceptions import ApiException
 
@@ -75,7 +75,7 @@ class Writes:
 
     def event(self, body: dict, event_type: str, reason: str, message: str) -> None:
         metadata = body["metadata"]
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         event = {
             "metadata": {"generateName": f"{metadata['name']}.", "namespace": metadata["namespace"]},
             "involvedObject": {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 
 def parse_time(value: str | None) -> datetime | None:
@@ -13,7 +13,7 @@ def parse_time(value: str | None) -> datetime | None:
 
 
 def format_time(value: datetime) -> str:
-    return value.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def find_condition(obj: dict, condition_type: str) -> dict | None:

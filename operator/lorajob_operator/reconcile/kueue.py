@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from decimal import Decimal
-from typing import Mapping
+from collections.abc import Mapping
 
 from lorajob_operator.reconcile.conditions import find_condition, is_true
 
@@ -68,7 +68,7 @@ def _quantity_text(value: Decimal) -> str:
 def total_requests(pod_set_requests: list[dict]) -> dict[str, str]:
     """status.resourceRequests (one entry per pod set, totals of its pods) summed by resource."""
     # Imported here: `kubernetes.utils` loads the whole client, which `lorajob render` and `validate` never need.
-    from kubernetes.utils.quantity import parse_quantity  # noqa: PLC0415
+    from kubernetes.utils.quantity import parse_quantity
 
     totals: dict[str, Decimal] = {}
     for pod_set in pod_set_requests:

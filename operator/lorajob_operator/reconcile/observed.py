@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import datetime
-from typing import Mapping
+from collections.abc import Mapping
 
 from lorajob_operator import api, policy
 from lorajob_operator.reconcile.conditions import find_condition, is_true, parse_time

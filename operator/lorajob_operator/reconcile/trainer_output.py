@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 from lorajob_operator import api, rules
 from lorajob_operator.reconcile.observed import ChildState, Observed
@@ -140,7 +140,7 @@ def checkpoints_status(o: Observed, record: ProgressRecord | None) -> list[dict]
     return [
         api.CheckpointStatus(
             step=c.step, train_loss=c.train_loss, eval_loss=c.eval_loss, path=layout.checkpoint(c.step),
-            time=None if c.time is None else datetime.fromtimestamp(c.time, timezone.utc).replace(microsecond=0),
+            time=None if c.time is None else datetime.fromtimestamp(c.time, UTC).replace(microsecond=0),
         ).model_dump(mode="json", by_alias=True, exclude_none=True)
         for c in record.checkpoints
     ]

@@ -49,7 +49,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, kernel: s
     `jax.lax.ragged_dot`."""
     if kernel == "xla" or x.shape[0] % GROUPED_MATMUL_ROW_TILE:
         return jax.lax.ragged_dot(x, w, group_sizes)
-    from jax.experimental.pallas.ops.tpu.megablox import ops  # noqa: PLC0415 - Pallas only where it runs
+    from jax.experimental.pallas.ops.tpu.megablox import ops
 
     return ops.gmm(x, w, group_sizes, x.dtype, _grouped_matmul_tiles, None, None, False, interpret)
 
@@ -253,7 +253,7 @@ class ExpertsLinear(nnx.Module):
     def quantize(self, qtype: Any, mesh: jax.sharding.Mesh) -> None:
         """Hold `w` quantised per matrix and output channel (QLoRA; `qtype` as Qwix names it), made by a jitted
         function in the shardings of `w` and its scales; each call dequantises it for its matmul."""
-        from lorajob_trainer.mesh import named_sharding  # noqa: PLC0415 - mesh imports the models package
+        from lorajob_trainer.mesh import named_sharding
 
         weight = self.w.get_value()
         how = qarray.HowToQuantize(qtype=qtype, channelwise_axes=(0, 2), tiled_axes={}, calibration_method="absmax")
@@ -297,7 +297,7 @@ class ExpertsLinear(nnx.Module):
 
     def _by_expert(self, held: jax.Array, mesh: jax.sharding.AbstractMesh | None) -> jax.Array:
         """[E*parts, rows, out] -> [E, rows, parts * out] (the weights, or their per-channel scales)."""
-        from lorajob_trainer.mesh import named_sharding  # noqa: PLC0415 - mesh imports the models package
+        from lorajob_trainer.mesh import named_sharding
 
         _, rows, out = held.shape
         held = held.reshape(self.num_experts, self.parts, rows, out).transpose(0, 2, 1, 3)
