@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import re
 import sys
 from pathlib import Path
+from typing import IO
 
 import yaml
+
+from lorajob_operator.cli_errors import FAILED, INTERRUPTED, TRACEBACK_ENV, CliError, OneLineParser, explain
 
 
 class _Yaml12Loader(yaml.SafeLoader):
@@ -22,7 +26,7 @@ _Yaml12Loader.add_implicit_resolver(
 )
 
 
-def load_documents(text: str) -> list[dict]:
+def load_documents(text: str | IO[bytes]) -> list[dict]:
     return [doc for doc in yaml.load_all(text, Loader=_Yaml12Loader) if doc]
 
 
@@ -34,7 +38,16 @@ def _version() -> str:
 
 
 def _documents(path: Path) -> list[dict]:
-    return load_documents(path.read_text())
+    """The objects in the YAML file at `path` (read as bytes, so that pyyaml names the file in its errors)."""
+    with path.open("rb") as stream:
+        documents = load_documents(stream)
+    if not documents:
+        raise CliError(f"{path} holds no YAML document: give a file with a LoRAJob in it")
+    stray = next((doc for doc in documents if not isinstance(doc, dict)), None)
+    if stray is not None:
+        raise CliError(f"{path} holds a YAML document that is not an object ({stray!r:.40}): each document must be "
+                       "a Kubernetes object (apiVersion, kind, metadata, spec)")
+    return documents
 
 
 def validate_files(paths: list[Path]) -> int:
@@ -82,8 +95,8 @@ class ClusterFacts:
         return self._labels[namespace]
 
 
-class RenderError(Exception):
-    """Rendering cannot go on (said on stderr, exit 2)."""
+class RenderError(CliError):
+    """A LoRAJob cannot be rendered (said on stderr; the others still are)."""
 
 
 def render_files(paths: list[Path], namespace: str, namespace_labels: dict[str, str], policy_paths: list[Path],
@@ -131,13 +144,8 @@ def render_files(paths: list[Path], namespace: str, namespace_labels: dict[str, 
 
 
 def render_command(args) -> int:
-    cluster = None
-    if args.from_cluster or args.kubeconfig or args.context:
-        try:
-            cluster = ClusterFacts(args.kubeconfig, args.context)
-        except Exception as error:  # noqa: BLE001 - no kubeconfig, no answer, no permission: all said the same way
-            print(f"lorajob render: cannot read the cluster's LoRAJobPolicies: {error}", file=sys.stderr)
-            return 2
+    reads_cluster = args.from_cluster or args.kubeconfig or args.context
+    cluster = ClusterFacts(args.kubeconfig, args.context) if reads_cluster else None
     return render_files(args.files, args.namespace, args.namespace_labels, args.policy, cluster)
 
 
@@ -148,9 +156,13 @@ def _labels(text: str) -> dict[str, str]:
     return {key: value for key, _, value in pairs}
 
 
+NO_PLAN = 2
+"""`lorajob plan`'s code for a plan that cannot be made (its 1 says a LoRAJob does not fit)."""
+
+
 def plan_files(paths: list[Path], as_json: bool) -> int:
-    """Print each LoRAJob's plan (lorajob_operator.planning); 0 when every one fits, 1 when one does not, 2
-    when a plan cannot be made."""
+    """Print each LoRAJob's plan (lorajob_operator.planning); 0 when every one fits, 1 when one does not,
+    NO_PLAN when a plan cannot be made."""
     import json
 
     from lorajob_operator import planning
@@ -162,7 +174,7 @@ def plan_files(paths: list[Path], as_json: bool) -> int:
                 result = planning.plan_lorajob(doc)
             except planning.PlanUnavailable as error:
                 print(f"{path}: {error}", file=sys.stderr)
-                status = 2
+                status = NO_PLAN
                 continue
             results.append(result)
             status = max(status, 0 if result.plan.attempt.fits else 1)
@@ -173,16 +185,30 @@ def plan_files(paths: list[Path], as_json: bool) -> int:
     return status
 
 
-def main(argv: list[str] | None = None) -> int:
-    # Installed twice: as `lorajob` and as the kubectl plugin `kubectl-lorajob` (run as `kubectl lorajob`).
-    prog = "kubectl lorajob" if Path(sys.argv[0]).name == "kubectl-lorajob" else "lorajob"
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
+VALIDATE_DESCRIPTION = """Check LoRAJob files with the rules the API server applies at `kubectl apply`: the CRD's schema
+and CEL rules, evaluated offline. Needs no cluster. Exit 1 when one is invalid."""
+RENDER_DESCRIPTION = """Print the JobSets the operator would create for each LoRAJob (every step), for review in a
+pull request, with the defaults and rules of the LoRAJobPolicies given applied. Needs no cluster, unless
+--from-cluster (or --kubeconfig, --context) reads the cluster's policies and namespace labels: then the kubernetes
+package and a kubeconfig. Exit 1 when one cannot be rendered."""
+PLAN_DESCRIPTION = """Compile each LoRAJob's train step with the real TPU compiler for its chips, without a TPU: HBM
+per chip against the chip's, a roofline step time, and the smallest change that fits when it does not (GPU LoRAJobs:
+an analytic estimate). Needs the trainer's packages and libtpu (pip install "lorajob[trainer]" "jax[tpu]"); takes
+minutes per LoRAJob on a workstation. Exit 1 when one does not fit, 2 when no plan can be made."""
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=prog, description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.set_defaults(failure_exit_code=FAILED)
     commands = parser.add_subparsers(dest="command", required=True)
-    validate = commands.add_parser("validate", help="check LoRAJob files with the same rules as the API server")
+    validate = commands.add_parser("validate", help="check LoRAJob files with the same rules as the API server",
+                                   description=VALIDATE_DESCRIPTION)
     validate.add_argument("files", nargs="+", type=Path, metavar="FILE",
                           help="YAML files, each holding one or more LoRAJob documents")
-    render = commands.add_parser("render", help="print the JobSets the operator would create, for review")
+    validate.set_defaults(run=lambda args: validate_files(args.files))
+    render = commands.add_parser("render", help="print the JobSets the operator would create, for review",
+                                 description=RENDER_DESCRIPTION)
     render.add_argument("files", nargs="+", type=Path, metavar="FILE",
                         help="YAML files holding LoRAJob documents, and the LoRAJobPolicies whose defaults apply")
     render.add_argument("--namespace", default="default", help="namespace of LoRAJobs that do not set one")
@@ -194,24 +220,33 @@ def main(argv: list[str] | None = None) -> int:
                         help="apply the cluster's LoRAJobPolicies and use its namespaces' labels (current kubeconfig context)")
     render.add_argument("--kubeconfig", type=Path, default=None, metavar="PATH", help="the cluster's kubeconfig (implies --from-cluster)")
     render.add_argument("--context", default=None, help="kubeconfig context to use (implies --from-cluster)")
+    render.set_defaults(run=render_command)
     plan = commands.add_parser(
-        "plan", help="compile each LoRAJob's train step for its TPU chips (no TPU needed): does it fit, how fast")
+        "plan", help="compile each LoRAJob's train step for its TPU chips (no TPU needed): does it fit, how fast",
+        description=PLAN_DESCRIPTION)
     plan.add_argument("files", nargs="+", type=Path, metavar="FILE", help="YAML files holding LoRAJob documents")
     plan.add_argument("--json", action="store_true", help="print the plans as JSON")
+    plan.set_defaults(run=lambda args: plan_files(args.files, args.json), failure_exit_code=NO_PLAN)
     from lorajob_operator import runview
 
     runview.add_commands(commands)
-    args = parser.parse_args(argv)
-    if hasattr(args, "run"):
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; any failure is said in one line on stderr (cli_errors), without a traceback."""
+    # Installed twice: as `lorajob` and as the kubectl plugin `kubectl-lorajob` (run as `kubectl lorajob`).
+    prog = "kubectl lorajob" if Path(sys.argv[0]).name == "kubectl-lorajob" else "lorajob"
+    args = _parser(prog).parse_args(argv)
+    try:
         return args.run(args)
-    if args.command == "validate":
-        return validate_files(args.files)
-    if args.command == "render":
-        return render_command(args)
-    if args.command == "plan":
-        return plan_files(args.files, args.json)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    except KeyboardInterrupt:
+        return INTERRUPTED
+    except Exception as error:
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        print(f"{prog} {args.command}: {explain(error)}", file=sys.stderr)
+        return args.failure_exit_code
 
 
 if __name__ == "__main__":

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 from lorajob_operator import api, render, rules
+from lorajob_operator.cli_errors import CliError
 from lorajob_operator.reconcile.conditions import parse_time
 from lorajob_operator.reconcile.decide import RUNNING_PHASE
 from lorajob_operator.reconcile.observed import lead_pod_selector
@@ -29,7 +30,7 @@ LOG_TAIL_LINES = 20_000
 """How much of the trainer's log `status` and `plot` read for the loss history (one progress line per step)."""
 
 
-class RunViewError(RuntimeError):
+class RunViewError(CliError):
     """The LoRAJob, its train step or its trainer log cannot be found; the message says which."""
 
 
@@ -109,7 +110,7 @@ def _gb(value: int | None) -> str:
 
 def format_status(view: RunView, now: datetime | None = None, samples: int = 0) -> str:
     """What `lorajob status` prints; `samples`: that many evaluated prompts with both models' answers."""
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     obj = view.lorajob
     metadata, spec, status = obj["metadata"], obj.get("spec") or {}, obj.get("status") or {}
     resolved = status.get("resolved") or {}
@@ -222,8 +223,11 @@ class Client:
 
         try:
             config.load_kube_config(context=context)
-        except config.ConfigException:
-            config.load_incluster_config()
+        except config.ConfigException as no_kubeconfig:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                raise no_kubeconfig from None  # outside a pod, the kubeconfig's problem is the one to fix
         self.core = client.CoreV1Api()
         self.custom = client.CustomObjectsApi()
 
@@ -311,14 +315,18 @@ def plot(view: RunView, path: Path) -> Path:
     return path
 
 
+NEEDS = ("Needs the kubernetes package (pip install \"lorajob[operator]\") and a cluster: the kubeconfig's current "
+         "context (KUBECONFIG, --context), or the pod's service account.")
+
+
 def add_commands(commands) -> None:
     """Register status, logs and plot on the `lorajob` argument parser's subcommands."""
-    for command, text in (
-        ("status", "show a LoRAJob's phase, steps, progress, loss, checkpoints, outputs and recent events"),
-        ("logs", "print (or follow with -f) the lead trainer's log of a LoRAJob"),
-        ("plot", "draw a LoRAJob's loss curve (and eval loss) to a PNG"),
+    for command, text, needs in (
+        ("status", "show a LoRAJob's phase, steps, progress, loss, checkpoints, outputs and recent events", NEEDS),
+        ("logs", "print (or follow with -f) the lead trainer's log of a LoRAJob", NEEDS),
+        ("plot", "draw a LoRAJob's loss curve (and eval loss) to a PNG", NEEDS + " Also needs matplotlib."),
     ):
-        sub = commands.add_parser(command, help=text, description=text)
+        sub = commands.add_parser(command, help=text, description=f"{text[0].upper()}{text[1:]}. {needs}")
         sub.add_argument("name", help="name of the LoRAJob")
         sub.add_argument("-n", "--namespace", default=None, help="namespace of the LoRAJob (default: the kubeconfig context's)")
         sub.add_argument("--context", default=None, help="kubeconfig context to use")
@@ -345,22 +353,19 @@ def _namespace(args) -> str:
 
 
 def _run(args) -> int:
-    try:
-        cluster = Client(args.context)
-        namespace = _namespace(args)
-        if args.command == "status":
-            print(format_status(cluster.view(namespace, args.name), samples=args.samples))
-        elif args.command == "logs":
-            pod = cluster.lead_pod(namespace, cluster.lorajob(namespace, args.name))
-            if args.follow:
-                for chunk in cluster.follow(namespace, pod):
-                    sys.stdout.write(chunk)
-                    sys.stdout.flush()
-            else:
-                sys.stdout.write(cluster.log(namespace, pod, tail_lines=None))
+    """One of the commands; a failure (RunViewError, the cluster's) is said by the `lorajob` command's handler."""
+    cluster = Client(args.context)
+    namespace = _namespace(args)
+    if args.command == "status":
+        print(format_status(cluster.view(namespace, args.name), samples=args.samples))
+    elif args.command == "logs":
+        pod = cluster.lead_pod(namespace, cluster.lorajob(namespace, args.name))
+        if args.follow:
+            for chunk in cluster.follow(namespace, pod):
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
         else:
-            print(f"wrote {plot(cluster.view(namespace, args.name), args.output)}")
-    except RunViewError as error:
-        print(f"lorajob {args.command}: {error}", file=sys.stderr)
-        return 1
+            sys.stdout.write(cluster.log(namespace, pod, tail_lines=None))
+    else:
+        print(f"wrote {plot(cluster.view(namespace, args.name), args.output)}")
     return 0

@@ -113,7 +113,7 @@ def test_render_from_a_cluster_applies_its_policies_and_namespace_labels(kube, t
         kube.kubectl("delete", "lorajobpolicy", "team-a", "--wait=false")
         kube.kubectl("delete", "namespace", "render-team-a", "--wait=false")
     unreachable = _lorajob_cli("render", str(path), "--kubeconfig", str(tmp_path / "no-such-kubeconfig"))
-    assert unreachable.returncode == 2 and "cannot read the cluster's LoRAJobPolicies" in unreachable.stderr
+    assert unreachable.returncode == 1 and unreachable.stderr.startswith("lorajob render: no usable kubeconfig")
 
 
 def test_render_refuses_an_invalid_lorajob_with_the_reason(tmp_path):
@@ -124,11 +124,24 @@ def test_render_refuses_an_invalid_lorajob_with_the_reason(tmp_path):
     assert "cannot render" in result.stderr and "at most 22" in result.stderr
 
 
+NEEDS = {"validate": "Needs no cluster", "render": "Needs no cluster, unless", "plan": 'pip install "lorajob[trainer]" "jax[tpu]"',
+         "status": "Needs the kubernetes package", "logs": "Needs the kubernetes package", "plot": "Also needs matplotlib"}
+"""What each subcommand's --help says it needs."""
+
+
 def test_version_and_help_on_every_argument():
     version = _lorajob_cli("--version")
     assert version.returncode == 0 and version.stdout.split() == ["lorajob", importlib.metadata.version("lorajob")]
-    for command in ("validate", "render"):
+    for command in ("validate", "render", "plan"):
         help_text = _lorajob_cli(command, "--help").stdout
         positionals = help_text.partition("positional arguments:")[2]  # the usage line may wrap onto "FILE [FILE ...]"
         described = [line.split(maxsplit=1) for line in positionals.splitlines() if line.strip().startswith("FILE ")]
         assert described and described[0][1].startswith("YAML files"), help_text
+
+
+@pytest.mark.parametrize("command", NEEDS)
+def test_help_of_every_subcommand_says_what_it_does_and_needs(command):
+    result = _lorajob_cli(command, "--help")
+    assert result.returncode == 0, result.stderr
+    description = " ".join(result.stdout.partition("\n\n")[2].partition("\n\n")[0].split())  # between usage and arguments
+    assert NEEDS[command] in description, result.stdout

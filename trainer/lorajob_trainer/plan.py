@@ -41,14 +41,20 @@ class PlanError(RuntimeError):
 CHIPS_PER_HOST_BOUNDS = {1: (1, 1, 1), 4: (2, 2, 1), 8: (2, 4, 1)}
 """libtpu's host shape for a machine with this many chips (a 1-chip VM's slice is not a 2x2 host's)."""
 
+DEVICELESS_LIBTPU_ENV = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_HOST_BOUNDS": "1,1,1", "TPU_WORKER_HOSTNAMES": "localhost"}
+"""What libtpu reads as it starts, for a compile without a TPU (values already set win): no machine-wide lock, which
+a second planning process or test worker would fail on; and this machine as the one host of its slice, which
+libtpu otherwise asks the GCE metadata server for, printing "Failed to find host bounds" and "unexpected worker
+hostname" errors that make a good plan look failed. The topology compiled for is `get_topology_desc`'s."""
+
 
 def topology_devices(topology: str, num_slices: int = 1, chips_per_host: int = 4) -> list[jax.Device]:
     """The devices of a TPU topology such as `v6e:2x4` or `v5p:2x2x1` (`num_slices` > 1: multi-slice) on
     hosts of `chips_per_host` chips."""
     from jax.experimental import topologies
 
-    # libtpu otherwise takes a machine-wide lock, and a second planning process (or a test worker) would fail.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    for name, value in DEVICELESS_LIBTPU_ENV.items():
+        os.environ.setdefault(name, value)
     try:
         description = topologies.get_topology_desc(
             topology_name=topology, platform="tpu", num_slices=num_slices,
