@@ -68,7 +68,7 @@ from test_parity import jax_logits  # noqa: E402
 from test_splash_attention import kernel_forwards, outputs_and_gradients  # noqa: E402
 from trainer_testkit import arithmetic_rows, base_args, tiny_checkpoint, trainer_env, write_jsonl  # noqa: E402
 
-from lorajob_trainer import evaluate, export, lora, models, plan  # noqa: E402
+from lorajob_trainer import evaluate, export, loading, lora, models, plan  # noqa: E402
 from lorajob_trainer import mesh as mesh_lib  # noqa: E402
 from lorajob_trainer import step as step_lib  # noqa: E402
 from lorajob_trainer import train as train_lib  # noqa: E402
@@ -364,7 +364,7 @@ def adapted_logits(model_dir: Path, checkpoint_directory: Path, ids: np.ndarray)
     host_mesh = mesh_lib.build_mesh(MeshConfig(), [HOST])
     params, metadata = lora.load_adapter_checkpoint(checkpoint_directory)
     with jax.default_device(HOST):
-        model, _ = models.load_model(f"tiny-{metadata.family}", model_dir, mesh=host_mesh, dtype=jnp.float32)
+        model, _ = loading.load_model(f"tiny-{metadata.family}", model_dir, mesh=host_mesh, dtype=jnp.float32)
         model = lora.apply_lora(
             model, rank=metadata.lora_rank, alpha=metadata.lora_alpha, mesh=host_mesh, rngs=nnx.Rngs(0),
             target_regex=lora.module_path_regex(metadata.family, metadata.target_modules),

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from etils.epath import backend as epath_backend
 from fsspec.implementations.local import LocalFileSystem
-from lorajob_trainer import models
+from lorajob_trainer import loading
 from orbax.checkpoint._src.path import gcs_utils
 
 
@@ -49,4 +49,4 @@ def gcs(tmp_path, monkeypatch) -> Iterator[Path]:
         lambda path: {"driver": "file", "path": BucketsOnDisk._strip_protocol(path) + "/"},
     )
     yield root
-    models.local_config_directory.cache_clear()  # the same URI names another bucket in the next test
+    loading.local_config_directory.cache_clear()  # the same URI names another bucket in the next test

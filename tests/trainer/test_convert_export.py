@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import Mesh
-from lorajob_trainer import convert, export, lora, models, tiny, weights
+from lorajob_trainer import convert, export, loading, lora, models, tiny, weights
 from lorajob_trainer.models.families import TensorMap
 from safetensors.numpy import load_file, save_file
 from trainer_testkit import trainer_env
@@ -155,8 +155,8 @@ def test_export_cli_reports_a_non_checkpoint(tmp_path):
 
 def test_orbax_base_checkpoint_loads_the_same_model(qwen3_dir, mesh, tmp_path):
     converted = convert.convert_base("tiny-qwen3", qwen3_dir, tmp_path / "base", dtype=jnp.float32)
-    from_hf, _ = models.load_model("tiny-qwen3", qwen3_dir, mesh=mesh, dtype=jnp.float32)
-    from_orbax, spec = models.load_model("tiny-qwen3", converted, mesh=mesh, dtype=jnp.float32)
+    from_hf, _ = loading.load_model("tiny-qwen3", qwen3_dir, mesh=mesh, dtype=jnp.float32)
+    from_orbax, spec = loading.load_model("tiny-qwen3", converted, mesh=mesh, dtype=jnp.float32)
     assert spec.format == "orbax" and spec.tokenizer_path == converted
     np.testing.assert_array_equal(logits(from_orbax), logits(from_hf))
     with pytest.raises(convert.ConvertError, match="already holds"):
@@ -177,19 +177,19 @@ def test_command_lines_write_a_tiny_model_and_a_base_checkpoint(tmp_path, capsys
 def test_relative_paths_are_made_absolute(qwen3_dir, mesh, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     relative = Path(os.path.relpath(qwen3_dir, tmp_path))
-    _, spec = models.load_model("tiny-qwen3", relative, mesh=mesh, dtype=jnp.float32)
+    _, spec = loading.load_model("tiny-qwen3", relative, mesh=mesh, dtype=jnp.float32)
     assert spec.checkpoint.is_absolute() and spec.checkpoint == qwen3_dir.absolute()
     converted = convert.convert_base("tiny-qwen3", relative, Path("rel-base"), dtype=jnp.float32)
     assert converted == tmp_path / "rel-base"
-    _, orbax_spec = models.load_model("tiny-qwen3", Path("rel-base"), mesh=mesh, dtype=jnp.float32)
+    _, orbax_spec = loading.load_model("tiny-qwen3", Path("rel-base"), mesh=mesh, dtype=jnp.float32)
     assert orbax_spec.checkpoint == tmp_path / "rel-base"
 
 
 def test_sharded_safetensors_load_like_one_file(qwen3_dir, mesh, tmp_path):
     sharded = tiny.make_tiny_checkpoint("qwen3", tmp_path / "sharded", seed=4, shards=3)
     assert len(list(sharded.glob("*.safetensors"))) == 3
-    one, _ = models.load_model("tiny-qwen3", qwen3_dir, mesh=mesh, dtype=jnp.float32)
-    three, _ = models.load_model("tiny-qwen3", sharded, mesh=mesh, dtype=jnp.float32)
+    one, _ = loading.load_model("tiny-qwen3", qwen3_dir, mesh=mesh, dtype=jnp.float32)
+    three, _ = loading.load_model("tiny-qwen3", sharded, mesh=mesh, dtype=jnp.float32)
     np.testing.assert_array_equal(logits(one), logits(three))
 
 
@@ -199,7 +199,7 @@ def test_bfloat16_safetensors_load(qwen3_dir, mesh, tmp_path):
     bf16 = tmp_path / "bf16"
     tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in load_file(qwen3_dir / "model.safetensors").items()}
     tiny.write_hf_checkpoint(bf16, json.loads((qwen3_dir / "config.json").read_text()), tensors)
-    model, _ = models.load_model("tiny-qwen3", bf16, mesh=mesh, dtype=jnp.bfloat16)
+    model, _ = loading.load_model("tiny-qwen3", bf16, mesh=mesh, dtype=jnp.bfloat16)
     assert model.layers[0].attn.q_proj.w.get_value().dtype == jnp.bfloat16
     assert np.isfinite(logits(model)).all()
 
@@ -260,14 +260,14 @@ def test_missing_tensor_is_named(qwen3_dir, mesh, tmp_path):
     del tensors["model.layers.1.mlp.up_proj.weight"]
     broken = tiny.write_hf_checkpoint(tmp_path / "broken", json.loads((qwen3_dir / "config.json").read_text()), tensors)
     with pytest.raises(weights.WeightsError, match="model.layers.1.mlp.up_proj.weight"):
-        models.load_model("tiny-qwen3", broken, mesh=mesh)
+        loading.load_model("tiny-qwen3", broken, mesh=mesh)
 
 
 def test_shape_mismatch_is_named(qwen3_dir, mesh, tmp_path):
     config = json.loads((qwen3_dir / "config.json").read_text()) | {"intermediate_size": 96}
     broken = tiny.write_hf_checkpoint(tmp_path / "broken", config, load_file(qwen3_dir / "model.safetensors"))
     with pytest.raises(weights.WeightsError, match="mlp.*has shape .*config.json implies"):
-        models.load_model("tiny-qwen3", broken, mesh=mesh)
+        loading.load_model("tiny-qwen3", broken, mesh=mesh)
 
 
 def test_corrupt_safetensors_header_is_reported(tmp_path):
@@ -279,7 +279,7 @@ def test_corrupt_safetensors_header_is_reported(tmp_path):
 def test_unknown_directory_format_is_reported(tmp_path, mesh):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(weights.WeightsError, match="neither an HF safetensors directory"):
-        models.load_model("tiny-qwen3", tmp_path, mesh=mesh)
+        loading.load_model("tiny-qwen3", tmp_path, mesh=mesh)
 
 
 MULTI_DEVICE_SCRIPT = textwrap.dedent(
@@ -307,7 +307,7 @@ def adapted_logits(directory, mesh):
     """(model, logits) of the tiny Qwen3 with deterministic non-zero adapters, on `mesh`."""
     from flax import nnx
 
-    model, _ = models.load_model("tiny-qwen3", directory, mesh=mesh, dtype=jnp.float32)
+    model, _ = loading.load_model("tiny-qwen3", directory, mesh=mesh, dtype=jnp.float32)
     model = lora.apply_lora(
         model, rank=4, alpha=8.0, target_regex=lora.module_path_regex("qwen3"), mesh=mesh, rngs=nnx.Rngs(0)
     )
@@ -341,8 +341,8 @@ def test_parameters_and_adapters_are_sharded_over_a_2x2_mesh(qwen3_dir, mesh, tm
 
 def test_bfloat16_base_checkpoint_restores_as_float32(qwen3_dir, mesh, tmp_path):
     converted = convert.convert_base("tiny-qwen3", qwen3_dir, tmp_path / "base")  # bfloat16 by default
-    restored, _ = models.load_model("tiny-qwen3", converted, mesh=mesh, dtype=jnp.float32)
-    original, _ = models.load_model("tiny-qwen3", qwen3_dir, mesh=mesh, dtype=jnp.float32)
+    restored, _ = loading.load_model("tiny-qwen3", converted, mesh=mesh, dtype=jnp.float32)
+    original, _ = loading.load_model("tiny-qwen3", qwen3_dir, mesh=mesh, dtype=jnp.float32)
     w = restored.layers[1].mlp.down_proj.kernel.get_value()
     assert w.dtype == jnp.float32
     expected = original.layers[1].mlp.down_proj.kernel.get_value().astype(jnp.bfloat16).astype(jnp.float32)

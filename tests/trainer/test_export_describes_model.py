@@ -163,11 +163,11 @@ def our_lora_logits(exported, tokens: np.ndarray) -> np.ndarray:
     from flax import nnx
     from jax.sharding import Mesh
 
-    from lorajob_trainer import lora, models
+    from lorajob_trainer import loading, lora, models
 
     params, metadata = lora.load_adapter_checkpoint(exported["checkpoint"])
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
-    model, spec = models.load_model("tiny-qwen3", exported["base"], mesh=mesh, dtype=jnp.float32)
+    model, spec = loading.load_model("tiny-qwen3", exported["base"], mesh=mesh, dtype=jnp.float32)
     model = lora.apply_lora(model, rank=RANK, alpha=ALPHA, target_regex=lora.module_path_regex(spec.family.name, TARGETS),
                             mesh=mesh, rngs=nnx.Rngs(0))
     lora.set_lora_params(model, params)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
-from lorajob_trainer import convert, export, lora, models, weights
+from lorajob_trainer import convert, export, loading, lora, models, weights
 from lorajob_trainer.models import gemma4
 from test_parity import ATOL, jax_logits, load_hf, lora_model_with_random_adapters, tokens, torch_logits
 from trainer_testkit import GEMMA4_SHAPES, gemma4_checkpoint
@@ -42,11 +42,11 @@ def test_a_maxtext_checkpoint_is_refused_with_what_to_do(multimodal, mesh, tmp_p
     (tmp_path / "maxtext" / "0" / "items").mkdir(parents=True)
     refused = "MaxText checkpoints of gemma4 models are not supported.*huggingFace"
     with pytest.raises(weights.WeightsError, match=refused):
-        models.load_model("tiny-gemma4", tmp_path / "maxtext", mesh=mesh, dtype=jnp.float32, format="maxtext", config_dir=multimodal)
+        loading.load_model("tiny-gemma4", tmp_path / "maxtext", mesh=mesh, dtype=jnp.float32, format="maxtext", config_dir=multimodal)
 
 
 def test_language_model_of_a_multimodal_checkpoint_matches_transformers(multimodal, mesh):
-    model, spec = models.load_model("tiny-gemma4", multimodal, mesh=mesh, dtype=jnp.float32)
+    model, spec = loading.load_model("tiny-gemma4", multimodal, mesh=mesh, dtype=jnp.float32)
     assert spec.family.name == "gemma4"
     ids = tokens()
     np.testing.assert_allclose(jax_logits(model, ids), torch_logits(load_hf(multimodal), ids), atol=ATOL, rtol=0)
@@ -86,7 +86,7 @@ def test_peft_adapter_on_a_multimodal_base_converts_to_peft_logits(multimodal, m
         convert.convert_adapter("tiny-gemma4", multimodal, tmp_path / "adapter", tmp_path / "converted")
     )
     assert metadata.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
-    model, _ = models.load_model("tiny-gemma4", multimodal, mesh=mesh, dtype=jnp.float32)
+    model, _ = loading.load_model("tiny-gemma4", multimodal, mesh=mesh, dtype=jnp.float32)
     regex = lora.module_path_regex("gemma4", metadata.target_modules)
     model = lora.apply_lora(model, rank=4, alpha=8.0, target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0))
     lora.set_lora_params(model, params)
@@ -145,7 +145,7 @@ def test_tunix_moe_routing_differs_from_transformers(mesh, tmp_path):
     """Tunix's own MoERagged with the same weights misses transformers by far (it routes on the experts'
     normalised input, transformers on the residual stream): our MoE block is what matters."""
     directory = gemma4_checkpoint(tmp_path / "moe", "gemma4-26b", seed=3)
-    model, spec = models.load_model("tiny-gemma4", directory, mesh=mesh, dtype=jnp.float32)
+    model, spec = loading.load_model("tiny-gemma4", directory, mesh=mesh, dtype=jnp.float32)
     flat = nnx.to_flat_state(nnx.state(model))
     ours = {weights.path_key(path): variable.get_value() for path, variable in flat}
     tunix = gemma4.gemma4_lib.Gemma4(spec.tunix_config, rngs=nnx.Rngs(0))

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from trainer_testkit import gemma4_checkpoint, tiny_checkpoint
 
-from lorajob_trainer import lora, models, remat
+from lorajob_trainer import loading, lora, models, remat
 from lorajob_trainer import step as step_lib
 from lorajob_trainer import loss as loss_lib
 
@@ -79,7 +79,7 @@ def lora_model(request, tmp_path_factory):
         directory = gemma4_checkpoint(tmp_path_factory.mktemp(request.param), request.param, **GEMMA4[request.param])
     else:
         directory = tiny_checkpoint(tmp_path_factory.mktemp(family), family, tokenizer=False, **DEPTHS[family])
-    model, spec = models.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
+    model, spec = loading.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
     model = lora.apply_lora(model, rank=4, alpha=8.0, target_regex=lora.module_path_regex(family), mesh=mesh,
                             rngs=nnx.Rngs(0))
     params = lora.get_lora_params(model)

@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from safetensors.numpy import load_file
 from trainer_testkit import arithmetic_rows, base_args, trainer_env, write_jsonl
 
-from lorajob_trainer import convert, exit_codes, export, lora, maxtext, models, tiny, weights
+from lorajob_trainer import convert, exit_codes, export, loading, lora, maxtext, models, tiny, weights
 from lorajob_trainer import train as train_lib
 
 FIXTURES = Path(__file__).parent / "fixtures" / "maxtext"
@@ -80,8 +80,8 @@ def logits(model: nnx.Module) -> np.ndarray:
 
 def differences(name: str, hf_dir: Path, mesh: Mesh) -> list[str]:
     """The Tunix parameters (and logits) where the MaxText load differs from the HF load beyond rounding."""
-    reference, _ = models.load_model(model_name(name), hf_dir, mesh=mesh, dtype=jnp.float32)
-    loaded, spec = models.load_model(model_name(name), items(name), mesh=mesh, dtype=jnp.float32, config_dir=hf_dir)
+    reference, _ = loading.load_model(model_name(name), hf_dir, mesh=mesh, dtype=jnp.float32)
+    loaded, spec = loading.load_model(model_name(name), items(name), mesh=mesh, dtype=jnp.float32, config_dir=hf_dir)
     assert spec.format == "maxtext" and spec.config_source == hf_dir and spec.tokenizer_path == hf_dir
     tolerance = GEMMA_NORM_ROUNDING if record(name)["family"] == "gemma3" else 0.0
     want, got = params(reference), params(loaded)
@@ -111,10 +111,10 @@ def test_maxtext_checkpoint_loads_the_parameters_of_its_hf_source(name, hf_sourc
 
 
 def test_the_checkpoint_root_works_like_its_items_directory(hf_source, mesh):
-    via_root, _ = models.load_model(
+    via_root, _ = loading.load_model(
         "tiny-qwen3", FIXTURES / "qwen3-scanned", mesh=mesh, dtype=jnp.float32, config_dir=hf_source("qwen3-scanned")
     )
-    via_items, spec = models.load_model(
+    via_items, spec = loading.load_model(
         "tiny-qwen3", items("qwen3-scanned"), mesh=mesh, dtype=jnp.float32, config_dir=hf_source("qwen3-scanned")
     )
     assert spec.checkpoint == items("qwen3-scanned")
@@ -176,8 +176,8 @@ def test_vocabulary_rows_the_checkpoint_lacks_load_as_zeros(tmp_path, hf_source,
         )[:240]
         checkpointer.save(tmp_path / "cut" / "0" / "items", tree)
     hf_dir = hf_source("gemma3-scanned")
-    loaded, _ = models.load_model("tiny-gemma3", tmp_path / "cut", mesh=mesh, dtype=jnp.float32, config_dir=hf_dir)
-    reference, _ = models.load_model("tiny-gemma3", hf_dir, mesh=mesh, dtype=jnp.float32)
+    loaded, _ = loading.load_model("tiny-gemma3", tmp_path / "cut", mesh=mesh, dtype=jnp.float32, config_dir=hf_dir)
+    reference, _ = loading.load_model("tiny-gemma3", hf_dir, mesh=mesh, dtype=jnp.float32)
     embedding, expected = params(loaded)["embedder.input_embedding"], params(reference)["embedder.input_embedding"]
     assert embedding.shape == expected.shape == (tiny.VOCAB_SIZE, 16)
     np.testing.assert_array_equal(embedding[:240], expected[:240])
@@ -190,7 +190,7 @@ def test_vocabulary_rows_the_checkpoint_lacks_load_as_zeros(tmp_path, hf_source,
 def test_other_shapes_name_the_parameter_and_both_shapes(tmp_path, mesh):
     wider = tiny.make_tiny_checkpoint("qwen3", tmp_path / "wider", seed=0, tokenizer=False)  # hidden 64, not 32
     with pytest.raises(weights.WeightsError) as error:
-        models.load_model("tiny-qwen3", items("qwen3-scanned"), mesh=mesh, config_dir=wider)
+        loading.load_model("tiny-qwen3", items("qwen3-scanned"), mesh=mesh, config_dir=wider)
     message = str(error.value)
     assert "MaxText parameter " in message and "has shape (" in message and "implies (" in message
     assert "(256, 32)" in message and "(256, 64)" in message, message  # token_embedder.embedding
@@ -199,10 +199,10 @@ def test_other_shapes_name_the_parameter_and_both_shapes(tmp_path, mesh):
 def test_another_family_is_refused(hf_source, mesh):
     gemma = hf_source("gemma3-scanned")
     with pytest.raises(weights.WeightsError, match=r"lacks \d+ parameters a gemma3 model .*is it a gemma3 MaxText"):
-        models.load_model("tiny-gemma3", items("qwen3-scanned"), mesh=mesh, config_dir=gemma)
+        loading.load_model("tiny-gemma3", items("qwen3-scanned"), mesh=mesh, config_dir=gemma)
     llama = hf_source("llama3-scanned")
     with pytest.raises(weights.WeightsError, match=r"holds 2 decoder parameters a llama3 model .* does not have"):
-        models.load_model("tiny-llama3", items("qwen3-scanned"), mesh=mesh, config_dir=llama)
+        loading.load_model("tiny-llama3", items("qwen3-scanned"), mesh=mesh, config_dir=llama)
 
 
 def test_decoder_arrays_the_config_lacks_are_refused(tmp_path, hf_source, mesh):
@@ -211,18 +211,18 @@ def test_decoder_arrays_the_config_lacks_are_refused(tmp_path, hf_source, mesh):
     as_llama = tiny.tiny_config("llama3", **{k: source[k] for k in ("hidden_size", "intermediate_size", "head_dim")})
     (tmp_path / "config.json").write_text(json.dumps(as_llama | {"tie_word_embeddings": False}))
     with pytest.raises(weights.WeightsError, match=r"does not have, e\.g\. \[.*query_norm"):
-        models.load_model("tiny-llama3", items("qwen3-scanned"), mesh=mesh, config_dir=tmp_path)
+        loading.load_model("tiny-llama3", items("qwen3-scanned"), mesh=mesh, config_dir=tmp_path)
 
 
 def test_a_missing_config_json_fails_before_loading_and_says_what_to_set(tmp_path, mesh, monkeypatch):
     monkeypatch.setattr(maxtext, "load_state", lambda *a, **k: pytest.fail("weights were read"))
     tokenizer_only = tiny.write_tiny_tokenizer(tmp_path / "tokenizer")
     with pytest.raises(weights.WeightsError) as error:
-        models.load_model("tiny-qwen3", items("qwen3-scanned"), mesh=mesh, config_dir=tokenizer_only)
+        loading.load_model("tiny-qwen3", items("qwen3-scanned"), mesh=mesh, config_dir=tokenizer_only)
     message = str(error.value)
     assert str(tokenizer_only / "config.json") in message and "tokenizer_path" in message, message
     with pytest.raises(weights.WeightsError, match="carries no config.json; set tokenizer_path"):
-        models.load_model("tiny-qwen3", items("qwen3-scanned"), mesh=mesh)
+        loading.load_model("tiny-qwen3", items("qwen3-scanned"), mesh=mesh)
 
 
 # --- training and export -----------------------------------------------------------------------
@@ -289,10 +289,10 @@ def test_training_without_a_config_json_exits_with_the_model_code_naming_tokeniz
 def test_maxtext_base_loads_from_gs(name, gcs, hf_source, mesh):
     shutil.copytree(FIXTURES / name, gcs / "bucket" / "maxtext")
     shutil.copytree(hf_source(name), gcs / "bucket" / "hf")
-    from_gs, spec = models.load_model(
+    from_gs, spec = loading.load_model(
         model_name(name), "gs://bucket/maxtext", mesh=mesh, dtype=jnp.float32, config_dir="gs://bucket/hf"
     )
-    local, _ = models.load_model(
+    local, _ = loading.load_model(
         model_name(name), items(name), mesh=mesh, dtype=jnp.float32, config_dir=hf_source(name)
     )
     assert str(spec.checkpoint) == "gs://bucket/maxtext/0/items"
@@ -305,13 +305,13 @@ def test_our_orbax_base_loads_from_gs_and_hf_on_gs_is_refused(gcs, hf_source, me
     shutil.copytree(hf_dir, gcs / "bucket" / "hf")
     convert.main(["base", "--model-name", "tiny-qwen3", "--hf", "gs://bucket/hf", "--out", "gs://bucket/base",
                   "--dtype", "float32"])  # fmt: skip
-    from_gs, spec = models.load_model("tiny-qwen3", "gs://bucket/base", mesh=mesh, dtype=jnp.float32)
-    local, _ = models.load_model("tiny-qwen3", hf_dir, mesh=mesh, dtype=jnp.float32)
+    from_gs, spec = loading.load_model("tiny-qwen3", "gs://bucket/base", mesh=mesh, dtype=jnp.float32)
+    local, _ = loading.load_model("tiny-qwen3", hf_dir, mesh=mesh, dtype=jnp.float32)
     assert spec.format == "orbax" and str(spec.tokenizer_path) == "gs://bucket/base"
     for key, value in params(local).items():
         np.testing.assert_array_equal(params(from_gs)[key], value)
     with pytest.raises(weights.WeightsError, match="on gs://.*convert it first"):
-        models.load_model("tiny-qwen3", "gs://bucket/hf", mesh=mesh)
+        loading.load_model("tiny-qwen3", "gs://bucket/hf", mesh=mesh)
 
 
 # --- several devices ---------------------------------------------------------------------------
@@ -321,7 +321,7 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
 from flax import nnx
-from lorajob_trainer import maxtext, models, weights
+from lorajob_trainer import loading, maxtext, weights
 restore = weights.restore_orbax_params
 restored_shards = {}
 def recording_restore(location, targets, **kwargs):
@@ -330,7 +330,7 @@ def recording_restore(location, targets, **kwargs):
     return arrays
 weights.restore_orbax_params = recording_restore
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("fsdp", "tp"))
-model, _ = models.load_model("tiny-qwen3", sys.argv[1], mesh=mesh, dtype=jnp.float32, config_dir=sys.argv[2])
+model, _ = loading.load_model("tiny-qwen3", sys.argv[1], mesh=mesh, dtype=jnp.float32, config_dir=sys.argv[2])
 q = model.layers[1].attn.q_proj.w.get_value()
 print(json.dumps({
     "query_shards": restored_shards["params.params.decoder.layers.self_attention.query.kernel"],
@@ -356,6 +356,6 @@ def test_maxtext_arrays_are_restored_sharded_over_a_2x2_mesh(hf_source, mesh):
     # query kernel [embed 32, layers 2, heads 4, head_dim 8]: embed over fsdp, heads over tp, like q_proj [32, 4, 8]
     assert report["query_shards"] == [[16, 2, 2, 8]] * 4
     assert report["q_proj_shards"] == [[16, 2, 8]] * 4
-    reference, _ = models.load_model("tiny-qwen3", hf_dir, mesh=mesh, dtype=jnp.float32)
+    reference, _ = loading.load_model("tiny-qwen3", hf_dir, mesh=mesh, dtype=jnp.float32)
     for key, value in params(reference).items():
         np.testing.assert_array_equal(np.array(report["params"][key], dtype=np.float32), value, err_msg=key)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
-from lorajob_trainer import catalog, lora, models, tiny
+from lorajob_trainer import catalog, loading, lora, models, tiny
 from lorajob_trainer.models import attention, families, rope
 
 
@@ -23,7 +23,7 @@ def mesh():
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory, mesh):
     directory = tiny.make_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3"), seed=2)
-    return models.load_model("tiny-qwen3", directory, mesh=mesh, dtype=jnp.float32)
+    return loading.load_model("tiny-qwen3", directory, mesh=mesh, dtype=jnp.float32)
 
 
 def run(model, ids, positions, segments) -> np.ndarray:
@@ -61,7 +61,7 @@ def test_rope_theta_is_honoured(tmp_path, mesh):
     outputs = []
     for theta in (1e4, 1e6):
         directory = tiny.make_tiny_checkpoint("qwen3", tmp_path / str(theta), seed=2, rope_theta=theta, tokenizer=False)
-        model, _ = models.load_model("tiny-qwen3", directory, mesh=mesh, dtype=jnp.float32)
+        model, _ = loading.load_model("tiny-qwen3", directory, mesh=mesh, dtype=jnp.float32)
         ids = np.arange(32).reshape(1, 32)
         outputs.append(run(model, ids, np.arange(32)[None], np.ones_like(ids)))
     assert np.abs(outputs[0] - outputs[1]).max() > 1e-2
@@ -103,7 +103,7 @@ def test_every_catalogue_family_has_model_code_and_every_family_a_model():
 def test_model_name_must_match_the_checkpoint_family(qwen3, mesh):
     _, spec = qwen3
     with pytest.raises(models.ModelConfigError, match="holds a qwen3 model but 'tiny-llama3' is a llama3 model"):
-        models.load_model("tiny-llama3", spec.checkpoint, mesh=mesh)
+        loading.load_model("tiny-llama3", spec.checkpoint, mesh=mesh)
 
 
 def test_tiny_tokenizer_has_a_chat_template(qwen3):
@@ -134,7 +134,7 @@ def test_attention_mask_is_causal_within_segments():
 @pytest.mark.parametrize("family", ["qwen3", "llama3", "gemma3", "qwen3-moe"])
 def test_packed_sequences_equal_separate_ones(family, tmp_path, mesh):
     directory = tiny.make_tiny_checkpoint(family, tmp_path, seed=2, tokenizer=False)
-    model, _ = models.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
+    model, _ = loading.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
     rng = np.random.default_rng(0)
     first, second = rng.integers(0, 256, 7), rng.integers(0, 256, 5)
     packed = np.concatenate([first, second, [0, 0]])[None]

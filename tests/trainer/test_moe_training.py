@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from lorajob_trainer import metrics, models, tiny
+from lorajob_trainer import loading, metrics, models, tiny
 from lorajob_trainer import loss as loss_lib
 from lorajob_trainer import run_setup
 from lorajob_trainer import train as train_lib
@@ -54,7 +54,7 @@ def test_load_balancing_loss_matches_transformers(checkpoint, mesh, policy):
     also when the layers are rematerialised (the recorded logits leave the checkpointed layer)."""
     import torch
 
-    model, _ = models.load_model(f"tiny-{FAMILY}", checkpoint, mesh=mesh, dtype=jnp.float32)
+    model, _ = loading.load_model(f"tiny-{FAMILY}", checkpoint, mesh=mesh, dtype=jnp.float32)
     ids = tokens()
     batch, mask = padded_batch(ids, [ids.shape[1], ids.shape[1] - 13])
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
-from lorajob_trainer import convert, export, lora, models, tiny
+from lorajob_trainer import convert, export, loading, lora, models, tiny
 from lorajob_trainer.checkpoint import CheckpointMetadata
 from trainer_testkit import GEMMA4_SHAPES, gemma4_checkpoint
 
@@ -66,7 +66,7 @@ def load_hf(directory):
 
 def test_logits_match_transformers(checkpoint, mesh):
     family, directory = checkpoint
-    model, _ = models.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
+    model, _ = loading.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
     ids = tokens()
     np.testing.assert_allclose(jax_logits(model, ids), torch_logits(load_hf(directory), ids), atol=ATOL, rtol=0)
 
@@ -75,7 +75,7 @@ def test_logits_match_transformers(checkpoint, mesh):
 def test_unpatched_tunix_rope_is_wrong(family, mesh, tmp_path):
     """The Tunix 0.1.7 model with the same weights misses HF by far: the RoPE fix is what matters."""
     directory = tiny.make_tiny_checkpoint(family, tmp_path / family, seed=3)
-    model, spec = models.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
+    model, spec = loading.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
     plain = nnx.eval_shape(lambda: spec.family.model_class(spec.tunix_config, rngs=nnx.Rngs(0)))
     graphdef, _ = nnx.split(plain)
     unpatched = nnx.merge(graphdef, nnx.state(model))
@@ -111,7 +111,7 @@ def variant_targets(family: str, variant: str) -> list[str]:
 
 
 def lora_model_with_random_adapters(family, directory, mesh, variant="lora", rank=4):
-    model, spec = models.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
+    model, spec = loading.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
     targets = variant_targets(family, variant)
     regex = lora.module_path_regex(family, targets)
     model = lora.apply_lora(model, rank=rank, alpha=_alpha(variant), target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0),
@@ -183,7 +183,7 @@ def test_peft_made_adapter_converts_to_peft_logits(checkpoint, mesh, tmp_path, v
     params, metadata = lora.load_adapter_checkpoint(
         convert.convert_adapter(f"tiny-{family}", directory, adapter, tmp_path / "converted")
     )
-    model, _ = models.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
+    model, _ = loading.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
     regex = lora.module_path_regex(family, metadata.target_modules)
     assert (metadata.use_rslora, metadata.use_dora) == (variant == "rslora", variant == "dora")
     model = lora.apply_lora(

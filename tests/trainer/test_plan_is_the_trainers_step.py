@@ -17,12 +17,12 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys
     import jax
-    from lorajob_trainer import models, plan
+    from lorajob_trainer import loading, models, plan
     from lorajob_trainer import train as train_lib
     from lorajob_trainer.config import TrainConfig
 
     config = TrainConfig.from_args(sys.argv[2:])
-    hf_config = models.read_hf_config(models.local_config_directory(sys.argv[1]))
+    hf_config = loading.read_hf_config(loading.local_config_directory(sys.argv[1]))
     trainer = train_lib.build_trainer(config)
     batch = trainer.train_feed.next_batch(1)
     with jax.set_mesh(trainer.mesh):

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from trainer_testkit import arithmetic_rows, base_args, tiny_checkpoint, write_jsonl
 
 from lorajob_trainer import config as config_lib
-from lorajob_trainer import export, lora, models
+from lorajob_trainer import export, loading, lora, models
 from lorajob_trainer import train as train_lib
 
 STEPS = 16
@@ -33,7 +33,7 @@ def _weights(model: nnx.Module, kind) -> dict[str, jax.Array]:
 
 def test_every_decoder_projection_is_held_quantised_and_adapters_only_on_the_targets(tiny_model):
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
-    model, _ = models.load_model("tiny-qwen3", tiny_model, mesh=mesh, dtype=jnp.float32)
+    model, _ = loading.load_model("tiny-qwen3", tiny_model, mesh=mesh, dtype=jnp.float32)
     loaded = _weights(model, nnx.Param)
     targets = ["q_proj", "v_proj"]
     adapted = lora.apply_lora(model, rank=4, alpha=8.0, target_regex=lora.module_path_regex("qwen3", targets), mesh=mesh,
@@ -57,7 +57,7 @@ def test_every_decoder_projection_is_held_quantised_and_adapters_only_on_the_tar
 def test_routed_experts_are_held_quantised_and_the_routers_as_loaded(tmp_path):
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
     directory = tiny_checkpoint(tmp_path / "moe", "qwen3-moe")
-    model, _ = models.load_model("tiny-qwen3-moe", directory, mesh=mesh, dtype=jnp.float32)
+    model, _ = loading.load_model("tiny-qwen3-moe", directory, mesh=mesh, dtype=jnp.float32)
     loaded = _weights(model, nnx.Param)
     adapted = lora.apply_lora(model, rank=4, alpha=8.0, target_regex=lora.module_path_regex("qwen3-moe"), mesh=mesh,
                               rngs=nnx.Rngs(0), base_quantization="int8")

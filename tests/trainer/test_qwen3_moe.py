@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from lorajob_trainer import export, lora, models, tiny, weights
+from lorajob_trainer import export, loading, lora, models, tiny, weights
 from lorajob_trainer.checkpoint import CheckpointMetadata
 from lorajob_trainer.models import families
 from test_parity import ATOL, jax_logits, load_hf, mesh, random_lora, tokens, torch_logits  # noqa: F401
@@ -22,7 +22,7 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def load(directory, mesh):
-    return models.load_model(f"tiny-{FAMILY}", directory, mesh=mesh, dtype=jnp.float32)
+    return loading.load_model(f"tiny-{FAMILY}", directory, mesh=mesh, dtype=jnp.float32)
 
 
 def with_tunix_moe(model, spec):

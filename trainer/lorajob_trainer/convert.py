@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lorajob_trainer import catalog, lora, models, stages, storage, weights
+from lorajob_trainer import catalog, loading, lora, models, stages, storage, weights
 from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer.checkpoint import CheckpointMetadata
 from lorajob_trainer.console import configure_logging
@@ -64,13 +64,13 @@ def convert_base(model_name: str, hf: str | Path, out: str | Path, *, dtype: Any
 
 def _write_base(model_name: str, hf_dir: Path, out: Path, dtype: Any) -> None:
     with stages.stage(log, f"loading the safetensors of {hf_dir}"):
-        model, spec = models.load_model(model_name, hf_dir, mesh=mesh_lib.host_mesh(), dtype=dtype, format="hf")
+        model, spec = loading.load_model(model_name, hf_dir, mesh=mesh_lib.host_mesh(), dtype=dtype, format="hf")
     out.mkdir(parents=True, exist_ok=True)
     params = {weights.path_key(path): v.get_value() for path, v in nnx.to_flat_state(nnx.state(model))}
     gib = sum(value.nbytes for value in params.values()) / 2**30
     with stages.stage(log, f"writing {len(params)} arrays ({gib:.2f} GiB) to {out / 'params'}"):
         weights.save_orbax_params(out / "params", params)
-    for name in (*models.TOKENIZER_FILES, "generation_config.json", "config.json"):
+    for name in (*loading.TOKENIZER_FILES, "generation_config.json", "config.json"):
         if (spec.checkpoint / name).is_file():
             shutil.copy2(spec.checkpoint / name, out / name)
     marker = {"format": weights.BASE_FORMAT, "family": spec.family.name, "dtype": jnp.dtype(dtype).name}
@@ -128,8 +128,8 @@ def convert_adapter(model_name: str, base: str | Path, adapter: str | Path, out:
 def _write_adapter(model_name: str, base: str | Path, base_dir: Path, adapter: Path, out: Path) -> Path:
     """`base` is recorded in the checkpoint metadata; only `base_dir`/config.json is read."""
     config, tensors = read_peft_adapter(adapter)
-    hf_config = models.read_hf_config(base_dir)
-    family = models.family_of_checkpoint(model_name, hf_config, base)
+    hf_config = loading.read_hf_config(base_dir)
+    family = loading.family_of_checkpoint(model_name, hf_config, base)
     tunix_config = family.config_from_hf(hf_config, jnp.float32)
     rank = int(config["r"])
     modules = config["target_modules"]

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 
 from lorajob_trainer import data as data_lib
-from lorajob_trainer import exit_codes, models
+from lorajob_trainer import exit_codes, loading, models
 from lorajob_trainer.config import TrainConfig, parse_or_report
 from lorajob_trainer.console import configure_logging
 from lorajob_trainer.contract import DataRecord, missing_token
@@ -76,7 +76,7 @@ def _rows(lengths: list[int], seq_len: int, packing: bool) -> int:
 
 def check(config: TrainConfig, devices: int) -> DataReport:
     """DataError when the data cannot be trained on; the figures otherwise."""
-    tokenizer = data_lib.load_tokenizer(str(models.local_config_directory(config.tokenizer_directory)),
+    tokenizer = data_lib.load_tokenizer(str(loading.local_config_directory(config.tokenizer_directory)),
                                         config.chat_template_path)
     dataset = data_lib.load_dataset_split(data_lib.train_source(config), config.train_data_columns)
     if len(dataset) == 0:

@@ -157,7 +157,7 @@ def export_merged(
     checkpoint: str | Path, out: str | Path, *, base: str | Path | None = None, base_config: str | Path | None = None
 ) -> Path:
     """Write base + adapter as one HF model directory (host memory holds the whole model)."""
-    from lorajob_trainer import models
+    from lorajob_trainer import loading
 
     params, metadata = lora.load_adapter_checkpoint(checkpoint)
     base = str(base or metadata.load_parameters_path)
@@ -165,7 +165,7 @@ def export_merged(
         raise ExportError(f"--merged needs the base checkpoint; {base} is not a directory (pass --base)")
     config_dir = base_config or metadata.tokenizer_path or None
     # The Orbax formats are read in place; HF safetensors only from local files.
-    remote_hf = storage.is_remote(base) and models.detect_format(base) == "hf"
+    remote_hf = storage.is_remote(base) and loading.detect_format(base) == "hf"
     with storage.local_input(base) if remote_hf else contextlib.nullcontext(base) as base_location:
         return _write_merged(params, metadata, base_location, config_dir, Path(out))
 
@@ -183,10 +183,10 @@ def _write_merged(
     from flax import nnx
 
     from lorajob_trainer import mesh as mesh_lib
-    from lorajob_trainer import models, weights
+    from lorajob_trainer import loading, weights
 
     mesh = mesh_lib.host_mesh(jax.devices()[:1])
-    model, spec = models.load_model(metadata.base_model, base, mesh=mesh, dtype=jnp.float32, config_dir=config_dir)
+    model, spec = loading.load_model(metadata.base_model, base, mesh=mesh, dtype=jnp.float32, config_dir=config_dir)
     regex = lora.target_regex(spec.family.name, metadata.target_modules, metadata.lora_module_path)
     model = lora.apply_lora(
         model, rank=metadata.lora_rank, alpha=metadata.lora_alpha, target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0),
@@ -203,7 +203,7 @@ def _write_merged(
     total = sum(t.nbytes for t in tensors.values())
     weights.save_hf_safetensors(out, tensors, shards=max(1, math.ceil(total / MAX_SHARD_BYTES)))
     (out / "config.json").write_text(json.dumps(spec.hf_config, indent=2) + "\n")
-    for name in (*models.TOKENIZER_FILES, "generation_config.json"):
+    for name in (*loading.TOKENIZER_FILES, "generation_config.json"):
         source = epath.Path(spec.config_source) / name
         if source.is_file():
             source.copy(out / name, overwrite=True)

@@ -311,9 +311,9 @@ def plan(config: TrainConfig, hf_config: dict[str, Any], request: Request) -> Pl
 
 def check(config: TrainConfig, model_config: str, request: Request) -> Plan:
     """`plan` with the model's config.json from `model_config` (a local directory, gs:// URI or Hub repo id)."""
-    from lorajob_trainer import models
+    from lorajob_trainer import loading
 
-    return plan(config, models.read_hf_config(models.local_config_directory(model_config)), request)
+    return plan(config, loading.read_hf_config(loading.local_config_directory(model_config)), request)
 
 
 def _gb(value: int | None) -> str:

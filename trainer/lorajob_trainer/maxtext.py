@@ -23,7 +23,7 @@ undoing what MaxText's converter applied (Gemma norms stored as 1 + w, Gemma's e
 times bfloat16(√embed), Llama's query kernel times 1/√head_dim with RoPE halves interleaved), and
 embedding rows MaxText padded or cut to its own vocab_size (`MaxTextMap.vocab_rows`).
 A MaxText checkpoint carries no HF config: the model shape comes from a config.json supplied apart
-(see models.load_model).
+(see loading.load_model).
 
 Loading keeps each process to its own shards: every needed MaxText array is restored by Orbax
 straight into a sharding over the mesh (derived from the sharding of the Tunix parameter it feeds),

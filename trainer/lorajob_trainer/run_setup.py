@@ -20,7 +20,7 @@ from lorajob_trainer import distributed
 from lorajob_trainer import lora as lora_lib
 from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import metrics as metrics_lib
-from lorajob_trainer import models
+from lorajob_trainer import loading
 from lorajob_trainer.config import TrainConfig, resolve_target_modules
 from lorajob_trainer.models import experts
 from lorajob_trainer.step import Batch, LoraLayout
@@ -61,8 +61,8 @@ def compute_dtype(config: TrainConfig, platform: str | None = None) -> jnp.dtype
 def load_lora_model(config: TrainConfig, mesh: Mesh, dtype: jnp.dtype) -> LoraModel:
     """Load the base weights (sharded over `mesh`) and apply the configured LoRA adapters.
 
-    A MaxText base takes its config.json from the tokenizer directory (see models.load_model)."""
-    model, spec = models.load_model(
+    A MaxText base takes its config.json from the tokenizer directory (see loading.load_model)."""
+    model, spec = loading.load_model(
         config.model_name, config.load_parameters_path, mesh=mesh, dtype=dtype, config_dir=config.tokenizer_directory
     )
     family = spec.family.name

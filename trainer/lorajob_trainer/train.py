@@ -31,7 +31,7 @@ from lorajob_trainer import generate as generate_lib
 from lorajob_trainer import lora as lora_lib
 from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import metrics as metrics_lib
-from lorajob_trainer import models, run_setup, storage, weights
+from lorajob_trainer import loading, models, run_setup, storage, weights
 from lorajob_trainer import plan as plan_lib
 from lorajob_trainer.config import TrainConfig, describe_keys, parse_or_report
 from lorajob_trainer.console import ConsoleProgress, configure_logging
@@ -115,7 +115,7 @@ class Trainer:
             config.loss_chunk_length, self.remat_policy, lora_model.aux_loss_coef,
         )
         self.tokenizer = data_lib.load_tokenizer(
-            str(models.local_config_directory(config.tokenizer_directory)), config.chat_template_path
+            str(loading.local_config_directory(config.tokenizer_directory)), config.chat_template_path
         )
         train_split = run_setup.load_split(config, data_lib.train_source(config), self.tokenizer)
         self.train_feed = run_setup.data_feed(
