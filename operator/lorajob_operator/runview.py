@@ -104,8 +104,28 @@ def _step_marks(obj: dict) -> list[str]:
     return marks
 
 
-def _gb(value: int | None) -> str:
-    return "?" if value is None else f"{value / 1e9:.2f} GB"
+ROOFLINE_FLOOR_S = 0.01
+"""Below this step time the plan's roofline says nothing: such a step is spent in the fixed costs of a step (dispatch,
+the host, collectives' latency) that it leaves out (a tiny test model's roofline is 1.2 billion tokens/s beside a
+measured 5,000); from a chip, the smallest real step measured was 2.2x its roofline (docs/tpu-v5e.md)."""
+
+
+def _bytes(value: int | None) -> str:
+    """Bytes in the unit that keeps two decimals meaningful: GB, MB or kB."""
+    if value is None:
+        return "?"
+    scale, unit = next(((scale, unit) for scale, unit in ((1e9, "GB"), (1e6, "MB")) if value >= scale), (1e3, "kB"))
+    return f"{value / scale:.2f} {unit}"
+
+
+def _plan_line(plan: dict) -> str:
+    memory = f"{_bytes(plan.get('hbmBytesPerChip'))} of {_bytes(plan.get('capacityBytes'))} HBM per chip"
+    step = plan.get("stepSeconds") or 0.0
+    if step < ROOFLINE_FLOOR_S:
+        return f"plan      {plan.get('target', '?')}: {memory}; roofline under {ROOFLINE_FLOOR_S * 1e3:.0f} ms/step (a step " \
+               "this small is its fixed costs, which the roofline leaves out)"
+    return (f"plan      {plan.get('target', '?')}: {memory}; roofline {step:.3f} s/step, "
+            f"{plan.get('tokensPerSecond', 0):,.0f} tok/s, MFU ceiling {plan.get('mfu', 0):.0%} ({plan.get('bound', '?')}-bound)")
 
 
 def format_status(view: RunView, now: datetime | None = None, samples: int = 0) -> str:
@@ -127,12 +147,9 @@ def format_status(view: RunView, now: datetime | None = None, samples: int = 0) 
     if started:
         lines[-1] += f"   ({duration(((finished or now) - started).total_seconds())})"
 
-    plan = status.get("plan")
+    plan = status.get("plan") or {}
     if plan:
-        lines.append(f"plan      {plan.get('target', '?')}: {_gb(plan.get('hbmBytesPerChip'))} of "
-                     f"{_gb(plan.get('capacityBytes'))} HBM per chip; roofline {plan.get('stepSeconds', 0):.3f} s/step, "
-                     f"{plan.get('tokensPerSecond', 0):,.0f} tok/s, MFU ceiling {plan.get('mfu', 0):.0%} "
-                     f"({plan.get('bound', '?')}-bound)")
+        lines.append(_plan_line(plan))
     progress = status.get("progress") or {}
     if progress.get("step") is not None:
         total = progress.get("totalSteps")
@@ -140,7 +157,7 @@ def format_status(view: RunView, now: datetime | None = None, samples: int = 0) 
         bar = progress_bar(progress["step"], total) + " " if total else ""
         extras = [f"loss {progress['loss']:.4f}"] if progress.get("loss") is not None else []
         if progress.get("tokensPerSecond") is not None:
-            predicted = (status.get("plan") or {}).get("tokensPerSecond")
+            predicted = plan.get("tokensPerSecond") if (plan.get("stepSeconds") or 0.0) >= ROOFLINE_FLOOR_S else None
             against = f" (plan's roofline {predicted:,.0f})" if predicted is not None else ""
             extras.append(f"{progress['tokensPerSecond']:,.0f} tok/s{against}")
         if progress.get("etaSeconds") is not None and status.get("phase") == api.Phase.Training.value:

@@ -74,6 +74,19 @@ def test_status_text_shows_the_plan_and_measured_tokens_beside_its_prediction():
     assert lines[4].endswith("loss 0.4286  1,234 tok/s (plan's roofline 16,384)  ETA 2m05s")
 
 
+def test_a_tiny_models_plan_says_megabytes_and_no_roofline_figures():
+    """A plan's figures mean something at any size: small memory in MB, and no tokens/s or MFU ceiling where the
+    roofline's step is shorter than a step's fixed costs (a tiny model's: 1.2 billion tokens/s beside 5,000)."""
+    plan = {"target": "tpu-v6e-slice 2x2 (4 chips), per-device batch 2 x 1 accumulation", "hbmBytesPerChip": 3_400_000,
+            "capacityBytes": 30_923_764_531, "stepSeconds": 0.000004, "tokensPerSecond": 1_196_261_682.0, "mfu": 0.7,
+            "bound": "compute"}
+    lines = runview.format_status(runview.RunView(_training(plan=plan), [], []), now=NOW).splitlines()
+    assert lines[3] == ("plan      tpu-v6e-slice 2x2 (4 chips), per-device batch 2 x 1 accumulation: 3.40 MB of 30.92 GB "
+                        "HBM per chip; roofline under 10 ms/step (a step this small is its fixed costs, which the "
+                        "roofline leaves out)")
+    assert lines[4].endswith("loss 0.4286  1,234 tok/s  ETA 2m05s")
+
+
 def test_a_failed_step_is_marked_where_it_failed():
     body = _training(phase="Failed", conditions=[condition("Failed", reason="TrainFailed", message="the train step failed")])
     assert "steps     ✓ convert   ✗ train (1 retries)   · export   (10m00s)" in runview.format_status(
