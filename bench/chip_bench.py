@@ -12,7 +12,7 @@ catalogue model with random weights, LoRA rank 16 on the family's default target
 the remat policy auto takes, HBM per chip and the roofline's step time, saved as JSON. `run`, on the chip, gives
 each row a child process of its own (a clean peak-memory figure; one row running out of memory ends only that
 row): the same step built by the same code (`plan.abstract_step`) with the policy the plan chose (as the train
-step does), random weights made by one jit per tree (trainer_bench.random_like),
+step does), random weights (trainer_bench.random_like: small ones drawn on the host, each large one by a jit),
 compiled (its own memory analysis beside the plan's), two warm-up steps, then `--steps` timed steps on a fixed
 batch; rows marked `feed` take their batches from the trainer's data loader instead (packed rows of a generated
 dataset, prefetched as in training) and report the host's time per step spent waiting for a batch. It prints one
