@@ -62,12 +62,20 @@ def test_the_sweep_drops_what_a_missed_deletion_left_in_the_caches(sim_cluster, 
     with kopf_operator(monkeypatch, sim_cluster.kubeconfig, [namespace], settings) as controller:
         for name in ("deleted", "kept"):
             lorajobs.apply(sample(name, train_only=True))
-        lorajobs.wait_until(lambda: len(controller.caches.jobsets_of_run(namespace, "deleted")) >= 1,
-                            "a JobSet of the LoRAJob to delete in the cache")
-        lorajobs.delete("deleted")  # its JobSets follow (garbage collection): every deletion unseen
-        lorajobs.wait_until(lambda: controller.caches.lorajob(namespace, "deleted") is None
-                            and not controller.caches.jobsets_of_run(namespace, "deleted"),
-                            "the sweep dropping the deleted LoRAJob and its JobSets from the cache", timeout=60)
+        lorajobs.wait_until(lambda: any(controller.caches.workloads_of(namespace, js["metadata"]["uid"])
+                                        for js in controller.caches.jobsets_of_run(namespace, "deleted")),
+                            "a JobSet of the LoRAJob to delete, and its Kueue Workload, in the cache")
+        deleted_jobsets = [js["metadata"]["uid"] for js in controller.caches.jobsets_of_run(namespace, "deleted")]
+        lorajobs.delete("deleted")  # its JobSets and their Workloads follow (garbage collection): every deletion unseen
+
+        def nothing_of_the_deleted_run_cached() -> bool:
+            return (controller.caches.lorajob(namespace, "deleted") is None
+                    and not controller.caches.jobsets_of_run(namespace, "deleted")
+                    and not any(controller.caches.workloads_of(namespace, uid) for uid in deleted_jobsets))
+
+        lorajobs.wait_until(nothing_of_the_deleted_run_cached,
+                            "the sweep dropping the deleted LoRAJob, its JobSets and their Workloads from the cache",
+                            timeout=60)
         swept = {resource: controller.metrics.registry.get_sample_value(
             "lorajob_operator_cache_swept_total", {"resource": resource}) for resource in ("lorajobs", "jobsets")}
         assert swept["lorajobs"] == 1 and swept["jobsets"] >= 1, swept
