@@ -172,7 +172,7 @@ def _handoffs(custom) -> list[float]:
     timestamps): the operator's own share of the chain time."""
     from datetime import datetime
 
-    from lorajob_operator import render
+    from lorajob_operator import names
 
     def parse(value: str) -> datetime:
         return datetime.fromisoformat(value.replace("Z", "+00:00"))
@@ -180,7 +180,7 @@ def _handoffs(custom) -> list[float]:
     by_run: dict[str, dict[str, dict]] = {}
     for jobset in custom.list_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets")["items"]:
         labels = jobset["metadata"]["labels"]
-        by_run.setdefault(labels[render.LABEL_RUN], {})[labels[render.LABEL_PHASE]] = jobset
+        by_run.setdefault(labels[names.LABEL_RUN], {})[labels[names.LABEL_PHASE]] = jobset
     gaps = []
     for steps in by_run.values():
         for done, following in (("convert", "train"), ("train", "export")):

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 from pydantic.alias_generators import to_camel
 
-from lorajob_operator import accelerators, rules
+from lorajob_operator import accelerators, names, rules
 from lorajob_trainer import catalog
 from lorajob_trainer.contract import (
     BASE_QUANTIZATIONS,
@@ -34,7 +34,7 @@ KIND = "LoRAJob"
 PLURAL = "lorajobs"
 SHORT_NAMES = ("lj",)
 
-DNS_LABEL_MAX = rules.DNS_LABEL_MAX
+DNS_LABEL_MAX = names.DNS_LABEL_MAX
 PATH_MAX = 1024
 CHECKPOINTS_LISTED = 32
 """Bound on status.checkpoints (the trainer keeps max_num_checkpoints_to_keep newest, 3 by default, and the best)."""

@@ -13,7 +13,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from lorajob_operator import api, policy, render
+from lorajob_operator import api, names, policy
 
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 
@@ -28,7 +28,7 @@ def _metadata(obj: dict, *fields: str, labels: Callable[[str], bool] = lambda _:
 
 
 def _ours(label: str) -> bool:
-    return label.startswith(render.LABEL_PREFIX)
+    return label.startswith(names.LABEL_PREFIX)
 
 
 def _without_metadata(obj: dict, dropped: tuple[str, ...]) -> dict:
@@ -109,9 +109,9 @@ class Resource:
 
 
 LORAJOBS = Resource("lorajobs", f"{api.GROUP}/{api.VERSION}", api.PLURAL, _slim_lorajob)
-JOBSETS = Resource("jobsets", render.JOBSET_API_VERSION, render.JOBSET_PLURAL, _slim_jobset)
-WORKLOADS = Resource("workloads", render.KUEUE_API_VERSION, "workloads", _slim_workload)
-LOCAL_QUEUES = Resource("localqueues", render.KUEUE_API_VERSION, "localqueues", _slim_local_queue)
+JOBSETS = Resource("jobsets", names.JOBSET_API_VERSION, names.JOBSET_PLURAL, _slim_jobset)
+WORKLOADS = Resource("workloads", names.KUEUE_API_VERSION, "workloads", _slim_workload)
+LOCAL_QUEUES = Resource("localqueues", names.KUEUE_API_VERSION, "localqueues", _slim_local_queue)
 POLICIES = Resource("lorajobpolicies", f"{api.GROUP}/{api.VERSION}", policy.PLURAL, _without_managed_fields, namespaced=False)
 NAMESPACES = Resource("namespaces", "v1", "namespaces", _slim_namespace, namespaced=False)
 RESOURCES = (LORAJOBS, JOBSETS, WORKLOADS, LOCAL_QUEUES, POLICIES, NAMESPACES)
@@ -219,7 +219,7 @@ class Store:
 
 
 def _run_label(obj: dict) -> Key | None:
-    run = (obj["metadata"].get("labels") or {}).get(render.LABEL_RUN)
+    run = (obj["metadata"].get("labels") or {}).get(names.LABEL_RUN)
     return (obj["metadata"]["namespace"], run) if run else None
 
 

@@ -104,9 +104,10 @@ def render_files(paths: list[Path], namespace: str, namespace_labels: dict[str, 
     """Print the JobSets the operator would create for each LoRAJob (all steps, first tries), with the defaults of
     the LoRAJobPolicies (the `cluster`'s, in `policy_paths`, or among the files) that govern its namespace applied,
     as the operator applies them. The namespace's labels are the cluster's, overridden by `namespace_labels`."""
-    from lorajob_operator import api, policy, render
+    from lorajob_operator import api, jobsets, policy
     from lorajob_operator.reconcile.observed import effective_spec
     from lorajob_operator.settings import OperatorSettings
+    from lorajob_operator.validation import parse_spec
 
     settings = OperatorSettings.from_env().render
     documents = [(path, doc) for path in paths for doc in _documents(path)]
@@ -121,7 +122,7 @@ def render_files(paths: list[Path], namespace: str, namespace_labels: dict[str, 
         if doc.get("kind") == policy.KIND:
             continue
         metadata = doc.get("metadata", {})
-        spec, errors = render.parse_spec(doc) if doc.get("kind") == api.KIND else (None, (f"not a {api.KIND}",))
+        spec, errors = parse_spec(doc) if doc.get("kind") == api.KIND else (None, (f"not a {api.KIND}",))
         owner_namespace = metadata.get("namespace", namespace)
         try:
             found = cluster.namespace_labels(owner_namespace) if cluster else {}
@@ -137,8 +138,8 @@ def render_files(paths: list[Path], namespace: str, namespace_labels: dict[str, 
             print(f"{path}: cannot render {metadata.get('name', '?')!r}: {'; '.join(errors)}", file=sys.stderr)
             continue
         spec = effective_spec(spec, policy.resolve_defaults(policies, labels, spec))
-        owner = render.Owner(metadata["name"], owner_namespace, metadata.get("uid", "<uid>"))
-        manifests += render.render_all(spec, owner, settings)
+        owner = jobsets.Owner(metadata["name"], owner_namespace, metadata.get("uid", "<uid>"))
+        manifests += jobsets.render_all(spec, owner, settings)
     print(yaml.safe_dump_all(manifests, sort_keys=False), end="")
     return 1 if failed else 0
 

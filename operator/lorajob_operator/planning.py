@@ -1,7 +1,7 @@
 """`lorajob plan FILE...`: whether each LoRAJob's train step fits its TPU chips, before it holds one.
 
 The same check the LoRAJob's first CPU step runs in the cluster (`lorajob_trainer.fit`, on the request
-`render.plan_request` writes), here with the released config.json facts of the catalogue model
+`step_commands.plan_request` writes), here with the released config.json facts of the catalogue model
 (`catalog.released_config`) instead of the checkpoint's. It needs the trainer's packages and libtpu, which
 the operator image does not carry. GPU LoRAJobs get the analytic estimate (`fit.analytic_attempt`), saying so.
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lorajob_operator import accelerators, render
+from lorajob_operator import accelerators, names, step_commands
+from lorajob_operator.validation import parse_spec
 
 INSTALL_HINT = ('lorajob plan compiles the trainer\'s step with the TPU compiler: pip install "lorajob[trainer]" '
                 '"jax[tpu]" (the operator image carries neither)')
@@ -40,7 +41,7 @@ class LoRAJobPlan:
 
 
 def plan_lorajob(doc: dict) -> LoRAJobPlan:
-    spec, errors = render.parse_spec(doc)
+    spec, errors = parse_spec(doc)
     name = doc.get("metadata", {}).get("name", "?")
     if spec is None:
         raise PlanUnavailable(f"LoRAJob {name!r} is invalid: {'; '.join(errors)}")
@@ -53,11 +54,11 @@ def plan_lorajob(doc: dict) -> LoRAJobPlan:
         hf_config = catalog.released_config(spec.model.name)
     except KeyError as error:
         raise PlanUnavailable(str(error.args[0])) from None
-    config = render.train_config(spec, render.run_name(spec, name))
+    config = step_commands.train_config(spec, names.run_name(spec, name))
     if spec.compute.gpu is not None:
         return LoRAJobPlan(name, spec.model.name, fit.Plan(_gpu_attempt(spec, config, hf_config), []))
     try:
-        result = fit.plan(config, hf_config, render.plan_request(spec))
+        result = fit.plan(config, hf_config, step_commands.plan_request(spec))
     except plan.PlanError as error:
         raise PlanUnavailable(str(error)) from None
     return LoRAJobPlan(name, spec.model.name, result)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from pydantic import ConfigDict, Field
 
-from lorajob_operator import accelerators, api, rules
+from lorajob_operator import accelerators, api, names
 
 KIND = "LoRAJobPolicy"
 PLURAL = "lorajobpolicies"
@@ -49,14 +49,14 @@ class LabelSelectorRequirement(_Model):
     """key of the namespace label."""
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
     """operator relating the label to values."""
-    values: list[Annotated[str, Field(max_length=rules.LABEL_VALUE_MAX)]] = Field(default_factory=list, max_length=_LIST_MAX)
+    values: list[Annotated[str, Field(max_length=names.LABEL_VALUE_MAX)]] = Field(default_factory=list, max_length=_LIST_MAX)
     """values for In and NotIn (empty for Exists and DoesNotExist)."""
 
 
 class NamespaceSelector(_Model):
     """Selects namespaces by their labels; the empty selector selects every namespace."""
 
-    match_labels: dict[str, Annotated[str, Field(max_length=rules.LABEL_VALUE_MAX)]] = Field(
+    match_labels: dict[str, Annotated[str, Field(max_length=names.LABEL_VALUE_MAX)]] = Field(
         default_factory=dict, max_length=_LIST_MAX
     )
     """matchLabels: every label given must be on the namespace with the same value."""

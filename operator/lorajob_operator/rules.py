@@ -1,8 +1,9 @@
-"""Rules shared by the CRD (as CEL), the offline `lorajob validate`, and the operator (as Python).
+"""Rules shared by the CRD (as CEL), the offline `lorajob validate`, and the operator (as Python): the steps a
+LoRAJob runs, the run-name rule, immutability.
 
 Each rule is written once here: the Python function the operator calls and the CEL expression the
-API server evaluates are produced side by side from the same constants, and a test checks that
-they agree on every example.
+API server evaluates are produced side by side from the same constants (the names and their length limits are
+names.py's), and a test checks that they agree on every example.
 """
 
 from __future__ import annotations
@@ -12,49 +13,17 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable
 
-DNS_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+from lorajob_operator.names import (
+    CHILD_SUFFIX, DNS_LABEL_PATTERN, LABEL_VALUE_MAX, PATHWAYS_HEAD, PATHWAYS_NAME_MAX, WORKLOAD_NAME_MAX,
+)
 
-# --- Child names -------------------------------------------------------------------------------
+# --- Steps -----------------------------------------------------------------------------------------
 
 PHASE_WHILE_RUNNING = {"check": "Checking", "convert": "Converting", "train": "Training", "export": "Exporting"}
 """The steps of a LoRAJob in the order they run, each with the status.phase a LoRAJob shows while it runs."""
 PHASES = tuple(PHASE_WHILE_RUNNING)
 CPU_FIRST_STEPS = ("check", "convert")
 """One of them runs first in every chain, on a CPU: the data and fit checks (then, for convert, the conversion)."""
-CHILD_SUFFIX = {"check": "-check", "convert": "-convert", "train": "", "export": "-to-hf"}
-"""Suffix of each step's JobSet name; the train JobSet carries the run name itself (as in the tutorial)."""
-
-PATHWAYS_HEAD = "pathways-head"
-
-WORKLOAD_NAME_MAX = 28
-"""GKE resource names are at most 63 characters; Kueue and GKE prepend `default-`, `jobset-` and append
-an 11-character Kueue hash and a 9-character node-pool hash: 63 - 8 - 7 - 11 - 9 = 28."""
-
-LABEL_VALUE_MAX = 63
-"""Kubernetes label values are at most 63 characters."""
-OBJECT_NAME_PATTERN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
-"""metadata.name of a LoRAJob, as the API server checks every custom object's name (an RFC 1123 subdomain; the
-CRD's schema bounds its length)."""
-DNS_LABEL_MAX = 63
-"""Kubernetes object names that must be DNS labels (RFC 1123) are at most 63 characters."""
-
-
-def child_name(run_name: str, phase: str) -> str:
-    return run_name + CHILD_SUFFIX[phase]
-
-
-def first_pod_host(jobset_name: str, replicated_job: str) -> str:
-    """The DNS name of pod 0 of Job 0 of a replicated job, through the JobSet's headless service:
-    `<jobset>-<replicatedJob>-<jobIndex>-<podIndex>.<subdomain>` (also JobSet's coordinator label value)."""
-    return f"{jobset_name}-{replicated_job}-0-0.{jobset_name}"
-
-
-def pathways_coordinator(run_name: str) -> str:
-    """The Pathways head's host: the train JobSet carries the run name itself."""
-    return first_pod_host(run_name, PATHWAYS_HEAD)
-
-
-PATHWAYS_NAME_MAX = (LABEL_VALUE_MAX - len(pathways_coordinator(""))) // 2
 
 
 # --- Conditions on the spec, in Python and CEL ---------------------------------------------------

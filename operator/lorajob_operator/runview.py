@@ -13,12 +13,13 @@ from datetime import datetime, UTC
 from pathlib import Path
 from collections.abc import Iterator
 
-from lorajob_operator import api, render, rules
+from lorajob_operator import api, names, rules
 from lorajob_operator.cli_errors import CliError
 from lorajob_operator.reconcile.conditions import parse_time
 from lorajob_operator.reconcile.decide import RUNNING_PHASE
 from lorajob_operator.reconcile.observed import lead_pod_selector
 from lorajob_operator.reconcile.status_text import progress_summary
+from lorajob_operator.validation import parse_spec
 from lorajob_trainer.stages import duration
 from lorajob_trainer.contract import ProgressRecord
 
@@ -83,7 +84,7 @@ def progress_bar(step: int, total: int, width: int = BAR_WIDTH) -> str:
 def _step_marks(obj: dict) -> list[str]:
     """Each step of the chain with its state: done (✓), running (▶), failed (✗) or not reached (·)."""
     status = obj.get("status") or {}
-    spec, _ = render.parse_spec(obj)
+    spec, _ = parse_spec(obj)
     steps = rules.phases(spec) if spec is not None else list(rules.PHASES)
     phase = status.get("phase")
     current = next((step for step, running in RUNNING_PHASE.items() if running.value == phase), None)
@@ -267,7 +268,7 @@ class Client:
             raise RunViewError(f"LoRAJob {obj['metadata']['name']!r} has no train step yet")
         try:
             jobset = self.custom.get_namespaced_custom_object(
-                render.JOBSET_GROUP, render.JOBSET_VERSION, namespace, render.JOBSET_PLURAL, name)
+                names.JOBSET_GROUP, names.JOBSET_VERSION, namespace, names.JOBSET_PLURAL, name)
         except ApiException as error:
             if error.status == 404:
                 raise RunViewError(f"the train JobSet {name!r} does not exist (not started yet, or finished and deleted)") from None
@@ -280,13 +281,13 @@ class Client:
 
     def log(self, namespace: str, pod: str, tail_lines: int | None = LOG_TAIL_LINES) -> str:
         response = self.core.read_namespaced_pod_log(
-            pod, namespace, container=render.TRAINER_CONTAINER, tail_lines=tail_lines, _preload_content=False,
+            pod, namespace, container=names.TRAINER_CONTAINER, tail_lines=tail_lines, _preload_content=False,
         )
         return response.data.decode("utf-8", errors="replace")
 
     def follow(self, namespace: str, pod: str) -> Iterator[str]:
         response = self.core.read_namespaced_pod_log(
-            pod, namespace, container=render.TRAINER_CONTAINER, follow=True, _preload_content=False,
+            pod, namespace, container=names.TRAINER_CONTAINER, follow=True, _preload_content=False,
         )
         for chunk in response.stream(decode_content=True):
             yield chunk.decode("utf-8", errors="replace")

@@ -1,4 +1,5 @@
-"""Offline validation of LoRAJob objects against the generated CRD schema, CEL rules included.
+"""Validation of LoRAJob objects: offline against the generated CRD schema, CEL rules included (`validate`), and
+the spec the operator and the CLI run from (`parse_spec`: parsed, with the CRD's rules checked again).
 
 It evaluates exactly what the API server evaluates (the OpenAPI schema and `x-kubernetes-validations`
 rendered by `crd.openapi_schema()`), so `lorajob validate` and `kubectl apply` agree without a cluster.
@@ -16,8 +17,9 @@ from functools import cache, lru_cache
 from typing import Any
 
 import celpy
+import pydantic
 
-from lorajob_operator import api, crd, rules
+from lorajob_operator import api, crd, names, rules, step_commands
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ def validate(obj: dict) -> list[FieldError]:
         return [FieldError("", "Invalid value", f"not a {api.KIND} of {api.GROUP}/{api.VERSION}")]
     schema = _schema()
     name = (obj.get("metadata") or {}).get("name")
-    if isinstance(name, str) and not re.fullmatch(rules.OBJECT_NAME_PATTERN, name):
+    if isinstance(name, str) and not re.fullmatch(names.OBJECT_NAME_PATTERN, name):
         errors.append(FieldError("metadata.name", "Invalid value", f'"{name}": a lowercase RFC 1123 subdomain must consist of '
                                  "lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"))
     defaulted = apply_defaults(obj, schema)
@@ -194,3 +196,17 @@ def validate(obj: dict) -> list[FieldError]:
         return errors
     _check_rules(defaulted, schema, "", errors)
     return errors
+
+
+def parse_spec(body: dict) -> tuple[api.LoRAJobSpec | None, tuple[str, ...]]:
+    """The spec of a LoRAJob object, or why it cannot be used (the CRD's rules, checked again)."""
+    try:
+        spec = api.LoRAJobSpec.model_validate(body.get("spec") or {})
+    except pydantic.ValidationError as error:
+        return None, tuple(
+            f"spec.{'.'.join(str(p) for p in item['loc'])}: {item['msg']}" for item in error.errors()
+        )
+    run = names.run_name(spec, body["metadata"]["name"])
+    errors = [*spec_rule_errors(body["spec"]), *rules.run_name_errors(run, spec)]
+    errors += step_commands.train_config_errors(spec, run)
+    return (None, tuple(errors)) if errors else (spec, ())

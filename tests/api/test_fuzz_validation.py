@@ -27,7 +27,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from lorajob_devcluster import wait_for
-from lorajob_operator import api, caches, crd, render, rules
+from lorajob_operator import api, caches, crd, jobsets, names, rules, validation
 from lorajob_operator.controller.observe import observe
 from lorajob_operator.reconcile import decide
 from lorajob_operator.local import OperatorProcess
@@ -213,11 +213,11 @@ def offline_case(case):
     errors = validate(doc)
     assert all(error.field is not None and error.kind for error in errors)
     body = _stored(doc)
-    spec, why = render.parse_spec(body)
+    spec, why = validation.parse_spec(body)
     if not errors:  # the operator runs it: every step renders
         assert spec is not None, (edits, doc["spec"], why)
-        rendered = render.render_all(spec, render.Owner(body["metadata"]["name"], NAMESPACE, "uid-fuzz"), RenderSettings())
-        assert [js["metadata"]["labels"][render.LABEL_PHASE] for js in rendered] == rules.phases(spec)
+        rendered = jobsets.render_all(spec, jobsets.Owner(body["metadata"]["name"], NAMESPACE, "uid-fuzz"), RenderSettings())
+        assert [js["metadata"]["labels"][names.LABEL_PHASE] for js in rendered] == rules.phases(spec)
     if not edits:
         assert errors == [], [str(e) for e in errors]
     decision = _operator_pass(body, spec)
@@ -294,7 +294,7 @@ def test_accepted_cases_run_on_the_operator_to_a_settled_status(sim_cluster, tmp
     collect()
     assert len(accepted) == RUN_CASES
     core, custom = client.CoreV1Api(sim_cluster.api_client()), client.CustomObjectsApi(sim_cluster.api_client())
-    specs = [render.parse_spec(_stored(doc))[0] for doc in accepted]  # what they name exists: they can run
+    specs = [validation.parse_spec(_stored(doc))[0] for doc in accepted]  # what they name exists: they can run
     sim_cluster.create_namespace_with_queue(RUN_NAMESPACE)
     for queue in {spec.scheduling.queue_name for spec in specs} - {None}:
         sim_cluster.create_namespace_with_queue(RUN_NAMESPACE, queue)

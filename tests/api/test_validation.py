@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lorajob_operator import api, cli, rules
+from lorajob_operator import api, cli, names, rules
 from lorajob_operator.validation import validate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,10 +84,10 @@ def test_run_name_limit_is_exact_and_python_agrees_with_cel(flags, limit):
 
 
 def test_limits_follow_from_their_derivation():
-    assert rules.pathways_coordinator("x" * rules.PATHWAYS_NAME_MAX).__len__() <= rules.LABEL_VALUE_MAX
-    assert len(rules.pathways_coordinator("x" * (rules.PATHWAYS_NAME_MAX + 1))) > rules.LABEL_VALUE_MAX
+    assert names.pathways_coordinator("x" * names.PATHWAYS_NAME_MAX).__len__() <= names.LABEL_VALUE_MAX
+    assert len(names.pathways_coordinator("x" * (names.PATHWAYS_NAME_MAX + 1))) > names.LABEL_VALUE_MAX
     for phase in rules.PHASES:
-        assert len(rules.child_name("x" * 20, phase)) <= rules.WORKLOAD_NAME_MAX
+        assert len(names.child_name("x" * 20, phase)) <= names.WORKLOAD_NAME_MAX
 
 
 def test_metadata_name_is_the_default_run_name():

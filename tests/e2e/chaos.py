@@ -16,7 +16,7 @@ from lorajobs import sample
 from record import Record, Versions
 
 from lorajob_devcluster import wait_for
-from lorajob_operator import api, render, rules
+from lorajob_operator import api, names, rules
 
 OPERATOR = "operator"
 RESTARTABLE = ("kube-apiserver", "jobset", "kueue")
@@ -67,7 +67,7 @@ def _controller(obj: dict) -> dict | None:
 
 def _key(jobset: dict) -> tuple[str, str, int]:
     labels = jobset["metadata"].get("labels") or {}
-    return labels.get(render.LABEL_RUN, "?"), labels.get(render.LABEL_PHASE, "?"), int(labels.get(render.LABEL_ATTEMPT, -1))
+    return labels.get(names.LABEL_RUN, "?"), labels.get(names.LABEL_PHASE, "?"), int(labels.get(names.LABEL_ATTEMPT, -1))
 
 
 def problems(jobset_versions: Versions, lorajob_versions: Versions, names: list[str], namespace_objects: list[dict]) -> list[str]:
@@ -159,7 +159,7 @@ def _status_problems(obj: dict) -> list[str]:
     stale = [c["type"] for c in status.get("conditions") or [] if c.get("observedGeneration") != generation]
     if status.get("observedGeneration") != generation or stale:
         found.append(f"LoRAJob {name}: observedGeneration {status.get('observedGeneration')} (conditions {stale}) != generation {generation}")
-    if status.get("children") != {step: rules.child_name(name, step) for step in _steps(obj)}:
+    if status.get("children") != {step: names.child_name(name, step) for step in _steps(obj)}:
         found.append(f"LoRAJob {name}: status.children {status.get('children')}")
     if not status.get("startTime") or status["startTime"] > (status.get("completionTime") or ""):
         found.append(f"LoRAJob {name}: startTime {status.get('startTime')} completionTime {status.get('completionTime')}")

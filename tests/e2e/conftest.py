@@ -8,7 +8,7 @@ import re
 import pytest
 from lorajobs import HF_SECRET, Lorajobs
 
-from lorajob_operator import render
+from lorajob_operator import names
 from lorajob_operator.local import OperatorProcess, OperatorReplicas
 
 FAST_OPERATOR = {
@@ -72,5 +72,5 @@ def trainer_log(sim_cluster, namespace, tmp_path):
     """The log file kwok serves for every trainer container in the test's namespace."""
     path = tmp_path / "trainer.log"
     path.write_text("")
-    sim_cluster.serve_container_logs(namespace, render.TRAINER_CONTAINER, path)
+    sim_cluster.serve_container_logs(namespace, names.TRAINER_CONTAINER, path)
     return path

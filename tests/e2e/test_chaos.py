@@ -12,7 +12,7 @@ import pytest
 from chaos import OPERATOR, RESTARTABLE, plan, problems, run
 from lorajobs import sample
 
-from lorajob_operator import api, render, rules
+from lorajob_operator import api, names, rules
 
 SEED = int(os.environ.get("LORAJOB_CHAOS_SEED", "12"))
 RUN = "a"
@@ -25,7 +25,7 @@ def _lorajob(phase: str, **status) -> dict:
     conditions = [{"type": "Succeeded", "status": "True", "observedGeneration": 1}] if phase == "Succeeded" else []
     return {"metadata": {"name": RUN, "uid": RUN_UID, "generation": 1}, "spec": SPEC,
             "status": {"phase": phase, "observedGeneration": 1, "conditions": conditions,
-                       "children": {step: rules.child_name(RUN, step) for step in STEPS},
+                       "children": {step: names.child_name(RUN, step) for step in STEPS},
                        "restarts": dict.fromkeys(rules.PHASES, 0),
                        "startTime": "2026-01-01T00:00:00Z", "completionTime": "2026-01-01T00:01:00Z", **status}}
 
@@ -37,10 +37,10 @@ def _server_time(second: int) -> str:
 def _jobset(step: str, uid: str, completed: bool, attempt: int = 0, owner_uid: str = RUN_UID,
             created: int = 0, completed_at: int = 0) -> dict:
     """`created`, `completed_at`: the API server's seconds of its creation and of its Completed condition."""
-    labels = {render.LABEL_RUN: RUN, render.LABEL_PHASE: step, render.LABEL_ATTEMPT: str(attempt)}
+    labels = {names.LABEL_RUN: RUN, names.LABEL_PHASE: step, names.LABEL_ATTEMPT: str(attempt)}
     done = [{"type": "Completed", "status": "True", "lastTransitionTime": _server_time(completed_at)}]
     return {"kind": "JobSet",
-            "metadata": {"name": rules.child_name(RUN, step), "uid": uid, "labels": labels,
+            "metadata": {"name": names.child_name(RUN, step), "uid": uid, "labels": labels,
                          "creationTimestamp": _server_time(created),
                          "ownerReferences": [{"kind": "LoRAJob", "name": RUN, "uid": owner_uid, "controller": True}]},
             "status": {"conditions": done if completed else []}}

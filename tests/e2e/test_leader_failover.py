@@ -12,7 +12,7 @@ import pytest
 from conftest import FAST_OPERATOR
 from lorajobs import sample
 
-from lorajob_operator import render
+from lorajob_operator import names
 
 pytestmark = pytest.mark.cluster
 
@@ -32,9 +32,9 @@ def _writes(replica) -> float:
 def _succeeded_once(lorajobs, name: str) -> None:
     done = lorajobs.wait_phase(name, "Succeeded", timeout=120)
     assert set(done["status"]["restarts"].values()) == {0}, done["status"]["restarts"]
-    ours = [js for js in lorajobs.jobsets() if js["metadata"]["labels"].get(render.LABEL_RUN) == name]
-    assert sorted(js["metadata"]["labels"][render.LABEL_PHASE] for js in ours) == ["check", "train"]
-    assert {js["metadata"]["labels"][render.LABEL_ATTEMPT] for js in ours} == {"0"}
+    ours = [js for js in lorajobs.jobsets() if js["metadata"]["labels"].get(names.LABEL_RUN) == name]
+    assert sorted(js["metadata"]["labels"][names.LABEL_PHASE] for js in ours) == ["check", "train"]
+    assert {js["metadata"]["labels"][names.LABEL_ATTEMPT] for js in ours} == {"0"}
 
 
 def test_the_standby_writes_nothing_and_takes_over_a_killed_leader(lorajobs, replicas):

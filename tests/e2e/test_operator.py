@@ -12,7 +12,7 @@ from lorajobs import condition, every_image, sample
 from record import Record
 
 from lorajob_devcluster import HANG_IMAGE, SLOW_IMAGE, failing_image
-from lorajob_operator import api, render
+from lorajob_operator import api, jobsets, names
 from lorajob_operator.settings import RenderSettings
 
 pytestmark = pytest.mark.cluster
@@ -22,7 +22,7 @@ CLUSTER_QUEUE = "lorajob-cluster-queue"
 
 def _ours(jobsets: list[dict], run: str) -> dict[str, dict]:
     labelled = [(js, js["metadata"].get("labels") or {}) for js in jobsets]
-    return {labels[render.LABEL_PHASE]: js for js, labels in labelled if labels.get(render.LABEL_RUN) == run}
+    return {labels[names.LABEL_PHASE]: js for js, labels in labelled if labels.get(names.LABEL_RUN) == run}
 
 
 def _completed(jobset: dict) -> bool:
@@ -40,7 +40,7 @@ def test_full_chain_runs_convert_train_export_to_success(lorajobs, operator):
     for js in children.values():
         (ref,) = js["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("LoRAJob", "chain", done["metadata"]["uid"], True)
-        assert js["metadata"]["labels"][render.KUEUE_QUEUE_LABEL] == "lorajob"
+        assert js["metadata"]["labels"][names.KUEUE_QUEUE_LABEL] == "lorajob"
 
     status = done["status"]
     assert status["startTime"] == children["convert"]["metadata"]["creationTimestamp"]  # the first step's creation
@@ -133,7 +133,7 @@ def test_a_failing_train_step_fails_the_job_with_the_reason_and_never_exports(lo
     assert failed["status"]["restarts"]["train"] == 1
     children = _ours(lorajobs.jobsets(), "broken")
     assert sorted(children) == ["check", "train"]
-    assert children["train"]["metadata"]["labels"][render.LABEL_ATTEMPT] == "1"
+    assert children["train"]["metadata"]["labels"][names.LABEL_ATTEMPT] == "1"
     assert [e["type"] for e in lorajobs.events("broken") if e["reason"] == "Failed"] == ["Warning"]
 
 
@@ -152,7 +152,7 @@ def test_operator_killed_mid_chain_resumes_with_exactly_one_jobset_per_step(lora
     children = _ours(lorajobs.jobsets(), "restart")
     assert sorted(children) == ["convert", "export", "train"]
     assert children["convert"]["metadata"]["uid"] == at_kill["convert"]["metadata"]["uid"]  # taken over, not re-created
-    assert all(js["metadata"]["labels"][render.LABEL_ATTEMPT] == "0" for js in children.values())
+    assert all(js["metadata"]["labels"][names.LABEL_ATTEMPT] == "0" for js in children.values())
     workloads = lorajobs.kubectl("get", "workloads.kueue.x-k8s.io", "-o", "name").stdout.split()
     assert len(workloads) == 3, workloads  # one Kueue Workload per step: no duplicate ever existed
 
@@ -166,8 +166,8 @@ def test_suspend_deletes_the_running_step_and_resume_recreates_it(lorajobs, oper
     suspended = lorajobs.wait_phase("pause", "Suspended", timeout=60)
     assert condition(suspended, "Suspended")["status"] == "True"
     lorajobs.wait_until(lambda: "train" not in _ours(lorajobs.jobsets(), "pause"), "the train JobSet deleted", timeout=60)
-    assert not [p for p in lorajobs.pods() if p["metadata"]["labels"].get(render.LABEL_RUN) == "pause"
-                and p["metadata"]["labels"].get(render.LABEL_PHASE) == "train"]
+    assert not [p for p in lorajobs.pods() if p["metadata"]["labels"].get(names.LABEL_RUN) == "pause"
+                and p["metadata"]["labels"].get(names.LABEL_PHASE) == "train"]
 
     lorajobs.patch_spec("pause", {"suspend": False})
     resumed = lorajobs.wait_phase("pause", "Training", timeout=60)
@@ -175,7 +175,7 @@ def test_suspend_deletes_the_running_step_and_resume_recreates_it(lorajobs, oper
     assert (resume["status"], resume["reason"]) == ("False", "Resumed")
     after = _ours(lorajobs.jobsets(), "pause")["train"]
     assert after["metadata"]["uid"] != before
-    assert after["metadata"]["labels"][render.LABEL_ATTEMPT] == "0"  # a pause is not a retry
+    assert after["metadata"]["labels"][names.LABEL_ATTEMPT] == "0"  # a pause is not a retry
     assert resumed["status"]["restarts"]["train"] == 0
 
 
@@ -187,7 +187,7 @@ def test_deleting_a_lorajob_deletes_its_children(lorajobs, operator):
     lorajobs.delete("gone")
     lorajobs.wait_until(lambda: lorajobs.get("gone") is None and not _ours(lorajobs.jobsets(), "gone"), "LoRAJob and JobSet gone", timeout=60)
     lorajobs.wait_until(
-        lambda: not [p for p in lorajobs.pods() if p["metadata"]["labels"].get(render.LABEL_RUN) == "gone"],
+        lambda: not [p for p in lorajobs.pods() if p["metadata"]["labels"].get(names.LABEL_RUN) == "gone"],
         "pods garbage-collected", timeout=60,
     )
 
@@ -196,7 +196,7 @@ def test_a_jobset_name_taken_by_someone_else_blocks_with_a_warning_until_it_is_f
     """The API server refuses the create (409, not ours): an observed fact that decide turns into Blocked."""
     body = sample("taken", train_only=True)
     spec = api.LoRAJobSpec.model_validate(body["spec"])
-    foreign = render.render_phase("train", spec, render.Owner("someone", lorajobs.namespace, "0"), RenderSettings(), 0)
+    foreign = jobsets.render_phase("train", spec, jobsets.Owner("someone", lorajobs.namespace, "0"), RenderSettings(), 0)
     foreign["metadata"] = {"name": "taken"}  # no owner, no lorajob labels
     lorajobs.kubectl("create", "-f", "-", input=json.dumps(foreign))
     lorajobs.apply(body)

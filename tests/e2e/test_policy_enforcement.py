@@ -9,7 +9,7 @@ import pytest
 import yaml
 from lorajobs import condition, sample
 
-from lorajob_operator import api, policy, render
+from lorajob_operator import api, names, policy
 
 pytestmark = pytest.mark.cluster
 TEAM_QUEUE = "team-queue"
@@ -48,7 +48,7 @@ def test_a_lorajob_on_a_disallowed_tpu_fails_with_policy_violation_and_creates_n
     assert reason["reason"] == policy.VIOLATION_REASON
     assert reason["message"].startswith(f'LoRAJobPolicy "{name}" rule tpu.allowed: TPU ct6e-standard-4t 4x4')
     assert failed["status"]["resolved"]["policies"] == [name]
-    assert [js for js in lorajobs.jobsets() if js["metadata"]["labels"].get(render.LABEL_RUN) == "too-big"] == []
+    assert [js for js in lorajobs.jobsets() if js["metadata"]["labels"].get(names.LABEL_RUN) == "too-big"] == []
     assert [e["reason"] for e in lorajobs.events("too-big")] == ["Failed"]
 
 
@@ -60,10 +60,10 @@ def test_the_policy_default_queue_labels_the_jobset_and_is_recorded_in_status(si
     lorajobs.apply(body)
 
     convert = lorajobs.wait_until(
-        lambda: next((js for js in lorajobs.jobsets() if js["metadata"]["labels"].get(render.LABEL_RUN) == "defaulted"), None),
+        lambda: next((js for js in lorajobs.jobsets() if js["metadata"]["labels"].get(names.LABEL_RUN) == "defaulted"), None),
         "the convert JobSet is created",
     )
-    assert convert["metadata"]["labels"][render.KUEUE_QUEUE_LABEL] == TEAM_QUEUE
+    assert convert["metadata"]["labels"][names.KUEUE_QUEUE_LABEL] == TEAM_QUEUE
     recorded = lorajobs.wait(
         "defaulted", lambda obj: obj.get("status", {}).get("resolved", {}).get("queueName") == TEAM_QUEUE,
         "status.resolved.queueName", timeout=30,

@@ -9,7 +9,7 @@ import uuid
 import pytest
 from lorajobs import HF_SECRET, sample
 
-from lorajob_operator import render
+from lorajob_operator import jobsets, names
 
 pytestmark = pytest.mark.cluster
 
@@ -35,14 +35,14 @@ def test_the_token_appears_only_as_a_secret_reference(lorajobs, operator):
     }
     assert [where for where, text in seen.items() if token in text] == []
 
-    trainers = [c for c in _all_containers(pods) if c["name"] == render.TRAINER_CONTAINER]
-    assert {pod["metadata"]["labels"][render.LABEL_PHASE] for pod in pods} == {"convert", "train", "export"}
+    trainers = [c for c in _all_containers(pods) if c["name"] == names.TRAINER_CONTAINER]
+    assert {pod["metadata"]["labels"][names.LABEL_PHASE] for pod in pods} == {"convert", "train", "export"}
     for container in trainers:
         (credential,) = [e for e in container["env"] if e["name"] == "HF_TOKEN"]
         assert credential == {
             "name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": HF_SECRET, "key": "HF_TOKEN", "optional": True}}
         }
-        assert container["securityContext"] == render.TRAINER_SECURITY_CONTEXT
+        assert container["securityContext"] == jobsets.TRAINER_SECURITY_CONTEXT
 
 
 def test_a_secret_of_another_namespace_cannot_be_named(lorajobs):

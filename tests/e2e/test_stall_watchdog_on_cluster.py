@@ -9,7 +9,7 @@ from lorajobs import every_image, progress_line, sample
 
 from lorajob_devcluster import HANG_IMAGE
 from lorajob_devcluster.kwok_stages import cri_log
-from lorajob_operator import render
+from lorajob_operator import names
 
 pytestmark = pytest.mark.cluster
 DEADLINE_SECONDS = 30
@@ -35,5 +35,5 @@ def test_a_trainer_that_hangs_is_restarted_as_stalled(lorajobs, operator, traine
     assert stalled["type"] == "Warning"
     assert "the train step stalled (JobSet hung): no new step for " in stalled["message"]
     assert f"(last step 3; scheduling.progressDeadlineSeconds={DEADLINE_SECONDS}); an infrastructure failure" in stalled["message"]
-    (jobset,) = [js for js in lorajobs.jobsets() if js["metadata"]["labels"][render.LABEL_PHASE] == "train"]
-    assert jobset["metadata"]["labels"][render.LABEL_ATTEMPT] == "1"
+    (jobset,) = [js for js in lorajobs.jobsets() if js["metadata"]["labels"][names.LABEL_PHASE] == "train"]
+    assert jobset["metadata"]["labels"][names.LABEL_ATTEMPT] == "1"

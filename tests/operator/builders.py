@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from lorajob_operator import api, caches, render
+from lorajob_operator import api, caches, jobsets, validation
 from lorajob_operator.settings import RenderSettings
 
 NAMESPACE = "team-a"
@@ -53,7 +53,7 @@ def lorajob(name: str = "qwen3-gsm8k", spec: dict | None = None, status: dict | 
 
 
 def parsed(body: dict) -> api.LoRAJobSpec:
-    spec, errors = render.parse_spec(body)
+    spec, errors = validation.parse_spec(body)
     assert spec is not None, errors
     return spec
 
@@ -70,8 +70,8 @@ def cluster_view(*bodies: dict, namespace_labels: dict | None = None) -> caches.
     return view
 
 
-def owner(body: dict) -> render.Owner:
-    return render.Owner(body["metadata"]["name"], body["metadata"]["namespace"], body["metadata"]["uid"])
+def owner(body: dict) -> jobsets.Owner:
+    return jobsets.Owner(body["metadata"]["name"], body["metadata"]["namespace"], body["metadata"]["uid"])
 
 
 def condition(condition_type: str, status: str = "True", reason: str = "", message: str = "", at: str = "2026-01-01T00:00:00Z") -> dict:
@@ -83,7 +83,7 @@ def jobset(
     suspend: bool = False, deleting: bool = False, owner_uid: str | None = None, uid: str = "js-uid",
 ) -> dict:
     """A child JobSet as the API server would return it (rendered, plus uid and status)."""
-    obj = render.render_phase(phase, parsed(body), owner(body), RenderSettings(), attempt)
+    obj = jobsets.render_phase(phase, parsed(body), owner(body), RenderSettings(), attempt)
     obj["metadata"]["uid"] = uid
     if owner_uid is not None:
         obj["metadata"]["ownerReferences"][0]["uid"] = owner_uid

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lorajob_operator import render
+from lorajob_operator import jobsets, validation
+from lorajob_operator.settings import RenderSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
@@ -27,9 +28,9 @@ def test_render_prints_every_step_of_every_example_as_the_operator_renders_it():
     expected = []
     for path in EXAMPLES:
         body = yaml.safe_load(path.read_text())
-        spec, _ = render.parse_spec(body)
-        owner = render.Owner(body["metadata"]["name"], "default", "<uid>")
-        expected += render.render_all(spec, owner, render.RenderSettings())
+        spec, _ = validation.parse_spec(body)
+        owner = jobsets.Owner(body["metadata"]["name"], "default", "<uid>")
+        expected += jobsets.render_all(spec, owner, RenderSettings())
     assert printed == expected
     assert [doc["metadata"]["name"] for doc in printed] == [
         "gemma3-support-v2-convert", "gemma3-support-v2", "gemma3-support-v2-to-hf",

@@ -11,7 +11,7 @@ import pydantic
 import pytest
 
 from builders import spec_dict
-from lorajob_operator import api, render
+from lorajob_operator import api, step_commands
 from lorajob_trainer import contract
 from lorajob_trainer.config import ConfigError, TrainConfig
 
@@ -38,7 +38,7 @@ def _flat(config: TrainConfig) -> dict:
 
 
 def test_a_lorajob_that_sets_nothing_trains_with_the_trainers_own_defaults():
-    rendered = _flat(render.train_config(_minimal_spec(), "run-1"))
+    rendered = _flat(step_commands.train_config(_minimal_spec(), "run-1"))
     defaults = _flat(TrainConfig.model_construct())  # the declared defaults, no validation of required keys
     differing = {key: (rendered[key], defaults.get(key)) for key in rendered
                  if key not in SET_BY_THE_OPERATOR and rendered[key] != defaults.get(key)}
@@ -78,7 +78,7 @@ def test_the_api_and_the_trainer_accept_the_same_values_of_a_shared_field(field,
 
 def test_operator_and_trainer_agree_on_every_path_of_a_run():
     spec = _minimal_spec(lora={"restoreFrom": {"huggingFace": "someone/adapter"}})
-    paths = render.run_paths(spec, "run-1")
+    paths = step_commands.run_paths(spec, "run-1")
     assert paths.run_directory == "gs://bucket/runs/run-1"
     assert (paths.checkpoints, paths.converted_base, paths.converted_adapter, paths.adapter_export) == (
         "gs://bucket/runs/run-1/checkpoints", "gs://bucket/runs/run-1/base",

@@ -9,10 +9,10 @@ from datetime import datetime, timedelta, UTC
 import pytest
 from builders import UID, compute, condition, failed_pod, jobset, lorajob, owner, parsed, spec_dict, workload
 
-from lorajob_operator import render
+from lorajob_operator import jobsets, names
 from lorajob_operator.reconcile.decide import Create, decide
 from lorajob_operator.reconcile.observed import Observed, observe_child
-from lorajob_operator.render import parse_spec
+from lorajob_operator.validation import parse_spec
 from lorajob_operator.settings import ReconcileSettings, RenderSettings
 from lorajob_trainer import exit_codes
 
@@ -43,7 +43,7 @@ def _observe(body: dict, pods: list[dict] | None, now: datetime = NOW) -> Observ
 
 
 def _trainer_pod(exit_code: int, message: str = "") -> dict:
-    pod = failed_pod(HEAD_POD, render.TRAINER_CONTAINER, exit_code)
+    pod = failed_pod(HEAD_POD, names.TRAINER_CONTAINER, exit_code)
     pod["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = message
     return pod
 
@@ -141,12 +141,12 @@ def test_codes_of_other_containers_are_not_read_as_the_trainers():
 def test_train_pods_get_the_grace_period_of_the_spec(backend):
     spec = spec_dict(compute=compute(backend))
     body = lorajob(spec=spec)
-    default = render.render_phase("train", parsed(body), owner(body), RenderSettings())
+    default = jobsets.render_phase("train", parsed(body), owner(body), RenderSettings())
     spec["scheduling"] = {**spec["scheduling"], "terminationGracePeriodSeconds": 600}
     body = lorajob(spec=spec)
-    chosen = render.render_phase("train", parsed(body), owner(body), RenderSettings())
+    chosen = jobsets.render_phase("train", parsed(body), owner(body), RenderSettings())
     for jobset_obj, seconds in ((default, 120), (chosen, 600)):
         pods = [job["template"]["spec"]["template"]["spec"] for job in jobset_obj["spec"]["replicatedJobs"]]
         assert [pod["terminationGracePeriodSeconds"] for pod in pods] == [seconds] * len(pods)
-        trainers = [c for pod in pods for c in pod["containers"] if c["name"] == render.TRAINER_CONTAINER]
+        trainers = [c for pod in pods for c in pod["containers"] if c["name"] == names.TRAINER_CONTAINER]
         assert trainers and all(c["terminationMessagePolicy"] == "FallbackToLogsOnError" for c in trainers)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from lorajob_operator import accelerators, render
+from lorajob_operator import accelerators, jobsets
 from lorajob_operator.settings import RenderSettings
 
 from builders import lorajob, owner, parsed, spec_dict
@@ -24,7 +24,7 @@ def test_user_guide_lists_every_machine_type_and_gpu():
 
 def _train_jobset(machine_type: str, topology: str) -> dict:
     body = lorajob(spec=spec_dict(compute={"backend": "pathways", "tpu": {"machineType": machine_type, "topology": topology}}))
-    return render.render_phase("train", parsed(body), owner(body), RenderSettings(), 0)
+    return jobsets.render_phase("train", parsed(body), owner(body), RenderSettings(), 0)
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from datetime import datetime, UTC
 
 from builders import UID, jobset, lorajob, owner, spec_dict
 
-from lorajob_operator import policy, render
+from lorajob_operator import jobsets, names, policy, validation
 from lorajob_operator.reconcile.decide import Create, decide
 from lorajob_operator.reconcile.observed import Observed, observe_child
 from lorajob_operator.settings import ReconcileSettings, RenderSettings
@@ -31,7 +31,7 @@ DEFAULTS = _policy("team-defaults", {
 
 
 def _observe(body: dict, policies=(), labels=TEAM_LABELS, children: dict | None = None) -> Observed:
-    spec, errors = render.parse_spec(body)
+    spec, errors = validation.parse_spec(body)
     return Observed(
         name=body["metadata"]["name"], namespace=body["metadata"]["namespace"], generation=body["metadata"]["generation"],
         spec=spec, spec_errors=errors, status=body.get("status") or {},
@@ -107,11 +107,11 @@ def test_policy_defaults_are_resolved_into_status_and_the_spec_is_left_alone():
 def test_the_rendered_jobsets_use_the_policy_defaults():
     observed = _observe(lorajob(spec=spec_dict(scheduling={})), [DEFAULTS])
 
-    convert = render.render_phase("convert", observed.effective_spec, owner(lorajob()), RenderSettings(), 0)
+    convert = jobsets.render_phase("convert", observed.effective_spec, owner(lorajob()), RenderSettings(), 0)
 
-    assert convert["metadata"]["labels"][render.KUEUE_QUEUE_LABEL] == "team-a-queue"
+    assert convert["metadata"]["labels"][names.KUEUE_QUEUE_LABEL] == "team-a-queue"
     pod = convert["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
-    assert pod["nodeSelector"][render.NODE_POOL_LABEL] == "team-cpu"
+    assert pod["nodeSelector"][names.NODE_POOL_LABEL] == "team-cpu"
     assert {c["image"] for c in pod["containers"]} == {"registry.example/trainer:team"}
 
 

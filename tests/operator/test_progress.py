@@ -21,7 +21,8 @@ from lorajob_operator.reconcile.trainer_output import (
 )
 from lorajob_operator import api
 from lorajob_operator.controller.trainer_logs import TrainLogs
-from lorajob_operator.render import export_command, parse_spec, train_command
+from lorajob_operator.step_commands import export_command, train_command
+from lorajob_operator.validation import parse_spec
 from lorajob_operator.settings import ReconcileSettings
 from lorajob_trainer.contract import PROGRESS_LINE_PREFIX, CheckpointRecord, DataRecord, PlanRecord, ProgressRecord, RunLayout
 from lorajob_trainer.metrics import MetricsWriter

@@ -12,7 +12,7 @@ from lorajob_operator.reconcile.kueue import QueuePosition, short_of, total_requ
 from lorajob_operator.reconcile.observed import ChildState, Observed, observe_child, observe_container_failure
 from lorajob_operator.reconcile.status_text import ordinal, queue_place
 from lorajob_operator.reconcile.trainer_output import train_log_wanted
-from lorajob_operator.render import parse_spec
+from lorajob_operator.validation import parse_spec
 from lorajob_operator.settings import ReconcileSettings
 from lorajob_trainer.contract import EvalRecord, ModelScore, ProgressRecord
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 from builders import GPU, NAMESPACE, UID, compute, lorajob, owner, parsed, spec_dict
 
-from lorajob_operator import accelerators, render, rules
+from lorajob_operator import accelerators, jobsets, names, rules, step_commands, validation
 from lorajob_operator.settings import Images, RenderSettings
 from lorajob_trainer.config import TrainConfig
 
@@ -20,7 +20,7 @@ BACKENDS = ("pathways", "mcjax", "gpu")
 
 
 def _rendered(body: dict, settings: RenderSettings = SETTINGS) -> dict[str, dict]:
-    return {js["metadata"]["labels"][render.LABEL_PHASE]: js for js in render.render_all(parsed(body), owner(body), settings)}
+    return {js["metadata"]["labels"][names.LABEL_PHASE]: js for js in jobsets.render_all(parsed(body), owner(body), settings)}
 
 
 def _pod_templates(jobset: dict) -> dict[str, dict]:
@@ -53,8 +53,8 @@ def test_names_and_labels_stay_within_kubernetes_limits_at_the_longest_allowed_r
     jobsets = _rendered(lorajob(name, spec))
     assert set(jobsets) == {"check" if model else "convert", "train", "export"}
     for phase, jobset in jobsets.items():
-        assert jobset["metadata"]["name"] == rules.child_name(name, phase)
-        assert len(jobset["metadata"]["name"]) <= rules.WORKLOAD_NAME_MAX
+        assert jobset["metadata"]["name"] == names.child_name(name, phase)
+        assert len(jobset["metadata"]["name"]) <= names.WORKLOAD_NAME_MAX
         for rjob in jobset["spec"]["replicatedJobs"]:
             # The JobSet webhook's own checks: <jobset>-<rjob>-<lastJob> and <...>-<lastPod>-abcde are DNS-1035 labels.
             job = f"{jobset['metadata']['name']}-{rjob['name']}-{rjob['replicas'] - 1}"
@@ -68,7 +68,7 @@ def test_names_and_labels_stay_within_kubernetes_limits_at_the_longest_allowed_r
         labels = [jobset["metadata"]["labels"], *(t["metadata"]["labels"] for t in _pod_templates(jobset).values())]
         for label_set in labels:
             for key, value in label_set.items():
-                assert len(value) <= 63 and render.allowed_label(key), (key, value)
+                assert len(value) <= 63 and names.allowed_label(key), (key, value)
 
 
 def test_parent_labels_and_annotations_are_never_copied_to_children():
@@ -95,8 +95,8 @@ def test_children_are_controlled_by_the_lorajob():
 def test_queue_and_priority_labels_are_on_the_jobset_only():
     spec = spec_dict(scheduling={"queueName": "research", "priorityClass": "high"})
     for jobset in _rendered(lorajob(spec=spec)).values():
-        assert jobset["metadata"]["labels"][render.KUEUE_QUEUE_LABEL] == "research"
-        assert jobset["metadata"]["labels"][render.KUEUE_PRIORITY_LABEL] == "high"
+        assert jobset["metadata"]["labels"][names.KUEUE_QUEUE_LABEL] == "research"
+        assert jobset["metadata"]["labels"][names.KUEUE_PRIORITY_LABEL] == "high"
         assert "suspend" not in jobset["spec"]  # Kueue's webhook suspends it; the operator never touches suspend
         for template in _pod_templates(jobset).values():
             assert not any(key.startswith("kueue.x-k8s.io/") for key in template["metadata"]["labels"])
@@ -115,7 +115,7 @@ def test_the_hugging_face_token_only_travels_as_a_secret_key_reference(backend):
         for template in _pod_templates(jobset).values():
             for container in template["spec"]["containers"] + template["spec"].get("initContainers", []):
                 env = _env(container)
-                if container["name"] == render.TRAINER_CONTAINER:
+                if container["name"] == names.TRAINER_CONTAINER:
                     assert env["HF_TOKEN"] == {
                         "name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token", "optional": True}}
                     }
@@ -139,7 +139,7 @@ def test_the_hugging_face_token_only_travels_as_a_secret_key_reference(backend):
 )
 def test_steps_the_spec_does_not_need_are_skipped(model, lora, export, expected):
     spec = spec_dict(model=model, lora=lora, export=export)
-    assert [js["metadata"]["labels"][render.LABEL_PHASE] for js in render.render_all(parsed(lorajob(spec=spec)), owner(lorajob()), SETTINGS)] == expected
+    assert [js["metadata"]["labels"][names.LABEL_PHASE] for js in jobsets.render_all(parsed(lorajob(spec=spec)), owner(lorajob()), SETTINGS)] == expected
 
 
 def test_pathways_train_has_the_gke_shape():
@@ -166,7 +166,7 @@ def test_pathways_train_has_the_gke_shape():
     assert "google.com/tpu" not in repr(head)
 
     assert worker_rjob["name"] == "worker" and worker_rjob["replicas"] == 2  # one Job per slice
-    assert worker_rjob["template"]["metadata"]["annotations"] == {render.EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}
+    assert worker_rjob["template"]["metadata"]["annotations"] == {names.EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}
     vms = accelerators.vms_per_slice("ct6e-standard-4t", "4x8")
     assert worker_rjob["template"]["spec"]["parallelism"] == worker_rjob["template"]["spec"]["completions"] == vms == 8
     worker = worker_rjob["template"]["spec"]["template"]["spec"]
@@ -235,7 +235,7 @@ def test_train_arguments_parse_back_into_the_trainer_config():
     )
     trainer = _pod_templates(_rendered(lorajob(spec=spec))["train"])["pathways-head"]["spec"]["containers"][0]
     config = TrainConfig.from_args(trainer["command"][3:])
-    assert config == render.train_config(parsed(lorajob(spec=spec)), "qwen3-gsm8k")
+    assert config == step_commands.train_config(parsed(lorajob(spec=spec)), "qwen3-gsm8k")
     assert (config.steps, config.learning_rate, config.lr_schedule, config.checkpoint_period) == (7, 1e-4, "linear", 3)
     assert (config.lora.lora_rank, config.lora.lora_alpha, config.lora.lora_module_path) == (8, 16.0, ".*q_proj")
     assert config.lora.lora_restore_path == "gs://b/old/lora"
@@ -257,16 +257,16 @@ def test_images_come_from_the_spec_then_the_operator_settings():
 
 def test_a_retry_is_labelled_with_its_attempt_and_keeps_the_name():
     body = lorajob()
-    retry = render.render_phase("train", parsed(body), owner(body), SETTINGS, attempt=2)
+    retry = jobsets.render_phase("train", parsed(body), owner(body), SETTINGS, attempt=2)
     assert retry["metadata"]["name"] == "qwen3-gsm8k"
-    assert retry["metadata"]["labels"][render.LABEL_ATTEMPT] == "2"
+    assert retry["metadata"]["labels"][names.LABEL_ATTEMPT] == "2"
 
 
 def test_a_spec_the_crd_would_reject_is_reported_not_rendered():
     body = lorajob("a" * 23)  # too long for pathways + convert/export
-    spec, errors = render.parse_spec(body)
+    spec, errors = validation.parse_spec(body)
     assert spec is None and "at most 20" in errors[0]
-    spec, errors = render.parse_spec(lorajob(spec=spec_dict(training={"steps": 0})))
+    spec, errors = validation.parse_spec(lorajob(spec=spec_dict(training={"steps": 0})))
     assert spec is None and errors[0].startswith("spec.training.steps")
 
 
@@ -321,38 +321,38 @@ def test_convert_and_export_arguments_are_accepted_by_the_trainer_entry_points(m
 
 def test_the_fit_check_tries_the_cheapest_changes_first():
     spec = parsed(lorajob(spec=spec_dict(training={"steps": 10, "perDeviceBatchSize": 4})))
-    request = render.plan_request(spec)
+    request = step_commands.plan_request(spec)
     # remat auto (the default) at the LoRAJob's own target; an alternative asks only whether it fits: remat full.
     assert [(t.topology, t.per_device_batch_size, t.gradient_accumulation_steps, t.remat_policy) for t in request.targets] == [
         ("4x4", 4, 1, "auto"), ("4x4", 2, 2, "full"), ("4x4", 1, 4, "full"), ("4x8", 4, 1, "full"), ("8x8", 4, 1, "full"),
     ]
     assert request.chip.hbm_bytes == 32 * 2**30 and [t.chips for t in request.targets][-1] == 64
-    minimal = render.plan_request(parsed(lorajob(spec=spec_dict(training={"steps": 10, "remat": "minimal"}))))
+    minimal = step_commands.plan_request(parsed(lorajob(spec=spec_dict(training={"steps": 10, "remat": "minimal"}))))
     assert [t.remat_policy for t in minimal.targets][:2] == ["minimal", "full"]
-    assert render.plan_request(parsed(lorajob(spec=spec_dict(training={"steps": 10, "remat": "full"})))).targets[1].remat_policy == "full"
+    assert step_commands.plan_request(parsed(lorajob(spec=spec_dict(training={"steps": 10, "remat": "full"})))).targets[1].remat_policy == "full"
 
 
 @pytest.mark.parametrize(("field", "option"), [("rsLoRA", "use_rslora"), ("dora", "use_dora")])
 def test_lora_variants_reach_the_trainer(field, option):
     spec = parsed(lorajob(spec=spec_dict(lora={"rank": 64, "alpha": 16, field: True})))
-    assert getattr(render.train_config(spec, "r").lora, option)
-    assert f"lora.{option}=true" in render.train_command(spec, "r")
-    assert not getattr(render.train_config(parsed(lorajob()), "r").lora, option)
+    assert getattr(step_commands.train_config(spec, "r").lora, option)
+    assert f"lora.{option}=true" in step_commands.train_command(spec, "r")
+    assert not getattr(step_commands.train_config(parsed(lorajob()), "r").lora, option)
 
 
 def test_base_quantization_reaches_the_trainer():
     spec = parsed(lorajob(spec=spec_dict(lora={"baseQuantization": "nf4"})))
-    assert render.train_config(spec, "r").lora.base_quantization == "nf4"
-    assert render.train_config(parsed(lorajob()), "r").lora.base_quantization == "none"
+    assert step_commands.train_config(spec, "r").lora.base_quantization == "nf4"
+    assert step_commands.train_config(parsed(lorajob()), "r").lora.base_quantization == "none"
 
 
 def test_eval_interval_is_its_own_setting_and_defaults_to_the_checkpoint_period():
     dataset = {"name": "openai/gsm8k", "dataDir": "main", "columns": ["question", "answer"], "evalSplit": "test"}
     own = parsed(lorajob(spec=spec_dict(dataset=dataset, training={"steps": 20, "checkpointPeriod": 10, "evalInterval": 4})))
-    assert render.train_config(own, "r").eval_interval == 4
+    assert step_commands.train_config(own, "r").eval_interval == 4
     default = parsed(lorajob(spec=spec_dict(dataset=dataset, training={"steps": 20, "checkpointPeriod": 10})))
-    assert render.train_config(default, "r").eval_interval == 10
-    assert render.train_config(parsed(lorajob()), "r").eval_interval == 0  # no evalSplit: no evaluation
+    assert step_commands.train_config(default, "r").eval_interval == 10
+    assert step_commands.train_config(parsed(lorajob()), "r").eval_interval == 0  # no evalSplit: no evaluation
 
 
 def test_evaluation_reaches_the_trainer_and_the_export_gate_the_export_step():
@@ -361,11 +361,11 @@ def test_evaluation_reaches_the_trainer_and_the_export_gate_the_export_step():
         dataset=dataset, evaluation={"scorer": "gsm8k", "maxNewTokens": 300, "examples": 100},
         export={"requireImprovement": True, "minimumStopRate": 0.95}, output={"baseOutputDirectory": "/runs"},
     )))
-    settings = render.train_config(spec, "r").generation_eval
+    settings = step_commands.train_config(spec, "r").generation_eval
     assert (settings.enabled, settings.scorer, settings.max_new_tokens, settings.examples, settings.samples) == (
         True, "gsm8k", 300, 100, 3)
-    command = render.export_command(spec, "r")
+    command = step_commands.export_command(spec, "r")
     gate = command[command.index("--evaluation"):]
     assert gate == ["--evaluation", "/runs/r/evaluation.json", "--require-improvement", "--minimum-stop-rate", "0.95"]
-    assert not render.train_config(parsed(lorajob()), "r").generation_eval.enabled
-    assert "--evaluation" not in render.export_command(parsed(lorajob()), "r")
+    assert not step_commands.train_config(parsed(lorajob()), "r").generation_eval.enabled
+    assert "--evaluation" not in step_commands.export_command(parsed(lorajob()), "r")

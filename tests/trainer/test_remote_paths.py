@@ -208,13 +208,13 @@ def test_hub_push_without_a_token_fails_before_any_work(checkpoint, hub, tmp_pat
 
 def test_the_rendered_export_command_passes_uris_and_hub_repo_through(monkeypatch):
     import yaml
-    from lorajob_operator import render
+    from lorajob_operator import names, step_commands, validation
 
     body = yaml.safe_load((Path(__file__).parents[2] / "examples" / "qwen3-gsm8k.yaml").read_text())
     body["spec"]["export"] = {"hubRepo": "org/adapter"}
-    spec, errors = render.parse_spec(body)
+    spec, errors = validation.parse_spec(body)
     assert spec is not None, errors
-    command = render.export_command(spec, render.run_name(spec, body["metadata"]["name"]))
+    command = step_commands.export_command(spec, names.run_name(spec, body["metadata"]["name"]))
     assert command[:3] == ["python", "-m", "lorajob_trainer.export"]
     calls = []
     monkeypatch.setattr(export, "export", lambda *args, **kwargs: calls.append((args, kwargs)))

@@ -7,10 +7,10 @@ import json
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from lorajob_operator import api, caches, render
+from lorajob_operator import api, caches, names
 
 
-JOBSET = (render.JOBSET_GROUP, render.JOBSET_VERSION, render.JOBSET_PLURAL)
+JOBSET = (names.JOBSET_GROUP, names.JOBSET_VERSION, names.JOBSET_PLURAL)
 
 
 LORAJOB = (api.GROUP, api.VERSION, api.PLURAL)
@@ -90,7 +90,7 @@ class Cluster:
         return json.loads(response.data)
 
     def pods_of(self, jobset: str, namespace: str) -> list[dict]:
-        pods = self.core.list_namespaced_pod(namespace, label_selector=f"{render.JOBSET_NAME_LABEL}={jobset}")
+        pods = self.core.list_namespaced_pod(namespace, label_selector=f"{names.JOBSET_NAME_LABEL}={jobset}")
         return [self.core.api_client.sanitize_for_serialization(pod) for pod in pods.items]
 
     def trainer_log_tail(self, namespace: str, pod_selector: str, lines: int | None) -> str | None:
@@ -102,7 +102,7 @@ class Cluster:
         pod = max(pods, key=lambda p: p.metadata.creation_timestamp)
         # Raw bytes: the client would otherwise try to decode a log that happens to be JSON as an object.
         response = self.core.read_namespaced_pod_log(
-            pod.metadata.name, namespace, container=render.TRAINER_CONTAINER, tail_lines=lines,
+            pod.metadata.name, namespace, container=names.TRAINER_CONTAINER, tail_lines=lines,
             _preload_content=False, _request_timeout=READ_TIMEOUT_SECONDS,
         )
         return response.data.decode("utf-8", errors="replace")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from lorajob_operator import api, policy, render, rules
+from lorajob_operator import api, policy, rules
 from lorajob_operator.caches import Caches
+from lorajob_operator.names import child_name, run_name
 from lorajob_operator.reconcile.kueue import QueuePosition
 from lorajob_operator.reconcile.observed import Observed, effective_spec, observe_child
 from lorajob_operator.settings import RenderSettings
+from lorajob_operator.validation import parse_spec
 
 
 def spec_problems(view: Caches, namespace: str, spec: api.LoRAJobSpec) -> tuple[list[tuple[str, str]], str | None]:
@@ -53,14 +55,14 @@ def observe(
     JobSet name, read by the caller when it wants the failed container named."""
     metadata = body["metadata"]
     namespace, name, uid = metadata["namespace"], metadata["name"], metadata["uid"]
-    spec, errors = render.parse_spec(body)
+    spec, errors = parse_spec(body)
     children, problems, cluster_queue = {}, [], None
     policies, namespace_labels = view.policies(), view.namespace_labels(namespace)
     if spec is not None:
         defaults = policy.resolve_defaults(policies, namespace_labels, spec)
         problems, cluster_queue = spec_problems(view, namespace, effective_spec(spec, defaults))
-        run = render.run_name(spec, name)
-        names = {rules.child_name(run, phase): phase for phase in rules.phases(spec)}
+        run = run_name(spec, name)
+        names = {child_name(run, phase): phase for phase in rules.phases(spec)}
         # A JobSet holding one of these names without our label is found when creating it fails (409).
         for jobset in view.jobsets_of_run(namespace, run):
             jobset_name = jobset["metadata"]["name"]

@@ -7,7 +7,7 @@ from datetime import datetime, UTC
 
 from kubernetes.client.exceptions import ApiException
 
-from lorajob_operator import api, caches, render
+from lorajob_operator import api, caches, jobsets, names
 from lorajob_operator.caches import Caches
 from lorajob_operator.controller.cluster import FIELD_MANAGER, JOBSET, LORAJOB, Cluster, api_message, is_missing
 from lorajob_operator.reconcile.conditions import format_time
@@ -52,8 +52,8 @@ class Writes:
 
     def create_child(self, body: dict, observed: Observed, phase: str, attempt: int) -> tuple[str, str] | None:
         """Create the JobSet; (reason, message) when the API server refuses it for a reason the spec can fix."""
-        owner = render.Owner(observed.name, observed.namespace, body["metadata"]["uid"])
-        jobset = render.render_phase(phase, observed.effective_spec, owner, self.render_settings, attempt)
+        owner = jobsets.Owner(observed.name, observed.namespace, body["metadata"]["uid"])
+        jobset = jobsets.render_phase(phase, observed.effective_spec, owner, self.render_settings, attempt)
         try:
             created = self.cluster.custom.create_namespaced_custom_object(
                 *JOBSET[:2], observed.namespace, JOBSET[2], jobset, field_manager=FIELD_MANAGER
@@ -65,7 +65,7 @@ class Writes:
             name = jobset["metadata"]["name"]
             if error.status == 409:
                 existing = self.cluster.get(JOBSET, observed.namespace, name)
-                if existing is None or render.LABEL_RUN in (existing["metadata"].get("labels") or {}):
+                if existing is None or names.LABEL_RUN in (existing["metadata"].get("labels") or {}):
                     return None  # ours or another LoRAJob's: the next pass reads it from the listing
                 return ("NameTaken", f"a JobSet named {name} already exists and is not controlled by this LoRAJob; "
                         "delete it or set another spec.runName")

@@ -6,14 +6,15 @@ import dataclasses
 from datetime import timedelta
 
 from lorajob_operator import api, policy, rules
+from lorajob_operator.names import TRAINER_CONTAINER, child_name, run_name
 from lorajob_operator.reconcile.conditions import format_time, parse_time
 from lorajob_operator.reconcile.observed import ChildState, Observed, resolved_status
 from lorajob_operator.reconcile.status_text import failure_text, retries_text, waiting_for_quota
 from lorajob_operator.reconcile.trainer_output import (
     checkpoints_status, data_status, evaluation_status, exported_step, plan_status, progress_status, watched,
 )
-from lorajob_operator.render import TRAINER_CONTAINER, run_name, run_paths
 from lorajob_operator.settings import ReconcileSettings
+from lorajob_operator.step_commands import run_paths
 from lorajob_trainer import exit_codes
 from lorajob_trainer.contract import STOPPED_EARLY, last_progress
 
@@ -111,7 +112,7 @@ class _Draft:
         }
         if o.spec is not None:
             status["children"] = {
-                phase: rules.child_name(run_name(o.spec, o.name), phase) for phase in rules.phases(o.spec)
+                phase: child_name(run_name(o.spec, o.name), phase) for phase in rules.phases(o.spec)
             }
             status["outputs"] = _outputs(o)
             status["checkpoints"] = checkpoints_status(o, record)
@@ -278,7 +279,7 @@ def _advance(o: Observed, draft: _Draft, settings: ReconcileSettings, decision: 
         draft.condition("Suspended", False, "Resumed", "spec.suspend was cleared")
     run = run_name(o.spec, o.name)
     for phase in rules.phases(o.spec):
-        name = rules.child_name(run, phase)
+        name = child_name(run, phase)
         attempt = draft.restarts[phase]
         child = o.children.get(phase)
         if child is not None and not child.owned:

@@ -8,18 +8,14 @@ from datetime import datetime
 from collections.abc import Mapping
 
 from lorajob_operator import api, policy
+from lorajob_operator.names import (
+    COMPLETION_INDEX_LABEL, JOB_INDEX_LABEL, JOBSET_NAME_LABEL, LABEL_ATTEMPT, LABEL_PHASE, REPLICATED_JOB_LABEL,
+    TRAINER_CONTAINER,
+)
 from lorajob_operator.reconcile.conditions import find_condition, is_true, parse_time
 from lorajob_operator.reconcile.kueue import QueuePosition, WorkloadState, observe_workload
-from lorajob_operator.render import (
-    JOB_INDEX_LABEL, JOBSET_NAME_LABEL, LABEL_ATTEMPT, LABEL_PHASE, REPLICATED_JOB_LABEL, TRAINER_CONTAINER,
-)
 from lorajob_operator.settings import RenderSettings
 from lorajob_trainer import exit_codes
-
-
-# Labels JobSet and the Job controller put on every pod (with render.JOB_INDEX_LABEL): which JobSet,
-# replicated job and pod of its Job it is.
-COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 
 
 DISRUPTED_POD_REASONS = ("Evicted", "NodeLost", "Preempting", "Shutdown", "Terminated", "UnexpectedAdmissionError")

@@ -1,4 +1,6 @@
-"""LoRAJob spec -> the JobSet of each step, as plain dicts (no Kubernetes client, no I/O).
+"""LoRAJob spec -> the JobSet of each step, as plain dicts (no Kubernetes client, no I/O): the JobSet, Job and pod
+templates (containers, environment, resources, node selectors, tolerations, labels) around the command lines
+step_commands.py builds; the names and label keys are names.py's.
 
 One JobSet per step, created one after the other by the operator, so the CPU-only check, convert and
 export steps never hold TPU quota and no TPU slice is reserved while they run:
@@ -13,51 +15,28 @@ export steps never hold TPU quota and no TPU slice is reserved while they run:
   other through jax.distributed environment variables.
 
 Children carry only allowlisted labels (Kueue's queue and priority labels and our own
-`lorajob.dev/*`), never the parent's labels or annotations.
+`lorajob.dev/*`: names.allowed_label), never the parent's labels or annotations.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import shlex
 
-import pydantic
-
-from lorajob_operator import accelerators, api, rules, validation
+from lorajob_operator import accelerators, api, rules
+from lorajob_operator.names import (
+    COORDINATOR_LABEL, EXCLUSIVE_TOPOLOGY, GPU_ACCELERATOR_LABEL, JOB_INDEX_LABEL, JOBSET_API_VERSION,
+    JOBSET_NAME_LABEL, KUEUE_PRIORITY_LABEL, KUEUE_QUEUE_LABEL, LABEL_ATTEMPT, LABEL_PHASE, LABEL_RUN,
+    NODE_POOL_LABEL, PATHWAYS_HEAD, REPLICAS_LABEL, REPLICATED_JOB_LABEL, TPU_ACCELERATOR_LABEL, TPU_TOPOLOGY_LABEL,
+    TRAINER_CONTAINER, WORKER, child_name, first_pod_host, run_name,
+)
 from lorajob_operator.settings import RenderSettings, Resources
-from lorajob_trainer import catalog, distributed, fit
-from lorajob_trainer.config import ConfigError, TrainConfig
-from lorajob_trainer.contract import HF_TOKEN_ENV, HF_TOKEN_SOURCE_ENV, REMAT_AUTO, RunLayout
+from lorajob_operator.step_commands import check_command, convert_command, export_command, train_command
+from lorajob_trainer import distributed
+from lorajob_trainer.contract import HF_TOKEN_ENV, HF_TOKEN_SOURCE_ENV, RunLayout
 
-JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
-JOBSET_API_VERSION = f"{JOBSET_GROUP}/{JOBSET_VERSION}"
-KUEUE_API_VERSION = "kueue.x-k8s.io/v1beta2"
-
-LABEL_PREFIX = "lorajob.dev/"
-LABEL_RUN = LABEL_PREFIX + "run-name"
-LABEL_PHASE = LABEL_PREFIX + "phase"
-LABEL_ATTEMPT = LABEL_PREFIX + "attempt"
-"""Which try of the step a JobSet is (0 first); a retry recreates the JobSet under the same name."""
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
-ALLOWED_LABELS = (KUEUE_QUEUE_LABEL, KUEUE_PRIORITY_LABEL)
-ALLOWED_LABEL_PREFIXES = (LABEL_PREFIX,)
-
-EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
-COORDINATOR_LABEL = "jobset.sigs.k8s.io/coordinator"
-JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
-JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
-REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
-REPLICAS_LABEL = "jobset.sigs.k8s.io/replicatedjob-replicas"
-NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
-TPU_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
-TPU_TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
-GPU_ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
 TPU_RESOURCE = "google.com/tpu"
 GPU_RESOURCE = "nvidia.com/gpu"
 
-WORKER = "worker"
-TRAINER_CONTAINER = "trainer"
 PATHWAYS_PROXY_PORT = 29000
 PATHWAYS_RM_PORT = 29001
 PATHWAYS_WORKER_PORT = 29005
@@ -80,233 +59,6 @@ class Owner:
             "controller": True,
             "blockOwnerDeletion": True,
         }
-
-
-@dataclasses.dataclass(frozen=True)
-class RunPaths:
-    """Where a run reads and writes, all under <baseOutputDirectory>/<runName>/ unless given."""
-
-    base_checkpoint: str
-    """Trainer-format base weights: the given checkpoint, or the convert step's output."""
-    converted_base: str | None
-    """Where convert writes the base weights (None: no base conversion)."""
-    restore_adapter: str | None
-    """Adapter to start from: the given checkpoint, or the convert step's output."""
-    converted_adapter: str | None
-    run_directory: str
-    checkpoints: str
-    adapter_export: str | None
-
-
-def run_name(spec: api.LoRAJobSpec, metadata_name: str) -> str:
-    return metadata_name if spec.run_name is None else spec.run_name  # as the CEL rules: "" is set (and invalid)
-
-
-def parse_spec(body: dict) -> tuple[api.LoRAJobSpec | None, tuple[str, ...]]:
-    """The spec of a LoRAJob object, or why it cannot be used (the CRD's rules, checked again)."""
-    try:
-        spec = api.LoRAJobSpec.model_validate(body.get("spec") or {})
-    except pydantic.ValidationError as error:
-        return None, tuple(
-            f"spec.{'.'.join(str(p) for p in item['loc'])}: {item['msg']}" for item in error.errors()
-        )
-    run = run_name(spec, body["metadata"]["name"])
-    errors = [*validation.spec_rule_errors(body["spec"]), *rules.run_name_errors(run, spec)]
-    try:
-        train_config(spec, run)
-    except ConfigError as error:  # a combination the trainer refuses: fail now, not in the pod
-        errors.append(str(error))
-    return (None, tuple(errors)) if errors else (spec, ())
-
-
-def run_paths(spec: api.LoRAJobSpec, run: str) -> RunPaths:
-    layout = RunLayout(spec.output.base_output_directory, run)
-    converted_base = layout.converted_base if spec.model.hugging_face else None
-    restore = spec.lora.restore_from
-    converted_adapter = layout.converted_adapter if restore and restore.hugging_face else None
-    export = None
-    if spec.export.enabled:
-        export = spec.export.path or layout.adapter_export
-    return RunPaths(
-        base_checkpoint=converted_base or spec.model.maxtext_checkpoint or "",
-        converted_base=converted_base,
-        restore_adapter=converted_adapter or (restore.checkpoint if restore else None),
-        converted_adapter=converted_adapter,
-        run_directory=layout.run_directory,
-        checkpoints=layout.checkpoints,
-        adapter_export=export,
-    )
-
-
-def _tokenizer(spec: api.LoRAJobSpec) -> str:
-    return spec.model.tokenizer or spec.model.hugging_face or catalog.MODELS[spec.model.name].hf_repo or ""
-
-
-# --- Command lines of the trainer image's entry points ----------------------------------------------
-
-def train_config(spec: api.LoRAJobSpec, run: str) -> TrainConfig:
-    """The trainer's config for this LoRAJob (the trainer validates it again at start-up)."""
-    paths = run_paths(spec, run)
-    dataset, training, lora = spec.dataset, spec.training, spec.lora
-    values = {
-        "run_name": run,
-        "base_output_directory": spec.output.base_output_directory,
-        "model_name": spec.model.name,
-        "load_parameters_path": paths.base_checkpoint,
-        "tokenizer_path": _tokenizer(spec),
-        "hf_path": dataset.name,
-        "hf_data_dir": dataset.data_dir or "",
-        "train_split": dataset.split,
-        "hf_eval_split": dataset.eval_split or "",
-        "eval_interval": (training.eval_interval or training.checkpoint_period) if dataset.eval_split else 0,
-        "train_data_columns": list(dataset.columns),
-        "chat_template_path": dataset.chat_template_path or "",
-        "max_target_length": training.max_target_length,
-        "steps": training.steps,
-        "per_device_batch_size": training.per_device_batch_size,
-        "gradient_accumulation_steps": training.gradient_accumulation_steps,
-        "learning_rate": training.learning_rate,
-        "lr_schedule": training.schedule,
-        "warmup_steps_fraction": training.warmup_steps_fraction,
-        "checkpoint_period": training.checkpoint_period,
-        "remat_policy": training.remat,
-        "early_stopping_patience": training.early_stopping.patience if training.early_stopping else 0,
-        "early_stopping_min_delta": training.early_stopping.min_delta if training.early_stopping else 0.0,
-        "progress_lines": True,
-        "checkpoint_storage_use_zarr3": spec.model.checkpoint_storage.use_zarr3,
-        "checkpoint_storage_use_ocdbt": spec.model.checkpoint_storage.use_ocdbt,
-        "generation_eval": _generation_eval(spec.evaluation),
-        "lora": {
-            "lora_rank": lora.rank,
-            "lora_alpha": lora.alpha,
-            "use_rslora": lora.rs_lora,
-            "use_dora": lora.dora,
-            "base_quantization": lora.base_quantization,
-            "lora_module_path": lora.target_modules or "",
-            "lora_restore_path": paths.restore_adapter or "",
-        },
-    }
-    return TrainConfig.from_dict(values)
-
-
-def _generation_eval(evaluation: api.EvaluationSpec | None) -> dict:
-    if evaluation is None:
-        return {}
-    return {
-        "enabled": True, "scorer": evaluation.trainer_scorer(), "pattern": evaluation.pattern or "",
-        "max_new_tokens": evaluation.max_new_tokens, "examples": evaluation.examples, "samples": evaluation.samples,
-    }
-
-
-def train_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
-    return ["python", "-m", "lorajob_trainer.train", *train_config(spec, run).to_args()]
-
-
-def accelerator_count(spec: api.LoRAJobSpec) -> int:
-    """TPU chips or GPUs of the train step."""
-    if spec.compute.gpu is not None:
-        return spec.compute.gpu.gpus_per_node * spec.compute.gpu.nodes
-    return accelerators.chips_in(spec.compute.tpu.topology) * spec.compute.tpu.slices
-
-
-def data_check_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
-    """The data check of the train step's own config, run on a CPU first (`lorajob_trainer.datacheck`)."""
-    return ["python", "-m", "lorajob_trainer.datacheck", "--devices", str(accelerator_count(spec)),
-            *train_config(spec, run).to_args()]
-
-
-LARGER_TOPOLOGIES_TRIED = 2
-"""How many next larger topologies of the machine type a plan tries when the LoRAJob's own does not fit."""
-
-
-def plan_request(spec: api.LoRAJobSpec) -> fit.Request:
-    """What `lorajob_trainer.fit` compiles the train step for (TPU backends): the chip's facts, the LoRAJob's own
-    target, then the smallest changes, cheapest first: smaller per-device batches (the global batch kept by
-    accumulation), remat "full" (a third more compute, no more chips), then the next larger topologies of the
-    machine type. Under remat auto the LoRAJob's own target keeps auto (the fit check chooses its policy) and each
-    alternative is compiled with "full", which answers whether that change fits in one compile."""
-    tpu, training = spec.compute.tpu, spec.training
-    machine = accelerators.TPU_MACHINES[tpu.machine_type]
-
-    def target(topology: str, batch: int, accumulation: int, remat: str = training.remat) -> fit.Target:
-        return fit.Target(tpu.machine_type, topology, tpu.slices, accelerators.chips_in(topology) * tpu.slices,
-                          batch, accumulation, remat)
-
-    batch, accumulation = training.per_device_batch_size, training.gradient_accumulation_steps
-    targets = [target(tpu.topology, batch, accumulation)]
-    # Whether a change fits is what an alternative asks; under auto, "full" (which keeps the least) answers it in one
-    # compile, and the train step's own plan chooses the policy again for the target it runs on.
-    alternative = "full" if training.remat == REMAT_AUTO else training.remat
-    while batch > 1 and batch % 2 == 0:
-        batch, accumulation = batch // 2, accumulation * 2
-        targets.append(target(tpu.topology, batch, accumulation, alternative))
-    if training.remat not in ("full", REMAT_AUTO):  # auto tries full itself
-        targets.append(target(tpu.topology, training.per_device_batch_size, training.gradient_accumulation_steps, "full"))
-    larger = sorted(
-        (t for t in machine.topologies if accelerators.chips_in(t) > accelerators.chips_in(tpu.topology)),
-        key=accelerators.chips_in,
-    )[:LARGER_TOPOLOGIES_TRIED]
-    targets += [target(t, training.per_device_batch_size, training.gradient_accumulation_steps, alternative)
-                for t in larger]
-    return fit.Request(accelerators.TPU_CHIPS[machine.generation], machine.chips_per_vm, tuple(targets))
-
-
-def plan_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
-    """The fit check of the train step's own config (`lorajob_trainer.fit`), run on a CPU first."""
-    return ["python", "-m", "lorajob_trainer.fit", "--request", plan_request(spec).to_json(),
-            "--model-config", spec.model.hugging_face or _tokenizer(spec), *train_config(spec, run).to_args()]
-
-
-def check_commands(spec: api.LoRAJobSpec, run: str) -> list[list[str]]:
-    """What the CPU step before the train step checks: the data, then (TPU backends) the fit."""
-    return [data_check_command(spec, run), *([plan_command(spec, run)] if spec.compute.tpu is not None else [])]
-
-
-def _chained(commands: list[list[str]]) -> list[str]:
-    return ["/bin/sh", "-c", " && ".join(shlex.join(command) for command in commands)]
-
-
-def check_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
-    """The check step of a chain without a convert step: only the checks."""
-    return _chained(check_commands(spec, run))
-
-
-def convert_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
-    """The checks, then `lorajob_trainer.convert base` and/or `adapter` (the adapter reads the base's
-    config.json)."""
-    paths = run_paths(spec, run)
-    convert = ["python", "-m", "lorajob_trainer.convert"]
-    commands = check_commands(spec, run)
-    if paths.converted_base:
-        commands.append([*convert, "base", "--model-name", spec.model.name, "--hf", spec.model.hugging_face, "--out", paths.converted_base])
-    if paths.converted_adapter:
-        commands.append([
-            *convert, "adapter", "--model-name", spec.model.name, "--base", paths.base_checkpoint,
-            "--adapter", spec.lora.restore_from.hugging_face, "--out", paths.converted_adapter,
-        ])
-    return _chained(commands)
-
-
-def export_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
-    paths = run_paths(spec, run)
-    command = [
-        "python", "-m", "lorajob_trainer.export",
-        "--checkpoint", paths.checkpoints,
-        "--out", paths.adapter_export,
-        "--step", spec.export.checkpoint(spec.training),
-        "--base-model-name-or-path", spec.model.hugging_face or _tokenizer(spec),
-    ]
-    if spec.export.merged:
-        command += ["--merged", "--base", paths.base_checkpoint]
-    if spec.export.hub_repo:
-        command += ["--hub-repo", spec.export.hub_repo]
-    gate = spec.export.gate()
-    if gate.active:
-        command += ["--evaluation", RunLayout(spec.output.base_output_directory, run).evaluation]
-        command += ["--require-improvement"] if gate.require_improvement else []
-        command += ["--minimum-score", str(gate.minimum_score)] if gate.minimum_score is not None else []
-        command += ["--minimum-stop-rate", str(gate.minimum_stop_rate)] if gate.minimum_stop_rate is not None else []
-    return command
 
 
 # --- Building blocks --------------------------------------------------------------------------------
@@ -457,11 +209,11 @@ def _cpu_step(phase: str, command: list[str], resources: Resources, spec, owner,
     container = _trainer_container(spec, settings, command, [], resources.as_dict())
     pod = _pod_spec([container], {NODE_POOL_LABEL: _cpu_node_pool(spec, settings)}, settings)
     job = _replicated_job(phase, replicas=1, pods=1, pod_spec=pod, pod_labels=labels)
-    return _jobset(rules.child_name(run, phase), owner, labels, _queue_labels(spec), [job])
+    return _jobset(child_name(run, phase), owner, labels, _queue_labels(spec), [job])
 
 
 def _pathways_train(spec, owner, run, settings, attempt) -> dict:
-    name = rules.child_name(run, "train")
+    name = child_name(run, "train")
     labels = _labels(run, "train", attempt)
     tpu, machine, images, resources = spec.compute.tpu, _tpu_machine(spec), settings.images, settings.resources
     head_env = _env_from_label("PATHWAYS_HEAD", COORDINATOR_LABEL)
@@ -548,7 +300,7 @@ def _pathways_train(spec, owner, run, settings, attempt) -> dict:
     )
     jobs = [
         _replicated_job(
-            rules.PATHWAYS_HEAD, replicas=1, pods=1, pod_spec=head_pod, pod_labels=labels,
+            PATHWAYS_HEAD, replicas=1, pods=1, pod_spec=head_pod, pod_labels=labels,
             exclusive_topology="kubernetes.io/hostname",
         ),
         _replicated_job(
@@ -558,8 +310,8 @@ def _pathways_train(spec, owner, run, settings, attempt) -> dict:
     ]
     return _jobset(
         name, owner, labels, _queue_labels(spec), jobs,
-        coordinator={"replicatedJob": rules.PATHWAYS_HEAD, "jobIndex": 0, "podIndex": 0},
-        successPolicy={"operator": "All", "targetReplicatedJobs": [rules.PATHWAYS_HEAD]},
+        coordinator={"replicatedJob": PATHWAYS_HEAD, "jobIndex": 0, "podIndex": 0},
+        successPolicy={"operator": "All", "targetReplicatedJobs": [PATHWAYS_HEAD]},
     )
 
 
@@ -571,10 +323,10 @@ is set by Kubernetes in Indexed Jobs); the shell computes it and then becomes th
 
 def _multi_controller_trainer(spec, settings, run: str, jobs: int, pods: int, env: list[dict], resources: dict) -> dict:
     """The trainer of one of `jobs` x `pods` jax.distributed processes, coordinated by process 0."""
-    name = rules.child_name(run, "train")
+    name = child_name(run, "train")
     # Pod 0 of Job 0, addressed through the JobSet's headless service; a literal (not JobSet's
     # coordinator label) so the name needs no room for a doubled label value.
-    coordinator = rules.first_pod_host(name, WORKER)
+    coordinator = first_pod_host(name, WORKER)
     distributed_env = [
         _env(distributed.ENV_COORDINATOR_ADDRESS, f"{coordinator}:{distributed.DEFAULT_COORDINATOR_PORT}"),
         _env(distributed.ENV_NUM_PROCESSES, str(jobs * pods)),
@@ -585,11 +337,11 @@ def _multi_controller_trainer(spec, settings, run: str, jobs: int, pods: int, en
 
 
 def _mcjax_train(spec, owner, run, settings, attempt) -> dict:
-    name = rules.child_name(run, "train")
+    name = child_name(run, "train")
     labels = _labels(run, "train", attempt)
     slices, vms = spec.compute.tpu.slices, _vms_per_slice(spec)
     megascale = [
-        _env("MEGASCALE_COORDINATOR_ADDRESS", rules.first_pod_host(name, WORKER)),
+        _env("MEGASCALE_COORDINATOR_ADDRESS", first_pod_host(name, WORKER)),
         _env_from_label("MEGASCALE_NUM_SLICES", REPLICAS_LABEL),
         _env_from_label("MEGASCALE_SLICE_ID", JOB_INDEX_LABEL),
     ]
@@ -606,7 +358,7 @@ def _mcjax_train(spec, owner, run, settings, attempt) -> dict:
 
 
 def _gpu_train(spec, owner, run, settings, attempt) -> dict:
-    name = rules.child_name(run, "train")
+    name = child_name(run, "train")
     labels = _labels(run, "train", attempt)
     gpu = spec.compute.gpu
     gpus = str(gpu.gpus_per_node)
@@ -646,7 +398,3 @@ def render_phase(
 def render_all(spec: api.LoRAJobSpec, owner: Owner, settings: RenderSettings) -> list[dict]:
     """The JobSets of every step this LoRAJob runs, in order (first tries)."""
     return [render_phase(phase, spec, owner, settings) for phase in rules.phases(spec)]
-
-
-def allowed_label(key: str) -> bool:
-    return key in ALLOWED_LABELS or key.startswith(ALLOWED_LABEL_PREFIXES)
