@@ -8,18 +8,21 @@ reconciles; the others stand by with warm caches.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import kopf
 from kubernetes import client, config
 
 from lorajob_operator import leader, watches
+from lorajob_operator.controller.cluster import LeaderOnlyRESTClient
 from lorajob_operator.controller.loop import Controller
 from lorajob_operator.metrics import CountingRESTClient, Metrics
 from lorajob_operator.settings import OperatorSettings
 
 
-def _api_client(metrics: Metrics, connections: int, write_allowed=lambda: True) -> client.ApiClient:
+def _api_client(metrics: Metrics, connections: int, write_allowed: Callable[[], bool] | None = None) -> client.ApiClient:
+    """A client counting its requests into `metrics`; with `write_allowed`, one that sends no write while it is false."""
     try:
         config.load_incluster_config()
     except config.ConfigException:
@@ -27,7 +30,8 @@ def _api_client(metrics: Metrics, connections: int, write_allowed=lambda: True) 
     configuration = client.Configuration.get_default_copy()
     configuration.connection_pool_maxsize = connections  # else each pass beyond the pool opens a new TLS connection
     api_client = client.ApiClient(configuration)
-    api_client.rest_client = CountingRESTClient(configuration, metrics, write_allowed)
+    api_client.rest_client = (CountingRESTClient(configuration, metrics) if write_allowed is None
+                              else LeaderOnlyRESTClient(configuration, metrics, write_allowed))
     return api_client
 
 

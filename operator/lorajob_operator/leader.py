@@ -1,7 +1,7 @@
 """Leader election over a coordination.k8s.io Lease, the way client-go's leaderelection does it.
 
 Every replica keeps its caches warm; only the one holding the Lease reconciles, and the operator's API
-client refuses every write while `LeaderElector.leading()` is false (metrics.CountingRESTClient), so a
+client refuses every write while `LeaderElector.leading()` is false (controller.cluster.LeaderOnlyRESTClient), so a
 standby, or a leader that lost its Lease, sends no write at all.
 
 Safety rests on two local clocks, never on comparing clocks across nodes:

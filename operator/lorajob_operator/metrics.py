@@ -1,7 +1,8 @@
 """Prometheus metrics of the operator (served by `serve`; the Helm chart exposes the port).
 
 Counters and histograms are updated where things happen: API requests and errors in `CountingRESTClient`
-(every request the operator's client sends, watches included), reconciles in controller.loop.Controller. What the
+(every request the operator's client sends, watches included; controller.cluster.LeaderOnlyRESTClient puts the
+leader-only write guard on top), reconciles in controller.loop.Controller. What the
 caches and watches hold (objects per resource, LoRAJobs per phase, work-queue depth, watch restarts) and
 whether this replica leads are read at scrape time (`STATE`). Each Controller has its own registry (several run in one test process).
 """
@@ -15,8 +16,6 @@ from wsgiref.simple_server import WSGIServer
 from kubernetes.client import rest
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-from lorajob_operator.leader import NotLeader
 
 PREFIX = "lorajob_operator"
 
@@ -99,18 +98,14 @@ READ_VERBS = frozenset({"get", "list", "watch"})
 
 
 class CountingRESTClient(rest.RESTClientObject):
-    """The kubernetes client's HTTP layer, counting every request and failure into `metrics`; it refuses
-    (NotLeader, nothing sent) every write while `write_allowed()` is false: a standby writes nothing."""
+    """The kubernetes client's HTTP layer, counting every request and failure into `metrics`."""
 
-    def __init__(self, configuration, metrics: Metrics, write_allowed: Callable[[], bool] = lambda: True):
+    def __init__(self, configuration, metrics: Metrics):
         super().__init__(configuration)
         self.metrics = metrics
-        self.write_allowed = write_allowed
 
     def request(self, method, url, *args, **kwargs):
         verb = request_verb(method, url)
-        if verb not in READ_VERBS and not self.write_allowed():
-            raise NotLeader(f"not the leader: {verb} {urlparse(url).path} not sent")
         self.metrics.api_requests.labels(verb).inc()
         try:
             response = super().request(method, url, *args, **kwargs)

@@ -1,13 +1,18 @@
-"""The API server, where no cache serves: the resources the operator writes, a JobSet's pods, a trainer's log."""
+"""The API server, where no cache serves: the resources the operator writes, a JobSet's pods, a trainer's log; and
+the HTTP layer its writes go through, which refuses them while this replica does not lead (`LeaderOnlyRESTClient`)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from urllib.parse import urlparse
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from lorajob_operator import api, caches, names
+from lorajob_operator.leader import NotLeader
+from lorajob_operator.metrics import READ_VERBS, CountingRESTClient, Metrics, request_verb
 
 
 JOBSET = (names.JOBSET_GROUP, names.JOBSET_VERSION, names.JOBSET_PLURAL)
@@ -30,6 +35,21 @@ METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v
 
 
 LIST_PAGE = 500
+
+
+class LeaderOnlyRESTClient(CountingRESTClient):
+    """The operator's HTTP layer (every request and failure counted, as CountingRESTClient does); it refuses
+    (NotLeader, nothing sent) every write while `write_allowed()` is false: a standby writes nothing."""
+
+    def __init__(self, configuration, metrics: Metrics, write_allowed: Callable[[], bool]):
+        super().__init__(configuration, metrics)
+        self.write_allowed = write_allowed
+
+    def request(self, method, url, *args, **kwargs):
+        verb = request_verb(method, url)
+        if verb not in READ_VERBS and not self.write_allowed():
+            raise NotLeader(f"not the leader: {verb} {urlparse(url).path} not sent")
+        return super().request(method, url, *args, **kwargs)
 
 
 def is_missing(error: ApiException) -> bool:
