@@ -11,7 +11,7 @@ catalogue model with random weights, LoRA rank 16 on the family's default target
 `plan` runs the fit check the LoRAJob's CPU step runs (`fit.compile_attempt`: the TPU compiler without a TPU):
 the remat policy auto takes, HBM per chip and the roofline's step time, saved as JSON. `run`, on the chip, gives
 each row a child process of its own (a clean peak-memory figure; one row running out of memory ends only that
-row): the same step built by the same code (`plan.abstract_step`) with the policy the plan chose (as the train
+row): the same step built by the same code (`run.abstract_run`) with the policy the plan chose (as the train
 step does), random weights (trainer_bench.random_like: small ones drawn on the host, each large one by a jit),
 compiled (its own memory analysis beside the plan's), two warm-up steps, then `--steps` timed steps on a fixed
 batch; rows marked `feed` take their batches from the trainer's data loader instead (packed rows of a generated
@@ -202,12 +202,13 @@ def fixed_batch(abstract: dict, vocab_size: int) -> dict:
 
 
 def generated_feed(config, mesh, tokenizer_dir: Path, data_file: Path):
-    """The trainer's data feed (run_setup.data_feed: packed, shuffled, prefetched) over a generated dataset of
+    """The trainer's data feed (feed.data_feed: packed, shuffled, prefetched) over a generated dataset of
     question/answer rows, tokenised by the project's tiny tokenizer."""
     import random
 
     from lorajob_trainer import data as data_lib
-    from lorajob_trainer import run_setup, tiny
+    from lorajob_trainer import feed as feed_lib
+    from lorajob_trainer import tiny
     from lorajob_trainer.demo import write_jsonl
 
     tiny.write_tiny_tokenizer(tokenizer_dir)
@@ -222,8 +223,8 @@ def generated_feed(config, mesh, tokenizer_dir: Path, data_file: Path):
     config = config.model_copy(update={"hf_train_files": [str(data_file)], "train_data_columns": ["question", "answer"],
                                        "tokenizer_path": str(tokenizer_dir)})
     tokenizer = data_lib.load_tokenizer(str(tokenizer_dir))
-    loaded = run_setup.load_split(config, data_lib.train_source(config), tokenizer)
-    return run_setup.data_feed(config, mesh, loaded, config.gradient_accumulation_steps, config.epoch_policy)
+    loaded = feed_lib.load_split(config, data_lib.train_source(config), tokenizer)
+    return feed_lib.data_feed(config, mesh, loaded, config.gradient_accumulation_steps, config.epoch_policy)
 
 
 def measure(name: str, plan: dict, steps: int, profile_dir: str | None, work: Path) -> dict:
@@ -231,7 +232,7 @@ def measure(name: str, plan: dict, steps: int, profile_dir: str | None, work: Pa
 
     from lorajob_trainer import metrics
     from lorajob_trainer import plan as plan_lib
-    from lorajob_trainer.optim import build_optimizer
+    from lorajob_trainer import run as run_lib
 
     row = ROWS[name]
     hf_config = model_config(row.model)
@@ -244,24 +245,23 @@ def measure(name: str, plan: dict, steps: int, profile_dir: str | None, work: Pa
         compile_s = time.perf_counter() - compile_started
     config = train_config(row, plan["remat"])
     started = time.perf_counter()
-    step = plan_lib.abstract_step(config, hf_config, jax.devices())
-    base = random_like(step.base, 0)
-    adapters = random_like(step.adapters, 1)
-    opt_state = jax.jit(build_optimizer(config).init, out_shardings=jax.tree.map(lambda x: x.sharding,
-                                                                                   step.optimizer_state))(adapters)
-    batch = fixed_batch(step.batch, hf_config["vocab_size"])
+    run = run_lib.abstract_run(config, hf_config, jax.devices())
+    base = random_like(run.base, 0)
+    adapters = random_like(run.adapters(), 1)
+    opt_state = jax.jit(run.optimizer.init, out_shardings=run.shardings["optimizer"])(adapters)
+    batch = fixed_batch(run.batch, hf_config["vocab_size"])
     jax.block_until_ready((base, adapters, opt_state, batch))
     made_s = time.perf_counter() - started
     stage(name, f"random weights made ({made_s:.1f} s)", began)
     if executable is None:
         compile_started = time.perf_counter()
-        with jax.set_mesh(step.mesh):
-            executable = step.steps.train.lower(*step.arguments()).compile()
+        with jax.set_mesh(run.mesh):
+            executable = run.steps.train.lower(*run.arguments()).compile()
         compile_s = time.perf_counter() - compile_started
     stage(name, f"compiled ({compile_s:.1f} s)", began)
-    compiled_hbm = plan_lib.describe_compiled(executable, step, config, 0.0).memory.total
+    compiled_hbm = plan_lib.describe_compiled(executable, run, config, 0.0).memory.total
     compiled = executable
-    feed = generated_feed(config, step.mesh, work / "tokenizer", work / "data.jsonl") if row.feed else None
+    feed = generated_feed(config, run.mesh, work / "tokenizer", work / "data.jsonl") if row.feed else None
 
     def next_batch(index: int) -> tuple[dict, float]:
         if feed is None:
@@ -269,7 +269,7 @@ def measure(name: str, plan: dict, steps: int, profile_dir: str | None, work: Pa
         waited = time.perf_counter()
         return feed.next_batch(index), time.perf_counter() - waited
 
-    with jax.set_mesh(step.mesh):
+    with jax.set_mesh(run.mesh):
         for index in range(WARMUP_STEPS):
             adapters, opt_state, out = compiled(adapters, opt_state, base, next_batch(index)[0])
         float(out["loss"])
@@ -292,8 +292,8 @@ def measure(name: str, plan: dict, steps: int, profile_dir: str | None, work: Pa
     return {
         "row": name, "device": jax.devices()[0].device_kind, "remat": plan["remat"], "steps": steps,
         "tokens_per_s": tokens_per_s, "step_s": elapsed / steps, "host_wait_s_per_step": host_s / steps,
-        "mfu": metrics.mfu(tokens_per_s, step.flops, jax.device_count(), peak),
-        "gflops_per_token": step.flops.per_token / 1e9,
+        "mfu": metrics.mfu(tokens_per_s, run.flops, jax.device_count(), peak),
+        "gflops_per_token": run.flops.per_token / 1e9,
         "peak_hbm_bytes": metrics.peak_device_memory_bytes(jax.local_devices()),
         "attention_kernel": ATTENTION_KERNEL,
         "memory_stats": jax.local_devices()[0].memory_stats(),

@@ -170,11 +170,8 @@ def bench_jax(args) -> dict:
     from lorajob_trainer import mesh as mesh_lib
     from lorajob_trainer import metrics
     from lorajob_trainer import models
-    from lorajob_trainer import run_setup
-    from lorajob_trainer import step as step_lib
+    from lorajob_trainer import run as run_lib
     from lorajob_trainer.config import MeshConfig, TrainConfig
-    from lorajob_trainer.models import experts
-    from lorajob_trainer.optim import build_optimizer
 
     hf = hf_config(args.shape)
     dtype = bench_dtype()
@@ -184,19 +181,14 @@ def bench_jax(args) -> dict:
     config = TrainConfig.from_dict({
         "run_name": "bench", "base_output_directory": "/tmp/bench", "model_name": "tiny-qwen3",
         "load_parameters_path": "random", "hf_train_files": ["random"], "steps": 1000, "learning_rate": 1e-4,
-        "warmup_steps_fraction": 0.0,
+        "warmup_steps_fraction": 0.0, "max_target_length": args.seq, "loss_chunk_length": args.loss_chunk,
     })
-    optimizer = build_optimizer(config)
-    flops = run_setup.model_flops(model, run_setup.attention_width(tunix_config), args.seq,
-                                  experts.active_shares(model))
-    period = models.family_for_hf_config(hf).layer_period(tunix_config)
-    graphdef, layout, lora_state, base = step_lib.split_for_step(model, period)
-    adapters = step_lib.trainable_adapters(layout, lora_state)
-    opt_state = step_lib.init_optimizer_state(optimizer, adapters, mesh)
-    steps = step_lib.build_step_functions(
-        graphdef, layout, optimizer, dtype, step_lib.step_shardings(adapters, opt_state, base, mesh), args.loss_chunk,
-        args.remat, run_setup.aux_loss_coef(None, hf, model),
-    )
+    family = models.family_for_hf_config(hf)
+    run = run_lib.build(config, run_lib.lora_model_of(model, family, tunix_config, hf, None, config, abstract=False),
+                        mesh, dtype, args.remat)
+    steps, base, flops = run.steps, run.base, run.flops
+    adapters = run.adapters()
+    opt_state = run.optimizer_state(adapters)
     rows = args.batch
     tokens = jax.random.randint(jax.random.key(1), (1, rows, args.seq + 1), 0, hf["vocab_size"], jnp.int32)
     batch = {

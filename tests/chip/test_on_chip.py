@@ -68,7 +68,8 @@ from test_parity import jax_logits  # noqa: E402
 from test_splash_attention import kernel_forwards, outputs_and_gradients  # noqa: E402
 from trainer_testkit import arithmetic_rows, base_args, tiny_checkpoint, trainer_env, write_jsonl  # noqa: E402
 
-from lorajob_trainer import evaluate, export, loading, lora, models, plan  # noqa: E402
+from lorajob_trainer import evaluate, export, loading, lora, models  # noqa: E402
+from lorajob_trainer import run as run_lib  # noqa: E402
 from lorajob_trainer import mesh as mesh_lib  # noqa: E402
 from lorajob_trainer import step as step_lib  # noqa: E402
 from lorajob_trainer import train as train_lib  # noqa: E402
@@ -191,14 +192,14 @@ spread over a few units are typically ~0.3 apart, above bf16's error, but not ev
 
 def real_width_forward(dtype, mesh):
     """(graphdef, LoRA state, base state) of REAL_WIDTHS with LoRA rank 16 on all seven projections as the trainer
-    builds it for a step (plan.abstract_lora_model; the layers stacked for the scan), every value abstract."""
+    builds it for a step (run.abstract_model; the layers stacked for the scan), every value abstract."""
     config = TrainConfig.from_dict({
         "run_name": "chip", "base_output_directory": "/tmp/unused", "model_name": "qwen3-0.6b",
         "load_parameters_path": "random", "hf_train_files": ["random"], "steps": 1,
         "lora": {"lora_rank": 16, "lora_alpha": 32},
     })
-    model, family, tunix_config = plan.abstract_lora_model(config, REAL_WIDTHS, mesh, dtype)
-    graphdef, _, lora_state, base = step_lib.split_for_step(model, family.layer_period(tunix_config))
+    model = run_lib.abstract_model(config, REAL_WIDTHS, mesh, dtype)
+    graphdef, _, lora_state, base = step_lib.split_for_step(model.model, model.layer_period)
     return graphdef, lora_state, base
 
 
@@ -390,7 +391,7 @@ def test_a_training_run_on_the_chip_learns_as_on_the_cpu_and_exports(tmp_path):
             trainer = train_lib.build_trainer(chip_config)
             try:
                 assert {device.platform for device in trainer.mesh.devices.flat} == {CHIP.platform}
-                trainer.run()
+                trainer.train()
                 prompt = evaluate.prompt_tokens(trainer.tokenizer, [{"role": "user", "content": PROMPT}], 64)
             finally:
                 trainer.close()
@@ -401,7 +402,7 @@ def test_a_training_run_on_the_chip_learns_as_on_the_cpu_and_exports(tmp_path):
     assert cpu_run.returncode == 0, output[-3000:]
 
     chip, cpu = losses(chip_config.run_directory), losses(cpu_config.run_directory)
-    record("training", chip_losses=chip, cpu_losses=cpu, chip_seconds=chip_seconds, dtype=jnp.dtype(trainer.dtype).name)
+    record("training", chip_losses=chip, cpu_losses=cpu, chip_seconds=chip_seconds, dtype=jnp.dtype(trainer.run.dtype).name)
     assert len(chip) == len(cpu) == STEPS
     for curve in (chip, cpu):
         assert np.mean(curve[-5:]) <= FALLS_TO * np.mean(curve[:5]), curve
@@ -421,5 +422,5 @@ def test_a_training_run_on_the_chip_learns_as_on_the_cpu_and_exports(tmp_path):
         (OUT / "chip_logits.json").write_text(json.dumps({
             "prompt": PROMPT, "prompt_ids": ids.tolist(), "logits": logits.tolist(),
             "computed_on": f"the CPU of the machine with {CHIP.device_kind}, float32, our model + the adapter",
-            "adapter_trained_on": CHIP.device_kind, "dtype_trained": jnp.dtype(trainer.dtype).name, "steps": STEPS,
+            "adapter_trained_on": CHIP.device_kind, "dtype_trained": jnp.dtype(trainer.run.dtype).name, "steps": STEPS,
         }) + "\n")

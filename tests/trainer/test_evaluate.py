@@ -102,7 +102,7 @@ def evaluated_run(tmp_path_factory):
     ))
     trainer = train_lib.build_trainer(config)
     try:
-        trainer.run()
+        trainer.train()
     finally:
         trainer.close()
     return config

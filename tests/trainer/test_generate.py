@@ -71,7 +71,7 @@ def _forward(trainer):
 
     @jax.jit
     def forward(adapters, tokens, segments):
-        model = nnx.merge(trainer.graphdef, trainer.layout.state(adapters), trainer.base)
+        model = nnx.merge(trainer.run.graphdef, trainer.run.layout.state(adapters), trainer.run.base)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         return models.forward(model, tokens, positions, segments)
 
@@ -97,8 +97,8 @@ def test_generation_equals_one_full_forward_per_token(trainer):
             # A stop token the first prompt reaches at its third token: that row stops, the others need not.
             stop_ids = [free[0][2]]
             expected = [_one_at_a_time(forward, p, set(stop_ids), width) for p in prompts]
-            generator = trainer.generator(MAX_NEW_TOKENS, stop_ids)
-            got = generator.generate(adapters, trainer.base, prompts, batch_rows=generator.batch_rows(2))
+            generator = trainer.run.generator(MAX_NEW_TOKENS, stop_ids)
+            got = generator.generate(adapters, trainer.run.base, prompts, batch_rows=generator.batch_rows(2))
             assert [(g.tokens, g.stopped) for g in got] == expected, name
             assert got[0].stopped and len(got[0].tokens) == free[0].index(stop_ids[0]) + 1
             outputs[name] = free

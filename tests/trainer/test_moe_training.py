@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 from lorajob_trainer import loading, metrics, models, tiny
 from lorajob_trainer import loss as loss_lib
-from lorajob_trainer import run_setup
+from lorajob_trainer import run as run_lib
 from lorajob_trainer import train as train_lib
 from lorajob_trainer.config import TrainConfig
 from lorajob_trainer.models import experts
@@ -103,7 +103,7 @@ def test_aux_loss_coefficient_defaults_to_the_checkpoint_config(hf_config, overr
     hf = tiny.tiny_config(FAMILY, **hf_config)
     family = models.FAMILIES[FAMILY]
     abstract = models.abstract_model(family, family.config_from_hf(hf, jnp.float32), hf)
-    assert run_setup.aux_loss_coef(override, hf, abstract) == expected
+    assert run_lib.aux_loss_coef(override, hf, abstract) == expected
 
 
 @pytest.mark.torch
@@ -117,7 +117,7 @@ def test_gemma4_moe_has_no_load_balancing_loss():
     assert "router_aux_loss_coef" not in hf and "output_router_logits" not in hf
     family = models.FAMILIES["gemma4"]
     abstract = models.abstract_model(family, family.config_from_hf(hf, jnp.float32), hf)
-    assert run_setup.aux_loss_coef(0.5, hf, abstract) is None
+    assert run_lib.aux_loss_coef(0.5, hf, abstract) is None
 
 
 def moe_run_args(tmp_path, *overrides: str) -> list[str]:
@@ -135,17 +135,17 @@ def test_step_minimises_lm_loss_plus_weighted_aux_loss(tmp_path):
                                                 "per_device_batch_size=2", f"router_aux_loss_coef={COEF}"))
     trainer = train_lib.build_trainer(config)
     batch = trainer.train_feed.next_batch(1)
-    graphdef, _, _ = nnx.split(trainer.lora_model.model, nnx.LoRAParam, ...)
+    graphdef, _, _ = nnx.split(trainer.run.model.model, nnx.LoRAParam, ...)
 
     def lm_and_aux(adapters):
         """(LM loss of the step, mean aux loss of its micro-batches)."""
-        state = trainer.layout.state(adapters)
+        state = trainer.run.layout.state(adapters)
         lm_sum, aux_sum = 0.0, 0.0
         for m in range(2):
             micro = {name: value[m] for name, value in batch.items()}
-            model = nnx.merge(graphdef, state, trainer.base)
+            model = nnx.merge(graphdef, state, trainer.run.base)
             loss_sum, _, aux = loss_lib.losses_with_load_balancing(
-                model, micro, config.loss_chunk_length, trainer.remat_policy
+                model, micro, config.loss_chunk_length, trainer.run.remat_policy
             )
             lm_sum, aux_sum = lm_sum + loss_sum, aux_sum + aux
         return lm_sum / jnp.sum(batch["weights"]), aux_sum / 2
@@ -158,7 +158,7 @@ def test_step_minimises_lm_loss_plus_weighted_aux_loss(tmp_path):
         return aux, optax.global_norm(total), optax.global_norm(lm_grads)
 
     reference_aux, norm, lm_norm = (float(x) for x in reference(dict(trainer.lora)))
-    _, _, step_metrics = trainer.steps.train(trainer.lora, trainer.opt_state, trainer.base, batch)
+    _, _, step_metrics = trainer.run.steps.train(trainer.lora, trainer.opt_state, trainer.run.base, batch)
     trainer.close()
     np.testing.assert_allclose(float(step_metrics["grad_norm"]), norm, rtol=1e-5)
     assert abs(norm - lm_norm) > 1e-3 * lm_norm
@@ -183,11 +183,11 @@ trainer = train_lib.build_trainer(TrainConfig.from_args(sys.argv[1:]))
 def shards(array):
     return {"spec": [list(a) if isinstance(a, tuple) else a for a in array.sharding.spec],
             "shapes": sorted({tuple(s.data.shape) for s in array.addressable_shards}), "shape": list(array.shape)}
-base = {"/".join(map(str, p)): v for p, v in trainer.base.flat_state()}
-report = {"mesh": dict(trainer.mesh.shape), "repeats": trainer.layout.stacking.repeats,
+base = {"/".join(map(str, p)): v for p, v in trainer.run.base.flat_state()}
+report = {"mesh": dict(trainer.mesh.shape), "repeats": trainer.run.layout.stacking.repeats,
           "base": {k: shards(v.get_value()) for k, v in base.items() if k.startswith("layers/blocks/0/mlp/experts/")},
           "lora": {k: shards(v) for k, v in trainer.lora.items() if k.startswith("layers.0.mlp.experts.")}}
-trainer.run()
+trainer.train()
 trainer.close()
 print("REPORT " + json.dumps(report))
 """

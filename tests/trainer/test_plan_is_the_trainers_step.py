@@ -1,5 +1,5 @@
-"""The plan compiles the step the trainer runs: on four devices with a tensor axis of 2, the batch `plan.abstract_step`
-builds has the shape of the trainer's data feed (every device counts towards the global batch, a tensor-parallel
+"""The plan compiles the step the trainer runs: on four devices with a tensor axis of 2, the abstract run the plan
+compiles (`run.abstract_run`) takes a batch of the shape of the trainer's data feed (every device counts towards the global batch, a tensor-parallel
 one too: the plan had counted only the data-parallel ones, compiling a batch half the size), and the two compiled
 steps need the same memory."""
 
@@ -17,7 +17,8 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys
     import jax
-    from lorajob_trainer import loading, models, plan
+    from lorajob_trainer import loading, plan
+    from lorajob_trainer import run as run_lib
     from lorajob_trainer import train as train_lib
     from lorajob_trainer.config import TrainConfig
 
@@ -26,9 +27,9 @@ SCRIPT = textwrap.dedent(
     trainer = train_lib.build_trainer(config)
     batch = trainer.train_feed.next_batch(1)
     with jax.set_mesh(trainer.mesh):
-        ran = trainer.steps.train.lower(trainer.lora, trainer.opt_state, trainer.base, batch).compile()
+        ran = trainer.run.steps.train.lower(trainer.lora, trainer.opt_state, trainer.run.base, batch).compile()
     planned = plan.compile_train_step(config, hf_config, jax.devices())
-    step = plan.abstract_step(config, hf_config, jax.devices())
+    abstract = run_lib.abstract_run(config, hf_config, jax.devices())
 
     def memory(analysis):
         return [analysis.argument_size_in_bytes, analysis.output_size_in_bytes, analysis.temp_size_in_bytes]
@@ -36,7 +37,7 @@ SCRIPT = textwrap.dedent(
     json.dump({
         "mesh": dict(trainer.mesh.shape),
         "trainer_batch": {name: list(value.shape) for name, value in batch.items()},
-        "plan_batch": {name: list(value.shape) for name, value in step.batch.items()},
+        "plan_batch": {name: list(value.shape) for name, value in abstract.batch.items()},
         "trainer_memory": memory(ran.memory_analysis()),
         "plan_memory": memory(planned.executable.memory_analysis()),
     }, sys.stdout)

@@ -157,12 +157,12 @@ def test_training_moves_every_expert_adapter_and_lowers_the_loss(tmp_path):
     d, f, e, layers = hf["hidden_size"], hf["moe_intermediate_size"], hf["num_experts"], hf["num_hidden_layers"]
     attention = d * 4 * 16 * 2 + d * 2 * 16 * 2
     experts_active = 3 * d * f * e * hf["num_experts_per_tok"] // e
-    assert trainer.flops.frozen_matmul_params == layers * (attention + d * e + experts_active) + d * hf["vocab_size"]
+    assert trainer.run.flops.frozen_matmul_params == layers * (attention + d * e + experts_active) + d * hf["vocab_size"]
     expert_adapters = sum(v.size for name, v in before.items() if ".experts." in name)
     assert expert_adapters > 0
     other_adapters = sum(v.size for name, v in before.items() if ".experts." not in name)
-    assert trainer.flops.adapter_params == other_adapters + expert_adapters // 2
-    trainer.run()
+    assert trainer.run.flops.adapter_params == other_adapters + expert_adapters // 2
+    trainer.train()
     trainer.close()
     moved = [name for name, value in before.items() if not np.array_equal(value, np.asarray(trainer.lora[name]))]
     assert sorted(moved) == sorted(before)

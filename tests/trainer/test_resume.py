@@ -49,7 +49,7 @@ def unfinished_writes(checkpoint_dir: Path) -> list[Path]:
 def run_to_completion(args: list[str]):
     trainer = train_lib.build_trainer(TrainConfig.from_args(args))
     try:
-        result = trainer.run()
+        result = trainer.train()
     finally:
         trainer.close()
     return trainer, result

@@ -39,9 +39,9 @@ def run(tiny_model, tmp_path_factory):
         "gradient_accumulation_steps=2", "checkpoint_period=10", "peak_tflops_per_device=1",
     ))
     trainer = train_lib.build_trainer(config)
-    base_before = jax.tree.map(np.array, trainer.base)
+    base_before = jax.tree.map(np.array, trainer.run.base)
     lora_before = {name: np.array(value) for name, value in trainer.lora.items()}
-    result = trainer.run()
+    result = trainer.train()
     trainer.close()
     records = [json.loads(line) for line in (config.run_directory / "metrics.jsonl").read_text().splitlines()]
     return {"config": config, "trainer": trainer, "result": result, "records": records,
@@ -58,12 +58,12 @@ def test_loss_goes_down(run):
 
 
 def test_train_and_eval_steps_compile_once(run):
-    assert run["trainer"].steps.traces == {"train": 1, "eval": 1}
+    assert run["trainer"].run.steps.traces == {"train": 1, "eval": 1}
 
 
 def test_only_lora_parameters_change(run):
     trainer = run["trainer"]
-    unchanged = jax.tree.map(lambda before, after: np.array_equal(before, np.asarray(after)), run["base_before"], trainer.base)
+    unchanged = jax.tree.map(lambda before, after: np.array_equal(before, np.asarray(after)), run["base_before"], trainer.run.base)
     assert all(jax.tree.leaves(unchanged))
     moved = [name for name, before in run["lora_before"].items() if not np.array_equal(before, np.asarray(trainer.lora[name]))]
     assert sorted(moved) == sorted(run["lora_before"]), "every adapter tensor (A and B) is trained"
@@ -118,7 +118,7 @@ def test_every_progress_record_lists_the_kept_checkpoints_with_their_losses(run)
 
 
 def test_mfu_counts_lora_cost_not_full_finetuning(run):
-    flops = run["trainer"].flops
+    flops = run["trainer"].run.flops
     # Tiny Qwen3 with untied lm_head: 2 layers of q,k,v,o (64x64, 64x32, 64x32, 64x64) + MLP (3 x 64x128) + lm_head 64x256.
     per_layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128
     assert flops.frozen_matmul_params == 2 * per_layer + 64 * 256
@@ -130,7 +130,7 @@ def test_mfu_counts_lora_cost_not_full_finetuning(run):
 def test_packing_never_attends_across_segments(run):
     """Two examples packed in one row give exactly the token losses they give in rows of their own."""
     trainer = run["trainer"]
-    model = trainer.lora_model.model
+    model = trainer.run.model.model
     first, second = np.arange(3, 13, dtype=np.int32), np.arange(20, 27, dtype=np.int32)
 
     def row(*examples):
@@ -167,7 +167,7 @@ def test_accumulation_equals_one_large_batch(run):
     def one_step(step_batch):
         lora = {name: jnp.array(value) for name, value in trainer.lora.items()}
         opt_state = jax.tree.map(jnp.array, trainer.opt_state)
-        new_lora, _, step_metrics = trainer.steps.train(lora, opt_state, trainer.base, step_batch)
+        new_lora, _, step_metrics = trainer.run.steps.train(lora, opt_state, trainer.run.base, step_batch)
         return new_lora, step_metrics
 
     accumulated_lora, accumulated_metrics = one_step(batch)
@@ -186,7 +186,7 @@ def test_lora_restore_path_starts_from_an_earlier_adapter(run, tiny_model, tmp_p
         f"lora.lora_restore_path={config.checkpoint_directory / '20'}", "enable_checkpointing=False",
     ))
     trainer = train_lib.build_trainer(restarted)
-    trainer.run()
+    trainer.train()
     trainer.close()
     params, _ = lora_lib.load_adapter_checkpoint(config.checkpoint_directory / "20")
     for name, value in params.items():

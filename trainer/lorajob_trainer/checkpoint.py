@@ -26,7 +26,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from lorajob_trainer import weights
+from lorajob_trainer import distributed, weights
+from lorajob_trainer.config import TrainConfig
 from lorajob_trainer.contract import DEFAULTS, CheckpointRecord, checkpoints_to_keep
 
 log = logging.getLogger(__name__)
@@ -234,3 +235,19 @@ def _abstract(leaf: Any) -> Any:
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return leaf
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+
+
+def for_run(config: TrainConfig) -> Checkpointer | None:
+    """The run's checkpointer (None with checkpointing off)."""
+    if not config.enable_checkpointing:
+        return None
+    pathways = distributed.is_pathways()
+    if pathways and (config.checkpoint_storage_use_ocdbt or config.checkpoint_storage_use_zarr3):
+        log.warning("Pathways: writing checkpoints without OCDBT/zarr3 (its array handler cannot read them)")
+    options = StorageOptions(
+        use_zarr3=config.checkpoint_storage_use_zarr3 and not pathways,
+        use_ocdbt=config.checkpoint_storage_use_ocdbt and not pathways,
+        asynchronous=config.async_checkpointing,
+        max_to_keep=config.max_num_checkpoints_to_keep,
+    )
+    return Checkpointer(config.checkpoint_directory, options)

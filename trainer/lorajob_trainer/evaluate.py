@@ -15,13 +15,16 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 
+import jax
+
 from lorajob_trainer import data as data_lib
-from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import storage
-from lorajob_trainer.contract import EVAL_SAMPLE_CHARACTERS, EvalRecord, EvalSample, ModelScore
+from lorajob_trainer.config import GenerationEvalConfig
+from lorajob_trainer.contract import EVAL_SAMPLE_CHARACTERS, EvalRecord, EvalSample, ModelScore, RunLayout
+from lorajob_trainer.run import Run
 
 log = logging.getLogger("lorajob_trainer.evaluate")
 
@@ -120,26 +123,23 @@ def _cut(text: str) -> str:
     return text if len(text) <= EVAL_SAMPLE_CHARACTERS else text[: EVAL_SAMPLE_CHARACTERS - 1] + "…"
 
 
-def evaluate(trainer, step: int) -> EvalRecord:
-    """Generate and score with the base and with `trainer.lora` (the adapter of `step`); write and print the record."""
-    config, settings = trainer.config, trainer.config.generation_eval
+def evaluate(run: Run, tokenizer, settings: GenerationEvalConfig, examples: Sequence[list[dict[str, str]]],
+             adapters: Mapping[str, dict[str, jax.Array]], step: int, write_to: RunLayout | None) -> EvalRecord:
+    """Generate with `run`'s model under each of the `adapters` ("base": as they start, "adapter": trained to
+    `step`) for the `examples` (conversations, each ending with its reference answer) and score the answers;
+    write the record under `write_to` (None: another process writes it) and print its line."""
     started = time.time()
-    dataset, _ = trainer.eval_loaded()
-    count = min(settings.examples, len(dataset))
-    columns = config.train_data_columns
-    conversations = [prompt_and_reference(data_lib.to_messages(dataset[i], columns)) for i in range(count)]
-    longest_prompt = max(config.max_target_length - settings.max_new_tokens, 1)
-    prompts = [prompt_tokens(trainer.tokenizer, conversation, longest_prompt) for conversation, _ in conversations]
-    stop_ids = stop_token_ids(trainer.tokenizer)
-    generator = trainer.generator(settings.max_new_tokens, stop_ids)
-    rows = generator.batch_rows(
-        settings.batch_size or mesh_lib.global_batch_rows(config.per_device_batch_size, trainer.mesh)
-    )
+    conversations = [prompt_and_reference(messages) for messages in examples]
+    longest_prompt = max(run.batch["inputs"].shape[2] - settings.max_new_tokens, 1)
+    prompts = [prompt_tokens(tokenizer, conversation, longest_prompt) for conversation, _ in conversations]
+    stop_ids = stop_token_ids(tokenizer)
+    generator = run.generator(settings.max_new_tokens, stop_ids)
+    rows = generator.batch_rows(settings.batch_size or run.batch["inputs"].shape[1])
     judge = scorer(settings.scorer, settings.pattern)
     answers, scores = {}, {}
-    for name, adapters in (("base", trainer.base_adapters), ("adapter", trainer.lora)):
-        generations = generator.generate(adapters, trainer.base, prompts, rows)
-        answers[name] = [answer_text(trainer.tokenizer, g.tokens, stop_ids) for g in generations]
+    for name in ("base", "adapter"):
+        generations = generator.generate(adapters[name], run.base, prompts, rows)
+        answers[name] = [answer_text(tokenizer, g.tokens, stop_ids) for g in generations]
         right = [judge(answer, reference) for answer, (_, reference) in zip(answers[name], conversations)]
         scores[name] = model_score(right, [g.stopped for g in generations], [len(g.tokens) for g in generations])
     prompt_texts = [conversation[-1]["content"] if conversation else "" for conversation, _ in conversations]
@@ -148,20 +148,20 @@ def evaluate(trainer, step: int) -> EvalRecord:
         for prompt, (_, reference), base, adapter in zip(prompt_texts, conversations, answers["base"], answers["adapter"])
     ]
     record = EvalRecord(
-        scorer=settings.scorer, examples=count, step=step, max_new_tokens=settings.max_new_tokens,
+        scorer=settings.scorer, examples=len(examples), step=step, max_new_tokens=settings.max_new_tokens,
         seconds=round(time.time() - started, 3), base=scores["base"], adapter=scores["adapter"],
         samples=tuple(EvalSample(*map(_cut, (s.prompt, s.reference, s.base, s.adapter))) for s in samples[: settings.samples]),
     )
-    if trainer.is_lead:
-        _write(config.layout, record, samples)
+    if write_to is not None:
+        _write(write_to, record, samples)
         print(record.line(), flush=True)
     log.info("evaluation of step %d (%s, %d examples, %.1f s): base %.3f, adapter %.3f; stop rate base %.2f, adapter %.2f",
-             step, record.scorer, count, record.seconds, record.base.score, record.adapter.score,
+             step, record.scorer, record.examples, record.seconds, record.base.score, record.adapter.score,
              record.base.stop_rate, record.adapter.stop_rate)
     return record
 
 
-def _write(layout, record: EvalRecord, samples: list[EvalSample]) -> None:
+def _write(layout: RunLayout, record: EvalRecord, samples: list[EvalSample]) -> None:
     storage.write_text(layout.evaluation, json.dumps(record.to_json(), indent=1) + "\n")
     storage.write_text(layout.evaluation_samples, "".join(json.dumps(asdict(sample)) + "\n" for sample in samples))
 

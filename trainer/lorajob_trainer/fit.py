@@ -256,8 +256,7 @@ def analytic_attempt(config: TrainConfig, hf_config: dict[str, Any], gpu: Chip, 
 
     from lorajob_trainer import mesh as mesh_lib
     from lorajob_trainer import plan as plan_lib
-    from lorajob_trainer import run_setup
-    from lorajob_trainer.models import experts
+    from lorajob_trainer import run as run_lib
 
     if target.remat_policy == REMAT_AUTO:
         rejected: list[str] = []
@@ -272,10 +271,10 @@ def analytic_attempt(config: TrainConfig, hf_config: dict[str, Any], gpu: Chip, 
         return Attempt(target, fits=False, capacity_bytes=gpu.capacity_bytes, analytic=True,
                        error=f"no analytic estimate for remat_policy {config.remat_policy!r} (one of {', '.join(ACTIVATION_BYTES)})")
     mesh = mesh_lib.build_mesh(config.mesh, jax.devices("cpu")[:1])
-    model, _, tunix_config = plan_lib.abstract_lora_model(config, hf_config, mesh, jnp.bfloat16)
-    flops = run_setup.model_flops(model, run_setup.attention_width(tunix_config), config.max_target_length,
-                              experts.active_shares(model))
-    _, lora, base = nnx.split(model, nnx.LoRAParam, ...)
+    model = run_lib.abstract_model(config, hf_config, mesh, jnp.bfloat16)
+    tunix_config = model.tunix_config
+    flops = model.flops(config.max_target_length)
+    _, lora, base = nnx.split(model.model, nnx.LoRAParam, ...)
     base_bytes = plan_lib.per_chip_bytes(base)
     adapter_bytes = 4 * sum(leaf.size for leaf in jax.tree.leaves(lora)) * 4  # values, gradients, Adam m and v
     rows = config.per_device_batch_size

@@ -1,10 +1,8 @@
 """The trainer's own train step, compiled for devices it does not run on (a TPU topology, without a TPU).
 
-`compile_train_step(config, hf_config, devices)` builds what `train.Trainer` builds (run_setup.py, step.py),
-from config.json alone: the model and its LoRA adapters as abstract arrays (`nnx.eval_shape`, nothing read or
-allocated) with the shardings of the run's mesh over `devices`, the layers stacked for the scan, the float32
-adapters, the optimizer state and a batch of the run's shape, and compiles the same jitted step
-(`step.build_step_functions`). The compiler's memory and cost analyses are per JAX device: a chip, or half of
+`compile_train_step(config, hf_config, devices)` builds the run the trainer builds (run.py), from config.json
+alone: the model and its LoRA adapters as abstract arrays (`run.abstract_model`, nothing read or allocated)
+with the shardings of the run's mesh over `devices`, and compiles the same jitted step. The compiler's memory and cost analyses are per JAX device: a chip, or half of
 one on tpu7x (two TensorCores per chip).
 
 TPU devices come from `jax.experimental.topologies` (libtpu installed; no TPU needed):
@@ -22,16 +20,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from lorajob_trainer import lora as lora_lib
-from lorajob_trainer import mesh as mesh_lib
-from lorajob_trainer import models, run_setup
-from lorajob_trainer import step as step_lib
-from lorajob_trainer.models import experts, splash
-from lorajob_trainer.config import TrainConfig, resolve_target_modules
+from lorajob_trainer import run as run_lib
+from lorajob_trainer.config import TrainConfig
 from lorajob_trainer.contract import REMAT_POLICIES
-from lorajob_trainer.optim import build_optimizer
+from lorajob_trainer.models import splash
 
 
 class PlanError(RuntimeError):
@@ -128,97 +121,6 @@ def per_chip_bytes(tree: Any) -> int:
     return total
 
 
-LOADED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-"""The dtypes of weights as a checkpoint holds them (the trainer loads them in its compute dtype); a quantised
-weight's own type (int8, uint4, float8) stays."""
-
-
-def _abstract(variable: nnx.Variable, mesh: jax.sharding.Mesh, dtype: Any) -> jax.ShapeDtypeStruct:
-    value = variable.get_value()
-    value_dtype = dtype if jnp.dtype(value.dtype) in LOADED_DTYPES else value.dtype
-    return jax.ShapeDtypeStruct(value.shape, value_dtype, sharding=mesh_lib.variable_sharding(mesh, variable))
-
-
-def abstract_lora_model(config: TrainConfig, hf_config: dict[str, Any], mesh: jax.sharding.Mesh, dtype: Any):
-    """(model, family, tunix_config): the base model with LoRA applied as `run_setup.load_lora_model` builds it,
-    every value a ShapeDtypeStruct placed on `mesh`, the base weights in `dtype` as the trainer loads them."""
-    family = models.family_for_hf_config(hf_config)
-    tunix_config = family.config_from_hf(hf_config, dtype)
-    targets = resolve_target_modules(config, lora_lib.default_targets(family.name))
-    regex = lora_lib.target_regex(family.name, targets, config.lora.lora_module_path)
-
-    def build() -> nnx.Module:
-        model = family.build(tunix_config, hf_config, models.tracing_rngs())
-        return lora_lib.apply_lora(
-            model, rank=config.lora.lora_rank, alpha=config.lora.lora_alpha, target_regex=regex, mesh=mesh,
-            rslora=config.lora.use_rslora, dora=config.lora.use_dora, base_quantization=config.lora.base_quantization,
-            rngs=models.tracing_rngs(config.seed),
-        )
-
-    model = nnx.eval_shape(build)
-    for _, variable in nnx.to_flat_state(nnx.state(model)):
-        variable.set_value(_abstract(variable, mesh, dtype))
-    return model, family, tunix_config
-
-
-@dataclasses.dataclass(frozen=True)
-class AbstractStep:
-    """The train step of a config as the trainer builds it, and its arguments as ShapeDtypeStructs placed on the
-    mesh: what `compile_train_step` compiles, and what bench/chip_bench.py fills with random values to run."""
-
-    mesh: jax.sharding.Mesh
-    steps: step_lib.StepFunctions
-    adapters: dict[str, jax.ShapeDtypeStruct]
-    optimizer_state: Any
-    base: nnx.State
-    batch: dict[str, jax.ShapeDtypeStruct]
-    flops: Any
-    """metrics.LoraFlops of the model."""
-    layers_scanned: int
-    """Decoder layers inside the scan (0: unrolled)."""
-
-    def arguments(self) -> tuple[Any, ...]:
-        return self.adapters, self.optimizer_state, self.base, self.batch
-
-
-def abstract_step(
-    config: TrainConfig, hf_config: dict[str, Any], devices: Sequence[jax.Device], scan_layers: bool = True
-) -> AbstractStep:
-    """The train step of `config` (a concrete remat policy) over `devices`, and its abstract arguments."""
-    mesh = mesh_lib.build_mesh(config.mesh, devices)
-    dtype = run_setup.compute_dtype(config, devices[0].platform)
-    model, family, tunix_config = abstract_lora_model(config, hf_config, mesh, dtype)
-    flops = run_setup.model_flops(
-        model, run_setup.attention_width(tunix_config), config.max_target_length, experts.active_shares(model)
-    )
-    period = family.layer_period(tunix_config) if scan_layers else None
-    graphdef, layout, lora, base = step_lib.split_for_step(model, period)
-    stacking = layout.stacking
-    adapters = {
-        name: jax.ShapeDtypeStruct(value.shape, jnp.float32, sharding=value.sharding)
-        for name, value in layout.flat(lora).items()
-    }
-    optimizer = build_optimizer(config)
-    opt_state = jax.tree.map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-        jax.eval_shape(optimizer.init, adapters),
-        step_lib.optimizer_state_shardings(optimizer, adapters, mesh),
-    )
-    shardings = step_lib.step_shardings(adapters, opt_state, base, mesh)
-    steps = step_lib.build_step_functions(
-        graphdef, layout, optimizer, dtype, shardings, config.loss_chunk_length, config.remat_policy,
-        run_setup.aux_loss_coef(config.router_aux_loss_coef, hf_config, model),
-    )
-    rows = mesh_lib.global_batch_rows(config.per_device_batch_size, mesh)
-    shape = (config.gradient_accumulation_steps, rows, config.max_target_length)
-    batch = {
-        name: jax.ShapeDtypeStruct(shape, jnp.float32 if name == "weights" else jnp.int32, sharding=shardings["batch"])
-        for name in step_lib.BATCH_FIELDS
-    }
-    return AbstractStep(mesh, steps, adapters, opt_state, base, batch, flops,
-                        stacking.period * stacking.repeats if stacking else 0)
-
-
 def compile_train_step(
     config: TrainConfig, hf_config: dict[str, Any], devices: Sequence[jax.Device], scan_layers: bool = True
 ) -> CompiledStep:
@@ -226,30 +128,31 @@ def compile_train_step(
     errors (RESOURCE_EXHAUSTED when it does not fit) propagate. `scan_layers=False` unrolls the layers, as the
     trainer never does, so that the cost analysis counts every layer (bench/tpu_plan.py --executed-flops)."""
     started = time.perf_counter()
-    step = abstract_step(config, hf_config, devices, scan_layers)
-    with jax.set_mesh(step.mesh):
-        compiled = step.steps.train.lower(*step.arguments()).compile()
-    return describe_compiled(compiled, step, config, started)
+    run = run_lib.abstract_run(config, hf_config, list(devices), scan_layers)
+    with jax.set_mesh(run.mesh):
+        compiled = run.steps.train.lower(*run.arguments()).compile()
+    return describe_compiled(compiled, run, config, started)
 
 
-def describe_compiled(compiled: Any, step: AbstractStep, config: TrainConfig, started: float) -> CompiledStep:
-    """The figures of a compiled train step (`jax.stages.Compiled`) of `step`; `started`: when building began."""
+def describe_compiled(compiled: Any, run: run_lib.Run, config: TrainConfig, started: float) -> CompiledStep:
+    """The figures of a compiled train step (`jax.stages.Compiled`) of `run`; `started`: when building began."""
     attention_block = splash.block_size(config.max_target_length) if splash.ran_in(compiled.as_text()) else None
     analysis = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):
         cost = cost[0] if cost else {}
+    adapters = run.adapters()
     memory = StepMemory(
         arguments=analysis.argument_size_in_bytes,
         outputs=analysis.output_size_in_bytes,
         aliased=analysis.alias_size_in_bytes,
         temporaries=analysis.temp_size_in_bytes,
-        base_weights=per_chip_bytes(step.base),
-        adapters=per_chip_bytes(step.adapters),
-        optimizer_state=per_chip_bytes(step.optimizer_state),
-        batch=per_chip_bytes(step.batch),
+        base_weights=per_chip_bytes(run.base),
+        adapters=per_chip_bytes(adapters),
+        optimizer_state=per_chip_bytes(run.optimizer_state(adapters)),
+        batch=per_chip_bytes(run.batch),
     )
-    flops = step.flops
+    flops = run.flops
     return CompiledStep(
         memory=memory,
         flops=cost.get("flops"),
@@ -261,8 +164,8 @@ def describe_compiled(compiled: Any, step: AbstractStep, config: TrainConfig, st
         ),
         tokens_per_device=config.per_device_batch_size * config.max_target_length * config.gradient_accumulation_steps,
         compile_seconds=time.perf_counter() - started,
-        devices=len(step.mesh.devices.flat),
-        layers_scanned=step.layers_scanned,
+        devices=len(run.mesh.devices.flat),
+        layers_scanned=run.layers_scanned,
         executable=compiled,
     )
 

@@ -5,7 +5,7 @@ differentiates only the LoRA parameters (the frozen base weights are a plain inp
 weight-gradient GEMMs are built for them), normalises by the number of trained tokens of the
 whole step, clips and applies AdamW. The adapters are float32 buffers of their own, laid out by
 `LoraLayout` (the layers stacked for the scan, models/decoder.py); `step_shardings` places them, the
-optimizer state and the base on the mesh. plan.py compiles the same step for a TPU it does not run on.
+optimizer state and the base on the mesh. run.py builds the step from these parts, for the trainer and the plan.
 """
 
 from __future__ import annotations
@@ -175,21 +175,14 @@ def optimizer_state_shardings(optimizer: optax.GradientTransformation, lora: dic
     return jax.tree_util.tree_map_with_path(sharding, jax.eval_shape(optimizer.init, lora))
 
 
-def init_optimizer_state(optimizer: optax.GradientTransformation, lora: dict[str, jax.Array], mesh: Mesh) -> Any:
-    """Optimizer state on the mesh (`optimizer_state_shardings`)."""
-    return jax.jit(optimizer.init, out_shardings=optimizer_state_shardings(optimizer, lora, mesh))(lora)
-
-
-def step_shardings(lora: dict[str, jax.Array], opt_state: Any, base: nnx.State, mesh: Mesh) -> dict[str, Any]:
+def step_shardings(adapters: dict[str, Any], optimizer: optax.GradientTransformation, base: nnx.State,
+                   mesh: Mesh) -> dict[str, Any]:
+    """Where the step's arguments live: the adapters and the base as placed, the optimizer state like its
+    parameters (`optimizer_state_shardings`), the batch's rows over the mesh."""
     return {
-        "lora": jax.tree.map(lambda x: x.sharding, lora),
-        "optimizer": jax.tree.map(lambda x: x.sharding, opt_state),
+        "lora": jax.tree.map(lambda x: x.sharding, adapters),
+        "optimizer": optimizer_state_shardings(optimizer, adapters, mesh),
         "base": jax.tree.map(lambda x: x.sharding, base),
         "batch": mesh_lib.batch_sharding(mesh, leading_dims=1),
         "replicated": NamedSharding(mesh, PartitionSpec()),
     }
-
-
-def trainable_adapters(layout: LoraLayout, lora: nnx.State) -> dict[str, jax.Array]:
-    """float32 adapters in buffers of their own: the step donates them, the model's own must stay valid."""
-    return {name: jnp.copy(value).astype(jnp.float32) for name, value in layout.flat(lora).items()}

@@ -1,7 +1,7 @@
 """LoRA fine-tuning entry point: `python -m lorajob_trainer.train [config.yaml] key=value...`.
 
-The training loop (`Trainer.run`) over what run_setup.py sets up, one jitted step (step.py) per optimizer
-step: evaluation, checkpoints, progress and metrics, early stopping, preemption. The run resumes from the
+The training loop (`Trainer.train`) over the run's step (run.py: built once from the config and the loaded
+model), one jitted call per optimizer step: evaluation, checkpoints, progress and metrics, early stopping, preemption. The run resumes from the
 latest complete checkpoint in `<base_output_directory>/<run_name>/checkpoints`, including the data position.
 
 Exit status: the codes of `lorajob_trainer.exit_codes` (0 when all steps ran), each non-zero one
@@ -20,18 +20,17 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import Mesh
 
 from lorajob_trainer import checkpoint as ckpt
 from lorajob_trainer import data as data_lib
 from lorajob_trainer import distributed, exit_codes, preemption
 from lorajob_trainer import evaluate as evaluate_lib
-from lorajob_trainer import generate as generate_lib
 from lorajob_trainer import lora as lora_lib
 from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import metrics as metrics_lib
-from lorajob_trainer import loading, models, run_setup, storage, weights
+from lorajob_trainer import feed as feed_lib
+from lorajob_trainer import loading, models, storage, weights
+from lorajob_trainer import run as run_lib
 from lorajob_trainer import plan as plan_lib
 from lorajob_trainer.config import TrainConfig, describe_keys, parse_or_report
 from lorajob_trainer.console import ConsoleProgress, configure_logging
@@ -39,11 +38,8 @@ from lorajob_trainer.contract import (
     EVALUATING, REMAT_AUTO, REMAT_POLICIES, STOPPED_EARLY, CheckpointRecord, last_plan,
 )
 from lorajob_trainer.fit import SAFETY_MARGIN
-from lorajob_trainer.optim import build_optimizer, learning_rate_per_step
-from lorajob_trainer.run_setup import LoraModel, compute_dtype, load_lora_model, model_flops
-from lorajob_trainer.step import (
-    Batch, build_step_functions, init_optimizer_state, split_for_step, step_shardings, trainable_adapters,
-)
+from lorajob_trainer.optim import learning_rate_per_step
+from lorajob_trainer.step import Batch
 
 log = logging.getLogger("lorajob_trainer.train")
 
@@ -91,38 +87,27 @@ class Plateau:
 
 
 class Trainer:
-    """Holds the objects of one run; `run()` trains to `config.steps`."""
+    """The loop of one run over its step (`run.Run`); `train()` trains to `config.steps`."""
 
-    def __init__(self, config: TrainConfig, lora_model: LoraModel, mesh: Mesh):
+    def __init__(self, config: TrainConfig, run: run_lib.Run):
         self.config = config
-        self.mesh = mesh
-        self.dtype = compute_dtype(config)
-        self.lora_model = lora_model
-        self.flops = model_flops(lora_model.model, lora_model.attention_width, config.max_target_length,
-                                 lora_model.active)
-        self.graphdef, self.layout, lora, base = split_for_step(lora_model.model, lora_model.layer_period)
-        self.lora = trainable_adapters(self.layout, lora)
-        self.base = base
-        self.base_adapters = jax.tree.map(jnp.copy, self.lora) if config.generation_eval.enabled else None
-        """The adapters as they start (B = 0, DoRA magnitudes = the weights' norms): the base model, for evaluate.py."""
-        self.optimizer = build_optimizer(config)
+        self.run = run
+        self.mesh = run.mesh
+        self.lora = run.adapters()
+        """The adapters as trained so far (the step donates and replaces them)."""
+        self.opt_state = run.optimizer_state(self.lora)
+        self.base_adapters = run.adapters() if config.generation_eval.enabled else None
+        """The adapters as they start: the base model, for evaluate.py."""
         self.learning_rates = learning_rate_per_step(config)
-        self.opt_state = init_optimizer_state(self.optimizer, self.lora, mesh)
-        self.shardings = step_shardings(self.lora, self.opt_state, base, mesh)
-        self.remat_policy = remat_for_run(config, lora_model.hf_config, list(mesh.devices.flat))
-        self.steps = build_step_functions(
-            self.graphdef, self.layout, self.optimizer, self.dtype, self.shardings,
-            config.loss_chunk_length, self.remat_policy, lora_model.aux_loss_coef,
-        )
         self.tokenizer = data_lib.load_tokenizer(
             str(loading.local_config_directory(config.tokenizer_directory)), config.chat_template_path
         )
-        train_split = run_setup.load_split(config, data_lib.train_source(config), self.tokenizer)
-        self.train_feed = run_setup.data_feed(
-            config, mesh, train_split, config.gradient_accumulation_steps, config.epoch_policy
+        train_split = feed_lib.load_split(config, data_lib.train_source(config), self.tokenizer)
+        self.train_feed = feed_lib.data_feed(
+            config, self.mesh, train_split, config.gradient_accumulation_steps, config.epoch_policy
         )
         self.eval_data = (
-            run_setup.load_split(config, data_lib.eval_source(config), self.tokenizer) if config.eval_interval else None
+            feed_lib.load_split(config, data_lib.eval_source(config), self.tokenizer) if config.eval_interval else None
         )
         self.is_lead = jax.process_index() == 0
         self.writer = metrics_lib.MetricsWriter(
@@ -130,7 +115,7 @@ class Trainer:
             progress_lines=config.progress_lines,
         )
         self.peak_flops = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind, config.peak_tflops_per_device)
-        self.checkpointer = run_setup.checkpointer(config)
+        self.checkpointer = ckpt.for_run(config)
         self.stop = preemption.StopSignal()
         self.current_step = 0
         self.last_tokens_per_second = 0.0
@@ -150,7 +135,7 @@ class Trainer:
             use_rslora=c.lora.use_rslora,
             use_dora=c.lora.use_dora,
             base_quantization=c.lora.base_quantization,
-            target_modules=self.lora_model.target_modules,
+            target_modules=self.run.model.target_modules,
             lora_module_path=c.lora.lora_module_path,
             base_model=c.model_name,
             family=c.family,
@@ -199,7 +184,7 @@ class Trainer:
         }
 
     # Loop.
-    def run(self) -> RunResult:
+    def train(self) -> RunResult:
         start = self.current_step = self.restore_or_start()
         total = self.config.steps
         result = RunResult(final_step=start, final_loss=None, resumed_from=start or None)
@@ -222,7 +207,8 @@ class Trainer:
                     if pending is not None:
                         self._report(*pending, timer)
                     raise
-                self.lora, self.opt_state, step_metrics = self.steps.train(self.lora, self.opt_state, self.base, batch)
+                self.lora, self.opt_state, step_metrics = self.run.steps.train(
+                    self.lora, self.opt_state, self.run.base, batch)
                 if pending is not None:
                     result.final_loss = self._report(*pending, timer)
                 pending = (step, step_metrics)
@@ -318,7 +304,7 @@ class Trainer:
                 "learning_rate": float(self.learning_rates[step - 1]),
                 "step_time_s": step_time,
                 "tokens_per_second": tokens_per_second,
-                "mfu": metrics_lib.mfu(tokens_per_second, self.flops, jax.device_count(), self.peak_flops),
+                "mfu": metrics_lib.mfu(tokens_per_second, self.run.flops, jax.device_count(), self.peak_flops),
                 "peak_host_memory_bytes": metrics_lib.peak_host_memory_bytes(),
                 "peak_device_memory_bytes": metrics_lib.peak_device_memory_bytes(jax.local_devices()),
             }
@@ -333,10 +319,10 @@ class Trainer:
         return values["loss"]
 
     def _evaluate(self, step: int) -> float | None:
-        feed = run_setup.data_feed(self.config, self.mesh, self.eval_data, accumulation=1, on_end="pad")
+        feed = feed_lib.data_feed(self.config, self.mesh, self.eval_data, accumulation=1, on_end="pad")
         loss_sum = weight_sum = 0.0
         for _ in range(self.config.eval_steps):
-            totals = jax.device_get(self.steps.evaluate(self.lora, self.base, feed.next_batch(step)))
+            totals = jax.device_get(self.run.steps.evaluate(self.lora, self.run.base, feed.next_batch(step)))
             loss_sum += float(totals["loss_sum"])
             weight_sum += float(totals["weight_sum"])
         if weight_sum == 0:
@@ -351,19 +337,19 @@ class Trainer:
     def _evaluate_generations(self, step: int, loss: float | None) -> None:
         self.report_progress(step, loss=loss, tokens_per_second=0.0, eta_seconds=0.0, state=EVALUATING,
                              message="generating answers with the base model and with the adapter")
+        dataset, _ = self.eval_loaded()
+        settings, columns = self.config.generation_eval, self.config.train_data_columns
+        examples = [data_lib.to_messages(dataset[i], columns) for i in range(min(settings.examples, len(dataset)))]
         with jax.set_mesh(self.mesh):
-            evaluate_lib.evaluate(self, step)
+            evaluate_lib.evaluate(self.run, self.tokenizer, settings, examples,
+                                  {"base": self.base_adapters, "adapter": self.lora}, step,
+                                  self.config.layout if self.is_lead else None)
 
     def eval_loaded(self) -> tuple[Any, Callable[[int], data_lib.EncodedExample]]:
         """The evaluation split (loaded once)."""
         if self.eval_data is None:
-            self.eval_data = run_setup.load_split(self.config, data_lib.eval_source(self.config), self.tokenizer)
+            self.eval_data = feed_lib.load_split(self.config, data_lib.eval_source(self.config), self.tokenizer)
         return self.eval_data
-
-    def generator(self, max_new_tokens: int, stop_ids: list[int]) -> generate_lib.Generator:
-        """Greedy generation with this run's model, adapters and shardings (generate.py)."""
-        return generate_lib.Generator(self.graphdef, self.layout, self.dtype, self.mesh, self.shardings["lora"],
-                                      self.shardings["base"], max_new_tokens, stop_ids)
 
     def close(self) -> None:
         self.train_feed.close()
@@ -410,19 +396,22 @@ SETUP_ERRORS = {
 
 
 def build_trainer(
-    config: TrainConfig, load_model: Callable[[TrainConfig, Mesh, jnp.dtype], LoraModel] = load_lora_model
+    config: TrainConfig, load_model: Callable[..., run_lib.LoraModel] = run_lib.loaded_model
 ) -> Trainer:
+    """The trainer of `config`: its checkpoint loaded onto the configured mesh (`load_model`), the run built."""
     mesh = mesh_lib.build_mesh(config.mesh)
     ckpt.ensure_writable(config.run_directory)
+    dtype = run_lib.compute_dtype(config)
     with jax.set_mesh(mesh):
-        lora_model = load_model(config, mesh, compute_dtype(config))
-    return Trainer(config, lora_model, mesh)
+        model = load_model(config, mesh, dtype)
+    policy = remat_for_run(config, model.hf_config, list(mesh.devices.flat))
+    return Trainer(config, run_lib.build(config, model, mesh, dtype, policy))
 
 
 def train(config: TrainConfig) -> RunResult:
     trainer = build_trainer(config)
     try:
-        return trainer.run()
+        return trainer.train()
     except TrainingFailed as error:
         state = "preempted" if error.code == exit_codes.PREEMPTED else "failed"
         trainer.report_progress(trainer.current_step, loss=float("nan"), tokens_per_second=0.0,
