@@ -590,11 +590,12 @@ class Progress(_Model):
     eval_step: int | None = None
     """evalStep is the step evalLoss was measured at."""
     state: str | None = None
-    """state of the trainer: running, succeeded, stopped_early (the eval loss stopped improving), preempted or failed."""
+    """state of the trainer: compiling (until its first step has run), running, evaluating (after the last step),
+    succeeded, stopped_early (the eval loss stopped improving), preempted or failed."""
     message: str | None = Field(default=None, max_length=4096)
     """message is the trainer's explanation of its state (why it stopped or failed)."""
     summary: str | None = None
-    """summary such as 120/500 (24%), for kubectl get."""
+    """What kubectl get shows: `compiling`, then the step and its share, as wide at every step (` 120/1000  12%`)."""
     advanced_time: datetime | None = None
     """advancedTime is when the running train step started or its step last advanced, whichever is later (kept only while it runs with scheduling.progressDeadlineSeconds set): the stall watchdog counts from it."""
 

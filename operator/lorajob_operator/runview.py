@@ -154,7 +154,7 @@ def format_status(view: RunView, now: datetime | None = None, samples: int = 0) 
     progress = status.get("progress") or {}
     if progress.get("step") is not None:
         total = progress.get("totalSteps")
-        text = progress_summary(progress["step"], total)
+        text = progress_summary(progress["step"], total, progress.get("state"))
         bar = progress_bar(progress["step"], total) + " " if total else ""
         extras = [f"loss {progress['loss']:.4f}"] if progress.get("loss") is not None else []
         if progress.get("tokensPerSecond") is not None:

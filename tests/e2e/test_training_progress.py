@@ -29,12 +29,12 @@ def test_kubectl_get_shows_the_progress_the_trainer_logs(lorajobs, operator, tra
         PROGRESS_LINE_PREFIX + '{"step":', progress_line(7), PROGRESS_LINE_PREFIX + '{"step":8,"total_st',
     ]))
     lorajobs.apply(sample("tracked", train_only=True, images=every_image(HANG_IMAGE)))
-    running = lorajobs.wait("tracked", lambda obj: summary(obj) == "7/10 (70%)", "progress 7/10", timeout=60)
+    running = lorajobs.wait("tracked", lambda obj: summary(obj) == " 7/10  70%", "progress 7/10", timeout=60)
 
     assert running["status"]["phase"] == "Training"
     assert running["status"]["progress"] == {
         "step": 7, "totalSteps": 10, "loss": round(3.0 / 7, 4), "tokensPerSecond": 1200.0, "etaSeconds": 12,
-        "evalLoss": 0.8, "evalStep": 5, "state": "running", "summary": "7/10 (70%)",
+        "evalLoss": 0.8, "evalStep": 5, "state": "running", "summary": " 7/10  70%",
     }
     assert running["status"]["checkpoints"] == [{
         "step": 5, "time": "2026-01-01T12:00:05Z", "trainLoss": 0.6, "evalLoss": 0.8,
@@ -48,7 +48,7 @@ def test_kubectl_get_shows_the_progress_the_trainer_logs(lorajobs, operator, tra
 
     with trainer_log.open("a") as log:  # the trainer goes on; the next resync reads the newer line
         log.write(cri_log([progress_line(9)]))
-    later = lorajobs.wait("tracked", lambda obj: summary(obj) == "9/10 (90%)", "progress 9/10", timeout=30)
+    later = lorajobs.wait("tracked", lambda obj: summary(obj) == " 9/10  90%", "progress 9/10", timeout=30)
     assert later["status"]["phase"] == "Training"
 
 
@@ -57,7 +57,7 @@ def test_a_succeeded_job_shows_the_final_step_the_trainer_reported(lorajobs, sta
     first = start_operator()
     lorajobs.apply(sample("finished", train_only=True))  # its pods succeed after about 2 s
     lorajobs.wait_phase("finished", "Succeeded", timeout=120)
-    lorajobs.wait("finished", lambda obj: summary(obj) == "9/10 (90%)", "progress 9/10", timeout=30)
+    lorajobs.wait("finished", lambda obj: summary(obj) == " 9/10  90%", "progress 9/10", timeout=30)
     first.kill()
 
     # The last lines reach the log only now: the step completed and the LoRAJob succeeded before, so only
@@ -65,7 +65,7 @@ def test_a_succeeded_job_shows_the_final_step_the_trainer_reported(lorajobs, sta
     with trainer_log.open("a") as log:
         log.write(cri_log([progress_line(10), progress_line(10, "succeeded")]))
     start_operator()
-    done = lorajobs.wait("finished", lambda obj: summary(obj) == "10/10 (100%)", "progress 10/10", timeout=30)
+    done = lorajobs.wait("finished", lambda obj: summary(obj) == "10/10 100%", "progress 10/10", timeout=30)
     assert done["status"]["phase"] == "Succeeded"
     assert done["status"]["progress"]["etaSeconds"] == 0
 

@@ -46,14 +46,20 @@ def test_a_progress_line_gives_every_field_and_the_summary():
     progress = parse_progress_line(GOOD)
     assert progress.model_dump(by_alias=True, exclude_none=True) == {
         "step": 120, "totalSteps": 500, "loss": 1.25, "tokensPerSecond": 3100.5, "etaSeconds": 372,
-        "state": "running", "summary": "120/500 (24%)",
+        "state": "running", "summary": "120/500  24%",
     }
+
+
+def test_a_compiling_train_step_shows_compiling_until_its_first_step():
+    progress = parse_progress_line(line(step=0, total_steps=500, tokens_per_second=0.0, state="compiling",
+                                        message="compiling the train step; its first step follows"))
+    assert (progress.state, progress.summary, progress.step) == ("compiling", "compiling", 0)
 
 
 def test_unknown_values_are_left_out_not_invented():
     progress = parse_progress_line(line(step=3, total_steps=10, loss=None, tokens_per_second=0.0, eta_seconds=None))
     assert progress.model_dump(by_alias=True, exclude_none=True) == {
-        "step": 3, "totalSteps": 10, "tokensPerSecond": 0.0, "summary": "3/10 (30%)",
+        "step": 3, "totalSteps": 10, "tokensPerSecond": 0.0, "summary": " 3/10  30%",
     }
 
 
@@ -78,14 +84,25 @@ def test_anything_but_a_well_formed_progress_line_is_ignored(text):
 
 
 @pytest.mark.parametrize("step, total, summary", [
-    (120, 500, "120/500 (24%)"),
-    (0, 10, "0/10 (0%)"),
-    (499, 500, "499/500 (99%)"),  # never rounded up to a finished-looking 100%
-    (500, 500, "500/500 (100%)"),
+    (120, 500, "120/500  24%"),
+    (0, 10, " 0/10   0%"),
+    (7, 500, "  7/500   1%"),
+    (499, 500, "499/500  99%"),  # never rounded up to a finished-looking 100%
+    (500, 500, "500/500 100%"),
     (7, None, "7"),
 ])
 def test_summary(step, total, summary):
     assert progress_summary(step, total) == summary
+
+
+def test_a_runs_summary_is_as_wide_at_every_step_so_watch_columns_stay_put():
+    assert {len(progress_summary(step, 1000)) for step in range(1001)} == {len("1000/1000 100%")}
+
+
+def test_the_summary_says_compiling_until_the_first_step_has_run():
+    assert progress_summary(0, 500, "compiling") == "compiling"
+    assert progress_summary(300, 500, "compiling") == "compiling"  # resumed: compiling again before step 301
+    assert progress_summary(301, 500, "running") == "301/500  60%"
 
 
 def test_the_line_the_trainer_prints_is_the_one_the_operator_reads(tmp_path, capsys):
@@ -96,7 +113,7 @@ def test_the_line_the_trainer_prints_is_the_one_the_operator_reads(tmp_path, cap
     assert len(printed) == 2 and all(text.startswith(PROGRESS_LINE_PREFIX) for text in printed)
     first, last = (parse_progress_line(text) for text in printed)
     assert (first.step, first.total_steps, first.loss, first.tokens_per_second, first.eta_seconds) == (12, 40, 2.5, 812.0, 30)
-    assert (last.summary, last.loss, last.eta_seconds) == ("40/40 (100%)", None, None)
+    assert (last.summary, last.loss, last.eta_seconds) == ("40/40 100%", None, None)
 
 
 def test_only_the_lead_process_prints(tmp_path, capsys):
@@ -126,7 +143,7 @@ def test_the_last_progress_line_of_a_tail_wins_over_older_ones_and_other_output(
         line(step=6, total_steps=10, loss=1.5),
         "W0101 jax warning",
     ])
-    assert progress_from_log(tail).summary == "6/10 (60%)"
+    assert progress_from_log(tail).summary == " 6/10  60%"
 
 
 def test_a_garbled_last_line_falls_back_to_the_last_readable_one():
@@ -208,7 +225,7 @@ def test_progress_never_changes_the_phase_or_anything_else(train_log):
 def test_a_running_step_s_progress_is_lifted_into_status():
     body = lorajob(spec=TRAIN_ONLY, status={"phase": "Training"})
     decision = decide(_observed(body, _train(body), "loading\n" + GOOD + "\n"), SETTINGS)
-    assert decision.status["progress"]["summary"] == "120/500 (24%)"
+    assert decision.status["progress"]["summary"] == "120/500  24%"
     assert decision.status["progress"]["loss"] == 1.25
 
 
@@ -221,13 +238,13 @@ def test_status_holds_losses_to_four_significant_digits_as_kubectl_prints_them()
 
 @pytest.mark.parametrize("train_log", [None, "", "pod restarted, nothing yet", PROGRESS_LINE_PREFIX + "{garbled"])
 def test_a_log_without_news_keeps_the_recorded_progress(train_log):
-    recorded = {"step": 7, "totalSteps": 10, "loss": 0.5, "summary": "7/10 (70%)"}
+    recorded = {"step": 7, "totalSteps": 10, "loss": 0.5, "summary": " 7/10  70%"}
     body = lorajob(spec=TRAIN_ONLY, status={"phase": "Training", "progress": recorded})
     assert decide(_observed(body, _train(body), train_log), SETTINGS).status["progress"] == recorded
 
 
 def test_on_success_progress_shows_the_final_step_the_trainer_reported():
-    recorded = {"step": 9, "totalSteps": 10, "summary": "9/10 (90%)"}
+    recorded = {"step": 9, "totalSteps": 10, "summary": " 9/10  90%"}
     body = lorajob(spec=TRAIN_ONLY, status={"phase": "Training", "progress": recorded})
     final = line(step=10, total_steps=10, loss=0.25, tokens_per_second=900.0, eta_seconds=0.0, state="succeeded")
     tail = "\n".join([line(step=9, total_steps=10, loss=0.3), "saving checkpoint 10", final])
@@ -235,7 +252,7 @@ def test_on_success_progress_shows_the_final_step_the_trainer_reported():
     assert decision.status["phase"] == "Succeeded"
     assert decision.status["progress"] == {
         "step": 10, "totalSteps": 10, "loss": 0.25, "tokensPerSecond": 900.0, "etaSeconds": 0, "state": "succeeded",
-        "summary": "10/10 (100%)",
+        "summary": "10/10 100%",
     }
     # Later passes read nothing (the JobSet and its pods may be gone): the record stays.
     later = lorajob(spec=TRAIN_ONLY, status=decision.status)

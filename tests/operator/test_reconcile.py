@@ -353,7 +353,7 @@ def _at(seconds: float) -> datetime:
 
 def _stuck_at_step_7(*, restarts: int, infrastructure_restarts: int) -> tuple[dict, dict]:
     """A LoRAJob on train attempt `restarts` whose step counter last moved (to 7) at NOW."""
-    progress = {"step": 7, "totalSteps": 20, "summary": "7/20 (35%)", "state": "running", "advancedTime": "2026-01-01T12:00:00Z"}
+    progress = {"step": 7, "totalSteps": 20, "summary": " 7/20  35%", "state": "running", "advancedTime": "2026-01-01T12:00:00Z"}
     body = lorajob(spec=WATCHED, status={
         "phase": "Training", "progress": progress,
         "restarts": {"convert": 0, "train": restarts, "export": 0},
@@ -408,7 +408,7 @@ def test_a_step_that_never_prints_progress_counts_from_when_it_started_running()
 
 
 def test_without_a_progress_deadline_a_frozen_step_never_stalls():
-    progress = {"step": 7, "totalSteps": 20, "summary": "7/20 (35%)"}
+    progress = {"step": 7, "totalSteps": 20, "summary": " 7/20  35%"}
     body = lorajob(status={"phase": "Training", "progress": progress})
     decision = decide(_observe(body, _train_running(body), now=_at(86_400), train_log=_step(7)), SETTINGS)
     assert decision.delete == [] and decision.events == [] and decision.requeue_after is None
@@ -417,7 +417,7 @@ def test_without_a_progress_deadline_a_frozen_step_never_stalls():
 
 def test_time_queued_or_suspended_does_not_count():
     pending = workload(condition("QuotaReserved", "False", "Pending", "waiting"))
-    old = {"step": 7, "totalSteps": 20, "summary": "7/20 (35%)", "advancedTime": "2026-01-01T10:00:00Z"}
+    old = {"step": 7, "totalSteps": 20, "summary": " 7/20  35%", "advancedTime": "2026-01-01T10:00:00Z"}
     body = lorajob(spec=WATCHED, status={"phase": "Training", "progress": old})
     queued = decide(_observe(body, _train_running(body, train=(jobset(body, "train", suspend=True), pending, None))), SETTINGS)
     assert queued.status["phase"] == "Queued" and queued.delete == []

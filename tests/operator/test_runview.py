@@ -56,7 +56,7 @@ def test_status_text_shows_steps_progress_loss_outputs_and_events():
     assert lines[0] == "LoRAJob team-a/qwen3-gsm8k: Training"
     assert lines[1] == "  model qwen3-0.6b, backend pathways, queue team-q"
     assert lines[2] == "steps     ✓ convert   ▶ train (1 retries)   · export   (10m00s)"
-    assert lines[3] == "progress  [" + "█" * 21 + "░" * 9 + "] 70/100 (70%)  loss 0.4286  1,234 tok/s  ETA 2m05s"
+    assert lines[3] == "progress  [" + "█" * 21 + "░" * 9 + "]  70/100  70%  loss 0.4286  1,234 tok/s  ETA 2m05s"
     assert lines[4].startswith("loss      █") and lines[4].endswith("step 1..70: 3.0000 -> 0.0429 (min 0.0429)")
     assert lines[5] == "eval loss ▁  last 2.0000 at step 50"
     assert "checkpoints: gs://bucket/runs/qwen3-gsm8k/checkpoints" in lines

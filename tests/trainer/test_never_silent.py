@@ -128,7 +128,7 @@ def test_exhausted_data_continues_into_the_next_epoch_and_logs_it(tmp_path, tiny
     assert run.progress()["step"] == 6
     lines = run.progress_lines()
     assert [(line["step"], line["total_steps"], line["state"]) for line in lines] == [
-        *((step, 6, "running") for step in range(1, 7)), (6, 6, "succeeded")]
+        (0, 6, "compiling"), *((step, 6, "running") for step in range(1, 7)), (6, 6, "succeeded")]
     assert lines[-1] == run.progress()
 
 

@@ -159,6 +159,8 @@ class RunLayout:
 STOPPED_EARLY = "stopped_early"
 """The progress state of a run that ended before its last step because the eval loss stopped improving."""
 FINISHED_STATES = ("succeeded", STOPPED_EARLY)
+COMPILING = "compiling"
+"""The progress state from the train step's start until its first step has run (the step compiles meanwhile)."""
 EVALUATING = "evaluating"
 """The progress state while the train step evaluates base and adapter after its last step (not finished yet)."""
 
@@ -259,7 +261,7 @@ class ProgressRecord:
     tokens_per_second: float | None = None
     eta_seconds: float | None = None
     state: str | None = "running"
-    """running, succeeded, stopped_early, preempted or failed."""
+    """compiling, running, evaluating, succeeded, stopped_early, preempted or failed."""
     message: str = ""
     eval_loss: float | None = None
     """The latest eval loss, measured at `eval_step`."""

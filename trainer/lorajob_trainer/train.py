@@ -35,7 +35,7 @@ from lorajob_trainer import plan as plan_lib
 from lorajob_trainer.config import TrainConfig, describe_keys, parse_or_report
 from lorajob_trainer.console import ConsoleProgress, configure_logging
 from lorajob_trainer.contract import (
-    EVALUATING, REMAT_AUTO, REMAT_POLICIES, STOPPED_EARLY, CheckpointRecord, last_plan,
+    COMPILING, EVALUATING, REMAT_AUTO, REMAT_POLICIES, STOPPED_EARLY, CheckpointRecord, last_plan,
 )
 from lorajob_trainer.fit import SAFETY_MARGIN
 from lorajob_trainer.optim import learning_rate_per_step
@@ -195,6 +195,8 @@ class Trainer:
                 self._evaluate_generations(start, loss)
                 self.report_progress(start, loss=loss, tokens_per_second=0.0, eta_seconds=0.0, state="succeeded")
             return result
+        self.report_progress(start, loss=None, tokens_per_second=0.0, eta_seconds=float("nan"), state=COMPILING,
+                             message="compiling the train step; its first step follows")
         timer = metrics_lib.StepTimer()
         pending: tuple[int, dict[str, jax.Array]] | None = None
         # The operator's pods print progress lines for the operator instead.

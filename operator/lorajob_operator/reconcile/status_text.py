@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from lorajob_operator.reconcile.kueue import WorkloadState
+from lorajob_trainer.contract import COMPILING
 from lorajob_operator.reconcile.observed import ChildState
 
 
-def progress_summary(step: int, total_steps: int | None) -> str:
-    """What `kubectl get lj` shows, e.g. `120/500 (24%)`."""
+def progress_summary(step: int, total_steps: int | None, state: str | None = None) -> str:
+    """What `kubectl get lj` shows: `compiling` until the first step has run, then e.g. ` 120/1000  12%`, as
+    wide at every step of a run (the step padded to the total's digits, the share to three), so that the
+    columns of `kubectl get lj -w` stay where they are as the run advances."""
+    if state == COMPILING:
+        return COMPILING
     if not total_steps:
         return str(step)
-    return f"{step}/{total_steps} ({100 * step // total_steps}%)"
+    return f"{step:>{len(str(total_steps))}}/{total_steps} {100 * step // total_steps:>3}%"
 
 
 def failure_text(phase: str, child: ChildState) -> str:

@@ -46,7 +46,7 @@ def _status_progress(record: ProgressRecord) -> api.Progress:
         eval_step=record.eval_step,
         state=record.state,
         message=record.message[:4096] or None,
-        summary=progress_summary(record.step, record.total_steps),
+        summary=progress_summary(record.step, record.total_steps, record.state),
     )
 
 
