@@ -17,15 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model,
 from pydantic.alias_generators import to_camel
 
 from lorajob_operator import accelerators, rules
-from lorajob_trainer import catalog
-from lorajob_trainer.contract import (
-    BASE_QUANTIZATIONS,
-    BOUNDS,
-    CHECKPOINT_SELECTORS,
-    COLUMN_LAYOUTS,
-    DEFAULTS,
-    DORA_NEEDS_FULL_PRECISION,
-    ExportGate,
+from lorajob_trainer.contract import catalog
+from lorajob_trainer.contract.records import (
+    BASE_QUANTIZATIONS, BOUNDS, CHECKPOINT_SELECTORS, COLUMN_LAYOUTS, DEFAULTS, DORA_NEEDS_FULL_PRECISION, ExportGate,
 )
 
 GROUP = "lorajob.dev"

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from lorajob_operator import accelerators, render
+from lorajob_trainer.contract import catalog, fit
 
 INSTALL_HINT = ('lorajob plan compiles the trainer\'s step with the TPU compiler: pip install "lorajob[trainer]" '
                 '"jax[tpu]" (the operator image carries neither)')
@@ -25,8 +26,7 @@ class PlanUnavailable(RuntimeError):
 class LoRAJobPlan:
     name: str
     model: str
-    plan: Any
-    """fit.Plan."""
+    plan: fit.Plan
 
     def to_dict(self) -> dict[str, Any]:
         suggestion = self.plan.suggestion
@@ -34,8 +34,6 @@ class LoRAJobPlan:
                 "suggestion": dataclasses.asdict(suggestion) if suggestion else None}
 
     def format(self) -> str:
-        from lorajob_trainer import fit
-
         return "\n".join([f"LoRAJob {self.name!r} ({self.model}):", *fit.format_plan(self.plan)])
 
 
@@ -45,8 +43,8 @@ def plan_lorajob(doc: dict) -> LoRAJobPlan:
     if spec is None:
         raise PlanUnavailable(f"LoRAJob {name!r} is invalid: {'; '.join(errors)}")
     try:
-        from lorajob_trainer import catalog, fit
-        from lorajob_trainer import plan  # JAX, the trainer's packages and libtpu
+        from lorajob_trainer import fit as compile_fit  # JAX, the trainer's packages and libtpu
+        from lorajob_trainer import plan
     except ImportError as error:
         raise PlanUnavailable(f"{INSTALL_HINT} ({error})") from None
     try:
@@ -57,7 +55,7 @@ def plan_lorajob(doc: dict) -> LoRAJobPlan:
     if spec.compute.gpu is not None:
         return LoRAJobPlan(name, spec.model.name, fit.Plan(_gpu_attempt(spec, config, hf_config), []))
     try:
-        result = fit.plan(config, hf_config, render.plan_request(spec))
+        result = compile_fit.plan(config, hf_config, render.plan_request(spec))
     except plan.PlanError as error:
         raise PlanUnavailable(str(error)) from None
     return LoRAJobPlan(name, spec.model.name, result)
@@ -65,10 +63,10 @@ def plan_lorajob(doc: dict) -> LoRAJobPlan:
 
 def _gpu_attempt(spec: Any, config: Any, hf_config: dict[str, Any]) -> Any:
     """The analytic plan (`fit.analytic_attempt`): no compiler runs for a GPU without the device."""
-    from lorajob_trainer import fit
+    from lorajob_trainer import fit as compile_fit
 
     gpu = spec.compute.gpu
     target = fit.Target(gpu.accelerator, f"{gpu.nodes} node(s) x {gpu.gpus_per_node} GPUs", 1,
                         gpu.nodes * gpu.gpus_per_node, spec.training.per_device_batch_size,
                         spec.training.gradient_accumulation_steps, spec.training.remat)
-    return fit.analytic_attempt(config, hf_config, accelerators.GPU_CHIPS[gpu.accelerator], target)
+    return compile_fit.analytic_attempt(config, hf_config, accelerators.GPU_CHIPS[gpu.accelerator], target)

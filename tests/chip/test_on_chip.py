@@ -72,7 +72,7 @@ from lorajob_trainer import evaluate, export, loading, lora, models, plan  # noq
 from lorajob_trainer import mesh as mesh_lib  # noqa: E402
 from lorajob_trainer import step as step_lib  # noqa: E402
 from lorajob_trainer import train as train_lib  # noqa: E402
-from lorajob_trainer.config import MeshConfig, TrainConfig  # noqa: E402
+from lorajob_trainer.contract.config import MeshConfig, TrainConfig  # noqa: E402
 from lorajob_trainer.models import splash  # noqa: E402
 
 CHIP = jax.devices()[0]

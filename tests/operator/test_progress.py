@@ -23,7 +23,7 @@ from lorajob_operator import api
 from lorajob_operator.controller.trainer_logs import TrainLogs
 from lorajob_operator.render import export_command, parse_spec, train_command
 from lorajob_operator.settings import ReconcileSettings
-from lorajob_trainer.contract import PROGRESS_LINE_PREFIX, CheckpointRecord, DataRecord, PlanRecord, ProgressRecord, RunLayout
+from lorajob_trainer.contract.records import PROGRESS_LINE_PREFIX, CheckpointRecord, DataRecord, PlanRecord, ProgressRecord, RunLayout
 from lorajob_trainer.metrics import MetricsWriter
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)

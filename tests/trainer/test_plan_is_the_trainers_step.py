@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent(
     import jax
     from lorajob_trainer import loading, models, plan
     from lorajob_trainer import train as train_lib
-    from lorajob_trainer.config import TrainConfig
+    from lorajob_trainer.contract.config import TrainConfig
 
     config = TrainConfig.from_args(sys.argv[2:])
     hf_config = loading.read_hf_config(loading.local_config_directory(sys.argv[1]))

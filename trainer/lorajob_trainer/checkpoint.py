@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from lorajob_trainer import weights
-from lorajob_trainer.contract import DEFAULTS, CheckpointRecord, checkpoints_to_keep
+from lorajob_trainer.contract.records import DEFAULTS, CheckpointRecord, checkpoints_to_keep
 
 log = logging.getLogger(__name__)
 

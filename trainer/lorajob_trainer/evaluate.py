@@ -21,7 +21,7 @@ from dataclasses import asdict
 from lorajob_trainer import data as data_lib
 from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import storage
-from lorajob_trainer.contract import EVAL_SAMPLE_CHARACTERS, EvalRecord, EvalSample, ModelScore
+from lorajob_trainer.contract.records import EVAL_SAMPLE_CHARACTERS, EvalRecord, EvalSample, ModelScore
 
 log = logging.getLogger("lorajob_trainer.evaluate")
 

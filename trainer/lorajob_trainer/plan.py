@@ -29,8 +29,8 @@ from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import models, run_setup
 from lorajob_trainer import step as step_lib
 from lorajob_trainer.models import experts, splash
-from lorajob_trainer.config import TrainConfig, resolve_target_modules
-from lorajob_trainer.contract import REMAT_POLICIES
+from lorajob_trainer.contract.config import TrainConfig, resolve_target_modules
+from lorajob_trainer.contract.records import REMAT_POLICIES
 from lorajob_trainer.optim import build_optimizer
 
 

@@ -14,8 +14,8 @@ from lorajob_operator.reconcile.trainer_output import (
 )
 from lorajob_operator.render import TRAINER_CONTAINER, run_name, run_paths
 from lorajob_operator.settings import ReconcileSettings
-from lorajob_trainer import exit_codes
-from lorajob_trainer.contract import STOPPED_EARLY, last_progress
+from lorajob_trainer.contract import exit_codes
+from lorajob_trainer.contract.records import STOPPED_EARLY, last_progress
 
 
 RUNNING_PHASE = {step: api.Phase(phase) for step, phase in rules.PHASE_WHILE_RUNNING.items()}

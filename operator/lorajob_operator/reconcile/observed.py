@@ -14,7 +14,7 @@ from lorajob_operator.render import (
     JOB_INDEX_LABEL, JOBSET_NAME_LABEL, LABEL_ATTEMPT, LABEL_PHASE, REPLICATED_JOB_LABEL, TRAINER_CONTAINER,
 )
 from lorajob_operator.settings import RenderSettings
-from lorajob_trainer import exit_codes
+from lorajob_trainer.contract import exit_codes
 
 
 # Labels JobSet and the Job controller put on every pod (with render.JOB_INDEX_LABEL): which JobSet,

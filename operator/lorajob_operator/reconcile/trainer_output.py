@@ -11,9 +11,8 @@ from lorajob_operator import api, rules
 from lorajob_operator.reconcile.observed import ChildState, Observed
 from lorajob_operator.reconcile.status_text import progress_summary
 from lorajob_operator.render import run_name
-from lorajob_trainer.contract import (
-    EVALUATING, FINISHED_STATES, CheckpointRecord, ProgressRecord, RunLayout, choose_checkpoint, last_data,
-    last_evaluation, last_plan, last_progress,
+from lorajob_trainer.contract.records import (
+    EVALUATING, FINISHED_STATES, CheckpointRecord, ProgressRecord, RunLayout, choose_checkpoint, last_data, last_evaluation, last_plan, last_progress,
 )
 
 

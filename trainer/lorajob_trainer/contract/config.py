@@ -20,8 +20,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from lorajob_trainer import catalog
-from lorajob_trainer.contract import (
+from lorajob_trainer.contract import catalog
+from lorajob_trainer.contract.records import (
     BASE_QUANTIZATIONS, BOUNDS, COLUMN_LAYOUTS, DEFAULTS, DORA_NEEDS_FULL_PRECISION, EVAL_SCORERS, RunLayout,
 )
 
@@ -130,7 +130,7 @@ class TrainConfig(_Section):
     """Root for checkpoints, metrics and the progress file."""
 
     model_name: str
-    """A model name from lorajob_trainer.catalog (selects the model family)."""
+    """A model name from lorajob_trainer.contract.catalog (selects the model family)."""
     load_parameters_path: str = Field(min_length=1)
     """Base weights: a local directory of Hugging Face safetensors + config.json, a lorajob base checkpoint
     (`python -m lorajob_trainer.convert base`) or a MaxText checkpoint (`.../0/items`, scanned or not);
