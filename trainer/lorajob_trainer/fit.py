@@ -1,21 +1,24 @@
 """Whether a train step fits its TPU chips, judged by the TPU compiler without a TPU, and how fast it may go.
 
-    python -m lorajob_trainer.fit --request JSON --model-config DIR [config.yaml] KEY=VALUE...
+    python -m lorajob_trainer.fit --request JSON --model-config DIR [--json] [config.yaml] KEY=VALUE...
 
 The request (`contract.fit.Request`, written by the operator) names the chip's facts and the targets to try in order:
 the LoRAJob's own first, then the smallest changes that may fit (a smaller per-device batch with the same
 global batch through accumulation, remat "full", larger topologies of the machine type). The train step of the config
 (`lorajob_trainer.plan`) is compiled for the first target; when it does not fit, for the next ones until
 one fits. Per chip: the HBM the compiler assigns against the chip's capacity less `SAFETY_MARGIN`, the
-FLOPs of the 4N LoRA cost model, a roofline step time, tokens/s and MFU ceiling, the compile time.
+FLOPs of the 4N LoRA cost model, a roofline step time, tokens/s and MFU ceiling, the compile time. A request for
+a GPU (a plain `Chip`) gets the analytic estimate of its first target (`analytic_attempt`).
 
 When the LoRAJob's own target fits it prints one `LORAJOB_PLAN` line (`contract.records.PlanRecord`, lifted into
 status.plan) and exits 0; when it does not, it exits DoesNotFit (exit_codes) with one line on stderr giving
-the figures and the smallest change that fits.
-The operator runs it in the CPU step before any TPU is held; `lorajob plan FILE` runs the same `plan`
-on a workstation. Without libtpu (a CPU or GPU image) it says so and exits 0: nothing is judged.
+the figures and the smallest change that fits. With `--json` it prints the plan, or why none was made, as one JSON
+line instead (`contract.fit.Outcome`) and writes nothing.
+The operator runs it in the CPU step before any TPU is held; `lorajob plan FILE` runs it with `--json` on a
+workstation. Without libtpu (a CPU or GPU image) it says so and exits 0: nothing is judged.
 This module imports without JAX; the types it reads and writes are the contract's (`contract.fit`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +30,7 @@ from typing import Any
 from lorajob_trainer.contract import exit_codes
 from lorajob_trainer.contract.config import TrainConfig, parse_or_report
 from lorajob_trainer.contract.fit import (
-    ACTIVATION_BYTES, Attempt, Chip, Plan, Request, Target, TpuChip, format_plan, gb, refusal,
+    ACTIVATION_BYTES, Attempt, Chip, Outcome, Plan, Request, Target, TpuChip, format_plan, gb, refusal,
 )
 from lorajob_trainer.contract.records import REMAT_AUTO, REMAT_POLICIES
 
@@ -160,8 +163,11 @@ def analytic_attempt(config: TrainConfig, hf_config: dict[str, Any], gpu: Chip, 
 
 
 def plan(config: TrainConfig, hf_config: dict[str, Any], request: Request) -> Plan:
-    """The first target compiled; when it does not fit, the others in order until one fits."""
+    """The first target compiled; when it does not fit, the others in order until one fits. For a GPU (a plain `Chip`,
+    no `TpuChip`): the analytic estimate of the first target."""
     first, *alternatives = request.targets
+    if not isinstance(request.chip, TpuChip):
+        return Plan(analytic_attempt(config, hf_config, request.chip, first), [])
     result = Plan(compile_attempt(config, hf_config, request.chip, request.chips_per_host, first), [])
     if not result.attempt.fits:
         for target in alternatives:
@@ -179,37 +185,47 @@ def check(config: TrainConfig, model_config: str, request: Request) -> Plan:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lorajob_trainer import models, storage, weights
-    from lorajob_trainer.console import configure_logging
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--request", required=True, help="the chip and targets to try, as JSON (contract.fit.Request)")
     parser.add_argument("--model-config", required=True,
                         help="where the model's config.json is: a local directory, gs:// URI or Hugging Face repo id")
+    parser.add_argument("--json", action="store_true",
+                        help="print the plan, or why none was made, as one JSON line (contract.fit.Outcome) instead "
+                             "of the LORAJOB_PLAN record, and write nothing (what `lorajob plan` reads)")
     parser.add_argument("config", nargs="*", help="the train step's [config.yaml] KEY=VALUE... (see train --help)")
     args = parser.parse_args(argv)
+
+    def answer(outcome: Outcome, code: int) -> int:
+        if args.json:
+            print(outcome.to_json(), flush=True)
+        return code
+
+    try:
+        from lorajob_trainer import models, storage, weights
+        from lorajob_trainer import plan as plan_lib
+        from lorajob_trainer.console import configure_logging
+    except ImportError as error:
+        log.warning("plan skipped: the trainer's packages are missing (%s)", error)
+        return answer(Outcome(no_plan=str(error), packages_missing=True), 0)
     configure_logging()
     config = parse_or_report(args.config)
     if config is None:
         return exit_codes.CONFIG
     try:
-        from lorajob_trainer import plan as plan_lib
-    except ImportError as error:
-        log.warning("plan skipped: the trainer's packages are missing (%s)", error)
-        return 0
-    try:
         result = check(config, args.model_config, Request.from_json(args.request))
     except plan_lib.PlanError as error:
         log.warning("plan skipped: %s", error)
-        return 0
+        return answer(Outcome(no_plan=str(error)), 0)
     except (models.ModelConfigError, weights.WeightsError) as error:
         print(f"plan failed: {error}", file=sys.stderr)
-        return exit_codes.MODEL
+        return answer(Outcome(no_plan=f"plan failed: {error}"), exit_codes.MODEL)
     for line in format_plan(result):
         log.info("%s", line)
     if not result.attempt.fits:  # stderr only: its last line is the container's termination message
         print(refusal(result), file=sys.stderr)
-        return exit_codes.DOES_NOT_FIT
+        return answer(Outcome(plan=result), exit_codes.DOES_NOT_FIT)
+    if args.json:
+        return answer(Outcome(plan=result), 0)
     record = result.record().line()
     try:  # the train step's remat auto reads the choice here; without it, it compiles on its chips to choose
         storage.write_text(config.layout.plan, record + "\n")

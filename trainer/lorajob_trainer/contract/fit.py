@@ -2,7 +2,8 @@
 targets to try, written by the operator) and what it answers (`Plan`: an `Attempt` per target compiled, their
 figures, and the lines that say them), without the compiler.
 
-`python -m lorajob_trainer.fit` compiles the train step for each target (`lorajob_trainer.fit`, JAX and libtpu).
+`python -m lorajob_trainer.fit` compiles the train step for each target (`lorajob_trainer.fit`, JAX and libtpu); with
+`--json` it prints its `Outcome` (`lorajob plan` reads it back).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from typing import Any
 
 from lorajob_trainer.contract.records import REMAT_AUTO, PlanRecord
 
@@ -78,7 +80,9 @@ class Target:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    chip: TpuChip
+    chip: Chip
+    """A `TpuChip`: each target is compiled for it. A plain `Chip` (a GPU, which no compiler runs for without the
+    device): the analytic estimate of the first target."""
     chips_per_host: int
     targets: tuple[Target, ...]
     """The LoRAJob's own target first, then the alternatives in the order they are tried."""
@@ -89,7 +93,8 @@ class Request:
     @classmethod
     def from_json(cls, text: str) -> Request:
         values = json.loads(text)
-        return cls(TpuChip(**values["chip"]), values["chips_per_host"], tuple(Target(**t) for t in values["targets"]))
+        chip = TpuChip(**values["chip"]) if "compiler_name" in values["chip"] else Chip(**values["chip"])
+        return cls(chip, values["chips_per_host"], tuple(Target(**t) for t in values["targets"]))
 
 
 @dataclasses.dataclass
@@ -128,6 +133,11 @@ class Attempt:
         """What the memory figures are per: "chip", or "device" where a chip has several."""
         return "chip" if self.devices_per_chip == 1 else "device"
 
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Attempt:
+        """The attempt `dataclasses.asdict` wrote."""
+        return cls(**{**values, "target": Target(**values["target"]), "remat_rejected": tuple(values["remat_rejected"])})
+
 
 @dataclasses.dataclass
 class Plan:
@@ -150,6 +160,33 @@ class Plan:
             remat_policy=a.remat_policy,
         )
 
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Plan:
+        return cls(Attempt.from_dict(values["attempt"]), [Attempt.from_dict(a) for a in values["tried"]])
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What `python -m lorajob_trainer.fit --json` prints on stdout, one JSON line: the plan, or why none was made."""
+
+    plan: Plan | None = None
+    no_plan: str | None = None
+    """Why no plan was made: a topology libtpu lacks, the model's config.json unreadable, a package missing."""
+    packages_missing: bool = False
+    """No plan because the packages the compile needs (JAX, the trainer's, libtpu) are not installed."""
+
+    def to_json(self) -> str:
+        return json.dumps({"plan": self.plan.to_dict() if self.plan else None, "no_plan": self.no_plan,
+                           "packages_missing": self.packages_missing}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Outcome:
+        values = json.loads(text)
+        plan = Plan.from_dict(values["plan"]) if values["plan"] is not None else None
+        return cls(plan, values["no_plan"], values["packages_missing"])
 
 
 def gb(value: int | None) -> str:
