@@ -368,7 +368,7 @@ class ExportSpec(_Model):
 
 
 SCORERS = {"exactMatch": "exact_match", "contains": "contains", "regex": "regex", "gsm8k": "gsm8k"}
-"""spec.evaluation.scorer -> the trainer's generation_eval.scorer (contract.EVAL_SCORERS)."""
+"""spec.evaluation.scorer -> the trainer's generation_eval.scorer (contract.records.EVAL_SCORERS)."""
 
 
 class EvaluationSpec(_Model):

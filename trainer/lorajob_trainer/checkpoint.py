@@ -74,7 +74,7 @@ class CheckpointMetadata:
     use_dora: bool = False
     """DoRA: the adapter also holds a magnitude per output feature of each adapted weight."""
     base_quantization: str = "none"
-    """How the frozen base was held while this adapter trained (QLoRA: contract.BASE_QUANTIZATIONS)."""
+    """How the frozen base was held while this adapter trained (QLoRA: contract.records.BASE_QUANTIZATIONS)."""
     train_loss: float | None = None
     """Training loss at this step."""
     eval_loss: float | None = None

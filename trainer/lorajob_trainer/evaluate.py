@@ -58,7 +58,7 @@ Scorer = Callable[[str, str], bool]
 
 
 def scorer(name: str, pattern: str = "") -> Scorer:
-    """The scorer of generation_eval.scorer (contract.EVAL_SCORERS)."""
+    """The scorer of generation_eval.scorer (contract.records.EVAL_SCORERS)."""
     if name == "exact_match":
         return lambda answer, reference: normalise(answer) == normalise(reference)
     if name == "contains":

@@ -48,7 +48,7 @@ class LoraConfig(_Section):
     """DoRA (PEFT's use_dora): each adapted weight's output features also get a learned magnitude,
     W' = m * (W + s B A) / ||W + s B A||. Not on routed experts."""
     base_quantization: Literal[BASE_QUANTIZATIONS] = "none"
-    """QLoRA: hold the frozen decoder projections quantised (contract.BASE_QUANTIZATIONS); the adapters stay
+    """QLoRA: hold the frozen decoder projections quantised (contract.records.BASE_QUANTIZATIONS); the adapters stay
     in the base's dtype."""
 
     @model_validator(mode="after")
@@ -99,7 +99,7 @@ class GenerationEvalConfig(_Section):
     """After the last step, generate answers to the evaluation prompts with the base model and with the trained
     adapter, score both and write <run>/evaluation.json (and print a LORAJOB_EVAL line)."""
     scorer: Literal[EVAL_SCORERS] = "exact_match"
-    """How an answer is scored against the reference answer (contract.EVAL_SCORERS)."""
+    """How an answer is scored against the reference answer (contract.records.EVAL_SCORERS)."""
     pattern: str = ""
     """scorer=regex: the regex whose first group (else whole match) is the answer, searched in both texts."""
     max_new_tokens: int = Field(256, ge=1, le=32_768)
