@@ -94,13 +94,14 @@ ROWS = {
 
 def model_config(model: str) -> dict:
     """The model's config.json: the catalogue's released facts, or a tiny test model's (lorajob_trainer.tiny)."""
-    from lorajob_trainer import catalog, tiny
+    from lorajob_trainer import tiny
+    from lorajob_trainer.contract import catalog
 
     return tiny.tiny_config(model.removeprefix("tiny-")) if model.startswith("tiny-") else catalog.released_config(model)
 
 
 def train_config(row: Row, remat: str):
-    from lorajob_trainer.config import TrainConfig
+    from lorajob_trainer.contract.config import TrainConfig
 
     return TrainConfig.from_dict(row.config_values(remat))
 
@@ -116,9 +117,9 @@ def v5e():
 
 
 def target(row: Row, remat: str):
-    from lorajob_trainer import fit
+    from lorajob_trainer.contract.fit import Target
 
-    return fit.Target(MACHINE_TYPE, TOPOLOGY, 1, 1, row.rows, 1, remat)
+    return Target(MACHINE_TYPE, TOPOLOGY, 1, 1, row.rows, 1, remat)
 
 
 def plan_record(attempt, source: str) -> dict:
@@ -131,12 +132,13 @@ def plan_record(attempt, source: str) -> dict:
 def plan_row(name: str) -> dict:
     """The fit check of the row's LoRAJob: compiled for a v5e 1x1 topology without a TPU."""
     from lorajob_trainer import fit
+    from lorajob_trainer.contract.fit import format_attempt
 
     row = ROWS[name]
     chip, chips_per_host = v5e()
     attempt = fit.compile_attempt(train_config(row, "auto"), model_config(row.model), chip, chips_per_host,
                                   target(row, "auto"))
-    for line in fit.format_attempt(attempt):
+    for line in format_attempt(attempt):
         print(f"{name}: {line.strip()}", flush=True)
     return plan_record(attempt, "fit check (deviceless)")
 

@@ -22,7 +22,7 @@ import time
 
 from trainer_bench import QWEN3, bench_dtype, random_lora_model, run_child
 
-from lorajob_trainer.config import TrainConfig
+from lorajob_trainer.contract.config import TrainConfig
 from lorajob_trainer.metrics import peak_device_memory_bytes, peak_host_memory_bytes
 
 LOSSES = ("full-logits", "chunked")
@@ -47,7 +47,7 @@ def measure(args) -> dict:
 
     from lorajob_trainer import loss as loss_lib
     from lorajob_trainer import mesh as mesh_lib
-    from lorajob_trainer.config import MeshConfig
+    from lorajob_trainer.contract.config import MeshConfig
 
     hf = {**QWEN3, "vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": 3 * args.hidden,
           "num_hidden_layers": args.layers, "num_attention_heads": 8, "num_key_value_heads": 4,

@@ -41,7 +41,7 @@ DEFAULT_CASES = ["qwen3-0.6b:v6e-4:1024", "qwen3-0.6b:v6e-4:2048", "llama3.1-8b:
 
 def _train_config(model: str, seq: int, remat: str, lora: dict | None = None, **fields):
     """The benchmark's setting: one row of `seq` tokens per device, LoRA rank 16, alpha 32 (plus `lora`)."""
-    from lorajob_trainer.config import TrainConfig
+    from lorajob_trainer.contract.config import TrainConfig
 
     return TrainConfig.from_dict({
         "run_name": "plan", "base_output_directory": "/tmp/plan", "model_name": model,
@@ -53,13 +53,15 @@ def _train_config(model: str, seq: int, remat: str, lora: dict | None = None, **
 
 def ours(model: str, slice_name: str, seq: int, remat: str, base_quantization: str = "none", slices: int = 1,
          targets: list[str] | None = None) -> dict:
-    from lorajob_trainer import catalog, fit
+    from lorajob_trainer import fit
+    from lorajob_trainer.contract import catalog
+    from lorajob_trainer.contract.fit import Target
 
     config = _train_config(model, seq, remat, {"base_quantization": base_quantization, "target_modules": targets})
     generation, topology = SLICES[slice_name]
     chip = TPU_CHIPS[generation]
     chips = chips_in(topology) * slices
-    target = fit.Target(slice_name, topology, slices, chips, 1, 1, remat)
+    target = Target(slice_name, topology, slices, chips, 1, 1, remat)
     chips_per_host = 1 if chips == 1 else 4  # a one-chip slice is a one-chip VM (libtpu's host bounds)
     attempt = fit.compile_attempt(config, catalog.released_config(model), chip, chips_per_host, target)
     if attempt.error:  # the compiler's RESOURCE_EXHAUSTED and friends: a row, not a crash
@@ -73,7 +75,8 @@ def ours(model: str, slice_name: str, seq: int, remat: str, base_quantization: s
 
 def _depths(model: str) -> tuple[dict, int, int, int]:
     """(released config, its depth, and the two shallower depths compiled unrolled: one and two layer periods)."""
-    from lorajob_trainer import catalog, models
+    from lorajob_trainer import models
+    from lorajob_trainer.contract import catalog
 
     hf_config = catalog.released_config(model)
     family = models.family_for_hf_config(hf_config)
@@ -133,7 +136,8 @@ def base_weight_bytes(model: str) -> int:
     """The model's weights in bf16, from its abstract shapes (nothing allocated)."""
     import jax
     from flax import nnx
-    from lorajob_trainer import catalog, models
+    from lorajob_trainer import models
+    from lorajob_trainer.contract import catalog
 
     hf_config = catalog.released_config(model)
     family = models.family_for_hf_config(hf_config)

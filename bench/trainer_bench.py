@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from lorajob_trainer.config import TrainConfig
+from lorajob_trainer.contract.config import TrainConfig
 from lorajob_trainer.metrics import peak_host_memory_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -171,7 +171,7 @@ def bench_jax(args) -> dict:
     from lorajob_trainer import metrics
     from lorajob_trainer import models
     from lorajob_trainer import run as run_lib
-    from lorajob_trainer.config import MeshConfig, TrainConfig
+    from lorajob_trainer.contract.config import MeshConfig, TrainConfig
 
     hf = hf_config(args.shape)
     dtype = bench_dtype()

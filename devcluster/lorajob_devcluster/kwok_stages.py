@@ -33,7 +33,7 @@ from pathlib import Path
 
 import yaml
 
-from lorajob_trainer import exit_codes
+from lorajob_trainer.contract import exit_codes
 
 from .documents import load_document
 

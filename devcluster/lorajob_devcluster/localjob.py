@@ -13,7 +13,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from lorajob_trainer.contract import RunLayout
+from lorajob_trainer.contract.records import RunLayout
 
 from . import topology
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lorajob_trainer.fit import Chip, TpuChip
+from lorajob_trainer.contract.fit import Chip, TpuChip
 
 
 @dataclass(frozen=True)

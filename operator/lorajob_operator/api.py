@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model,
 from pydantic.alias_generators import to_camel
 
 from lorajob_operator import accelerators, names, rules
-from lorajob_trainer import catalog
-from lorajob_trainer.contract import (
+from lorajob_trainer.contract import catalog
+from lorajob_trainer.contract.records import (
     BASE_QUANTIZATIONS,
     BOUNDS,
     CHECKPOINT_SELECTORS,

@@ -31,8 +31,9 @@ from lorajob_operator.names import (
 )
 from lorajob_operator.settings import RenderSettings, Resources
 from lorajob_operator.step_commands import check_command, convert_command, export_command, train_command
-from lorajob_trainer import distributed
-from lorajob_trainer.contract import HF_TOKEN_ENV, HF_TOKEN_SOURCE_ENV, RunLayout
+from lorajob_trainer.contract import environment
+from lorajob_trainer.contract.environment import HF_TOKEN_ENV, HF_TOKEN_SOURCE_ENV
+from lorajob_trainer.contract.records import RunLayout
 
 TPU_RESOURCE = "google.com/tpu"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -256,7 +257,7 @@ def _pathways_train(spec, owner, run, settings, attempt) -> dict:
         train_command(spec, run),
         [
             head_env,
-            _env(distributed.ENV_PLATFORMS, distributed.PATHWAYS_PLATFORM),
+            _env(environment.ENV_PLATFORMS, environment.PATHWAYS_PLATFORM),
             _env("JAX_BACKEND_TARGET", f"grpc://$(PATHWAYS_HEAD):{PATHWAYS_PROXY_PORT}"),
             _env("ENABLE_PATHWAYS_PERSISTENCE", "1"),
             _env("XCLOUD_ENVIRONMENT", "GCP"),
@@ -316,7 +317,7 @@ def _pathways_train(spec, owner, run, settings, attempt) -> dict:
 
 
 JOB_INDEX_ENV = "JOB_INDEX"
-PROCESS_ID_FROM_INDICES = f'export {distributed.ENV_PROCESS_ID}=$(( {JOB_INDEX_ENV} * {{pods}} + JOB_COMPLETION_INDEX )); exec "$0" "$@"'
+PROCESS_ID_FROM_INDICES = f'export {environment.ENV_PROCESS_ID}=$(( {JOB_INDEX_ENV} * {{pods}} + JOB_COMPLETION_INDEX )); exec "$0" "$@"'
 """Process id = <Job index in the JobSet> x <pods per Job> + <pod index in its Job> (JOB_COMPLETION_INDEX
 is set by Kubernetes in Indexed Jobs); the shell computes it and then becomes the trainer."""
 
@@ -328,8 +329,8 @@ def _multi_controller_trainer(spec, settings, run: str, jobs: int, pods: int, en
     # coordinator label) so the name needs no room for a doubled label value.
     coordinator = first_pod_host(name, WORKER)
     distributed_env = [
-        _env(distributed.ENV_COORDINATOR_ADDRESS, f"{coordinator}:{distributed.DEFAULT_COORDINATOR_PORT}"),
-        _env(distributed.ENV_NUM_PROCESSES, str(jobs * pods)),
+        _env(environment.ENV_COORDINATOR_ADDRESS, f"{coordinator}:{environment.DEFAULT_COORDINATOR_PORT}"),
+        _env(environment.ENV_NUM_PROCESSES, str(jobs * pods)),
         _env_from_label(JOB_INDEX_ENV, JOB_INDEX_LABEL),
     ]
     command = ["/bin/sh", "-c", PROCESS_ID_FROM_INDICES.format(pods=pods), *train_command(spec, run)]

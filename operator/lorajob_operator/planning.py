@@ -1,21 +1,30 @@
 """`lorajob plan FILE...`: whether each LoRAJob's train step fits its TPU chips, before it holds one.
 
-The same check the LoRAJob's first CPU step runs in the cluster (`lorajob_trainer.fit`, on the request
-`step_commands.plan_request` writes), here with the released config.json facts of the catalogue model
-(`catalog.released_config`) instead of the checkpoint's. It needs the trainer's packages and libtpu, which
-the operator image does not carry. GPU LoRAJobs get the analytic estimate (`fit.analytic_attempt`), saying so.
+The same check the LoRAJob's first CPU step runs in the cluster, run the same way: `python -m lorajob_trainer.fit`
+(`step_commands.plan_command`) in a child process, on the request `step_commands.plan_request` writes, here with the released
+config.json facts of the catalogue model (`catalog.released_config`, written to a scratch directory) instead of the
+checkpoint's, and with `--json`: the child prints its `contract.fit.Outcome`, the plan read back here. So the operator
+imports nothing of the trainer but its contract; the check needs the trainer's packages and libtpu, which the operator
+image does not carry. GPU LoRAJobs get the analytic estimate (the child's `fit.analytic_attempt`), saying so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
-from lorajob_operator import accelerators, names, step_commands
-from lorajob_operator.validation import parse_spec
+from lorajob_operator import accelerators, api, names, step_commands, validation
+from lorajob_trainer.contract import catalog, fit
 
 INSTALL_HINT = ('lorajob plan compiles the trainer\'s step with the TPU compiler: pip install "lorajob[trainer]" '
                 '"jax[tpu]" (the operator image carries neither)')
+FIT_CHECK = "lorajob_trainer.fit"
+"""The module the child process runs (`python -m`), as the LoRAJob's CPU step does."""
 
 
 class PlanUnavailable(RuntimeError):
@@ -26,8 +35,7 @@ class PlanUnavailable(RuntimeError):
 class LoRAJobPlan:
     name: str
     model: str
-    plan: Any
-    """fit.Plan."""
+    plan: fit.Plan
 
     def to_dict(self) -> dict[str, Any]:
         suggestion = self.plan.suggestion
@@ -35,41 +43,48 @@ class LoRAJobPlan:
                 "suggestion": dataclasses.asdict(suggestion) if suggestion else None}
 
     def format(self) -> str:
-        from lorajob_trainer import fit
-
         return "\n".join([f"LoRAJob {self.name!r} ({self.model}):", *fit.format_plan(self.plan)])
 
 
 def plan_lorajob(doc: dict) -> LoRAJobPlan:
-    spec, errors = parse_spec(doc)
+    spec, errors = validation.parse_spec(doc)
     name = doc.get("metadata", {}).get("name", "?")
     if spec is None:
         raise PlanUnavailable(f"LoRAJob {name!r} is invalid: {'; '.join(errors)}")
     try:
-        from lorajob_trainer import catalog, fit
-        from lorajob_trainer import plan  # JAX, the trainer's packages and libtpu
-    except ImportError as error:
-        raise PlanUnavailable(f"{INSTALL_HINT} ({error})") from None
-    try:
         hf_config = catalog.released_config(spec.model.name)
     except KeyError as error:
         raise PlanUnavailable(str(error.args[0])) from None
-    config = step_commands.train_config(spec, names.run_name(spec, name))
-    if spec.compute.gpu is not None:
-        return LoRAJobPlan(name, spec.model.name, fit.Plan(_gpu_attempt(spec, config, hf_config), []))
+    request = _gpu_request(spec) if spec.compute.gpu is not None else step_commands.plan_request(spec)
+    outcome = run_fit_check(step_commands.train_config(spec, names.run_name(spec, name)).to_args(), hf_config, request)
+    if outcome.plan is None:
+        raise PlanUnavailable(f"{INSTALL_HINT} ({outcome.no_plan})" if outcome.packages_missing else outcome.no_plan)
+    return LoRAJobPlan(name, spec.model.name, outcome.plan)
+
+
+def run_fit_check(config_args: list[str], hf_config: dict[str, Any], request: fit.Request) -> fit.Outcome:
+    """`python -m lorajob_trainer.fit --json` of the train config `config_args` on `request`, with `hf_config` as
+    the model's config.json; PlanUnavailable when it prints no outcome (it cannot start, or fails otherwise)."""
+    with tempfile.TemporaryDirectory(prefix="lorajob-plan-") as model_config:
+        (Path(model_config) / "config.json").write_text(json.dumps(hf_config))
+        command = [sys.executable, "-m", FIT_CHECK, "--request", request.to_json(), "--model-config", model_config,
+                   "--json", *config_args]
+        completed = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = completed.stdout.strip().splitlines()
     try:
-        result = fit.plan(config, hf_config, step_commands.plan_request(spec))
-    except plan.PlanError as error:
-        raise PlanUnavailable(str(error)) from None
-    return LoRAJobPlan(name, spec.model.name, result)
+        return fit.Outcome.from_json(lines[-1])
+    except (IndexError, ValueError, KeyError, TypeError):  # no outcome line: the child failed before it could say
+        pass
+    said = next((line.strip() for line in reversed(completed.stderr.splitlines()) if line.strip()), "no output")
+    if "ModuleNotFoundError" in said or "ImportError" in said or "No module named" in said:
+        raise PlanUnavailable(f"{INSTALL_HINT} (python -m {FIT_CHECK} could not import: {said})")
+    raise PlanUnavailable(f"python -m {FIT_CHECK} failed with exit code {completed.returncode}: {said}")
 
 
-def _gpu_attempt(spec: Any, config: Any, hf_config: dict[str, Any]) -> Any:
-    """The analytic plan (`fit.analytic_attempt`): no compiler runs for a GPU without the device."""
-    from lorajob_trainer import fit
-
-    gpu = spec.compute.gpu
+def _gpu_request(spec: api.LoRAJobSpec) -> fit.Request:
+    """The analytic estimate's request: a GPU's `Chip`, which no compiler runs for without the device."""
+    gpu, training = spec.compute.gpu, spec.training
     target = fit.Target(gpu.accelerator, f"{gpu.nodes} node(s) x {gpu.gpus_per_node} GPUs", 1,
-                        gpu.nodes * gpu.gpus_per_node, spec.training.per_device_batch_size,
-                        spec.training.gradient_accumulation_steps, spec.training.remat)
-    return fit.analytic_attempt(config, hf_config, accelerators.GPU_CHIPS[gpu.accelerator], target)
+                        gpu.nodes * gpu.gpus_per_node, training.per_device_batch_size,
+                        training.gradient_accumulation_steps, training.remat)
+    return fit.Request(accelerators.GPU_CHIPS[gpu.accelerator], gpu.gpus_per_node, (target,))

@@ -20,8 +20,7 @@ from lorajob_operator.reconcile.decide import RUNNING_PHASE
 from lorajob_operator.reconcile.observed import lead_pod_selector
 from lorajob_operator.reconcile.status_text import progress_summary
 from lorajob_operator.validation import parse_spec
-from lorajob_trainer.stages import duration
-from lorajob_trainer.contract import ProgressRecord
+from lorajob_trainer.contract.records import ProgressRecord, duration
 
 SPARK = "▁▂▃▄▅▆▇█"
 BAR_WIDTH = 30

@@ -11,9 +11,9 @@ import dataclasses
 import shlex
 
 from lorajob_operator import accelerators, api
-from lorajob_trainer import catalog, fit
-from lorajob_trainer.config import ConfigError, TrainConfig
-from lorajob_trainer.contract import REMAT_AUTO, RunLayout
+from lorajob_trainer.contract import catalog, fit
+from lorajob_trainer.contract.config import ConfigError, TrainConfig
+from lorajob_trainer.contract.records import REMAT_AUTO, RunLayout
 
 
 @dataclasses.dataclass(frozen=True)

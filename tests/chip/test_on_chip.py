@@ -73,7 +73,7 @@ from lorajob_trainer import run as run_lib  # noqa: E402
 from lorajob_trainer import mesh as mesh_lib  # noqa: E402
 from lorajob_trainer import step as step_lib  # noqa: E402
 from lorajob_trainer import train as train_lib  # noqa: E402
-from lorajob_trainer.config import MeshConfig, TrainConfig  # noqa: E402
+from lorajob_trainer.contract.config import MeshConfig, TrainConfig  # noqa: E402
 from lorajob_trainer.models import splash  # noqa: E402
 
 CHIP = jax.devices()[0]

@@ -41,7 +41,7 @@ def sample(name: str, *, train_only: bool = False, images: dict | None = None, *
 def progress_line(step: int, state: str = "running", **extra) -> str:
     """A trainer progress line (as the trainer prints it) for step `step` of a `sample` run, with a
     checkpoint and an evaluation every 5 steps."""
-    from lorajob_trainer.contract import CheckpointRecord, ProgressRecord
+    from lorajob_trainer.contract.records import CheckpointRecord, ProgressRecord
 
     saved = [CheckpointRecord(s, round(3.0 / s, 4), round(4.0 / s, 4), 1767268800.0 + s) for s in range(5, step + 1, 5)]
     values = {"loss": round(3.0 / step, 4), "tokens_per_second": 1200.0, "eta_seconds": 4.0 * (STEPS - step),

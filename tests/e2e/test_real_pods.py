@@ -15,7 +15,8 @@ from lorajobs import condition
 
 from lorajob_devcluster import localjob
 from lorajob_devcluster.topology import LOCAL_CPU_NP, LOCAL_V6E_2X4
-from lorajob_trainer import exit_codes, metrics
+from lorajob_trainer import metrics
+from lorajob_trainer.contract import exit_codes
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 STEPS = 8

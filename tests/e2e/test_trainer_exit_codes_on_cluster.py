@@ -7,7 +7,7 @@ import pytest
 from lorajobs import condition, sample
 
 from lorajob_devcluster import failing_image
-from lorajob_trainer import exit_codes
+from lorajob_trainer.contract import exit_codes
 
 pytestmark = pytest.mark.cluster
 

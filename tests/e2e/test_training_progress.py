@@ -8,7 +8,7 @@ from lorajobs import every_image, progress_line, sample
 
 from lorajob_devcluster import HANG_IMAGE
 from lorajob_devcluster.kwok_stages import cri_log
-from lorajob_trainer.contract import PROGRESS_LINE_PREFIX
+from lorajob_trainer.contract.records import PROGRESS_LINE_PREFIX
 
 pytestmark = pytest.mark.cluster
 

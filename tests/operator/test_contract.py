@@ -12,13 +12,15 @@ import pytest
 
 from builders import spec_dict
 from lorajob_operator import api, step_commands
-from lorajob_trainer import contract
-from lorajob_trainer.config import ConfigError, TrainConfig
+from lorajob_trainer.contract import environment, records
+from lorajob_trainer.contract.config import ConfigError, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = (ROOT / "operator" / "lorajob_operator", ROOT / "trainer" / "lorajob_trainer")
 RUN_PATH_READERS = PACKAGES + (ROOT / "devcluster" / "lorajob_devcluster", ROOT / "scripts")
 """Code that finds a run's files: the demo and the local pod runner too."""
+CONTRACT_RECORDS = ROOT / "trainer" / "lorajob_trainer" / "contract" / "records.py"
+"""Where the run's layout is spelled (`RunLayout`)."""
 
 SET_BY_THE_OPERATOR = {
     "run_name", "base_output_directory", "model_name", "load_parameters_path", "tokenizer_path",  # from the spec
@@ -46,8 +48,8 @@ def test_a_lorajob_that_sets_nothing_trains_with_the_trainers_own_defaults():
 
 
 def test_every_shared_default_is_taken_from_the_contract_by_both_sides():
-    sources = {path.name: path.read_text() for path in (PACKAGES[0] / "api.py", PACKAGES[1] / "config.py")}
-    for name in contract.Defaults.__dataclass_fields__:
+    sources = {path.name: path.read_text() for path in (PACKAGES[0] / "api.py", PACKAGES[1] / "contract" / "config.py")}
+    for name in records.Defaults.__dataclass_fields__:
         for file, text in sources.items():
             assert f"DEFAULTS.{name}" in text, f"{file} does not take its {name} default from the contract"
 
@@ -107,59 +109,59 @@ def _path_parts(path: Path) -> set[str]:
 
 
 def test_no_run_path_is_spelled_outside_the_contract():
-    layout = contract.RunLayout("BASE", "RUN")
-    names = {getattr(layout, name).removeprefix("BASE/RUN/") for name, member in vars(contract.RunLayout).items()
+    layout = records.RunLayout("BASE", "RUN")
+    names = {getattr(layout, name).removeprefix("BASE/RUN/") for name, member in vars(records.RunLayout).items()
              if isinstance(member, property) and name != "run_directory"}
     offenders = {}
     for package in RUN_PATH_READERS:
         for path in package.rglob("*.py"):
-            if path.name == "contract.py":
+            if path == CONTRACT_RECORDS:
                 continue
             found = names & _path_parts(path)
             if found:
                 offenders[str(path.relative_to(ROOT))] = sorted(found)
-    assert offenders == {}, f"run paths spelled outside lorajob_trainer/contract.py: {offenders}"
+    assert offenders == {}, f"run paths spelled outside {CONTRACT_RECORDS.relative_to(ROOT)}: {offenders}"
 
 
 @pytest.mark.parametrize("record", [
-    contract.ProgressRecord(step=3, total_steps=10, loss=1.5, tokens_per_second=900.0, eta_seconds=12.0,
+    records.ProgressRecord(step=3, total_steps=10, loss=1.5, tokens_per_second=900.0, eta_seconds=12.0,
                             state="running", eval_loss=1.7, updated=1.0),
-    contract.ProgressRecord(step=10, total_steps=10, state="failed", message="dataset has no column 'messages'"),
+    records.ProgressRecord(step=10, total_steps=10, state="failed", message="dataset has no column 'messages'"),
 ])
 def test_a_progress_record_reads_back_as_written(record):
-    assert contract.ProgressRecord.from_line("some prefix " + record.line()) == record
+    assert records.ProgressRecord.from_line("some prefix " + record.line()) == record
 
 
 def test_a_data_record_reads_back_as_written_and_a_garbled_one_not_at_all():
-    record = contract.DataRecord(examples=7473, tokens=1402116, trained_tokens=512330, epochs=4.28,
+    record = records.DataRecord(examples=7473, tokens=1402116, trained_tokens=512330, epochs=4.28,
                                  truncated_examples=12, truncated_share=0.003)
     log = f"data check passed: ...\npod log timestamp {record.line()}\nconverting the checkpoint\n"
-    assert contract.last_data(log) == record
-    assert contract.last_data(record.line()[:-5]) is None  # cut short
+    assert records.last_data(log) == record
+    assert records.last_data(record.line()[:-5]) is None  # cut short
     negative = record.line().replace('"examples":7473', '"examples":-1')
-    assert contract.DataRecord.from_line(negative) is None
-    assert contract.DataRecord.from_line(record.line().replace("4.28", "NaN")) is None
-    assert contract.last_data("no data line") is None
+    assert records.DataRecord.from_line(negative) is None
+    assert records.DataRecord.from_line(record.line().replace("4.28", "NaN")) is None
+    assert records.last_data("no data line") is None
 
 
 def test_a_plan_record_reads_back_as_written_and_a_garbled_one_not_at_all():
-    record = contract.PlanRecord(fits=False, target="v5e 1x1 (1 chips)", chips=1, hbm_bytes_per_chip=None,
+    record = records.PlanRecord(fits=False, target="v5e 1x1 (1 chips)", chips=1, hbm_bytes_per_chip=None,
                                  capacity_bytes=15_461_882_265, compile_seconds=12.5, suggestion="v5e 2x2 (4 chips)")
-    assert contract.last_plan(f"data check passed\n{record.line()}\n") == record
-    assert contract.last_plan(record.line()[:-3]) is None
-    assert contract.PlanRecord.from_line(record.line().replace('"fits":false', '"fits":"no"')) is None
-    assert contract.PlanRecord.from_line(record.line().replace('"chips":1', '"chips":-1')) is None
+    assert records.last_plan(f"data check passed\n{record.line()}\n") == record
+    assert records.last_plan(record.line()[:-3]) is None
+    assert records.PlanRecord.from_line(record.line().replace('"fits":false', '"fits":"no"')) is None
+    assert records.PlanRecord.from_line(record.line().replace('"chips":1', '"chips":-1')) is None
 
 
 def test_a_named_token_that_did_not_arrive_is_reported_by_name():
-    source = {contract.HF_TOKEN_SOURCE_ENV: "hf-token/token"}
-    assert contract.missing_token(source).startswith("the Hugging Face token is missing: no Secret hf-token with a non-empty key token")
-    assert contract.missing_token({**source, contract.HF_TOKEN_ENV: ""}) is not None
-    assert contract.missing_token({**source, contract.HF_TOKEN_ENV: "hf_x"}) is None
-    assert contract.missing_token({}) is None  # no token named
+    source = {environment.HF_TOKEN_SOURCE_ENV: "hf-token/token"}
+    assert environment.missing_token(source).startswith("the Hugging Face token is missing: no Secret hf-token with a non-empty key token")
+    assert environment.missing_token({**source, environment.HF_TOKEN_ENV: ""}) is not None
+    assert environment.missing_token({**source, environment.HF_TOKEN_ENV: "hf_x"}) is None
+    assert environment.missing_token({}) is None  # no token named
 
 
 def test_non_finite_numbers_are_written_as_unknown():
-    record = contract.ProgressRecord(step=1, total_steps=2, loss=float("nan"), eta_seconds=float("inf"))
+    record = records.ProgressRecord(step=1, total_steps=2, loss=float("nan"), eta_seconds=float("inf"))
     assert (record.loss, record.eta_seconds) == (None, None)
-    assert contract.ProgressRecord.from_line(record.line()) == record
+    assert records.ProgressRecord.from_line(record.line()) == record

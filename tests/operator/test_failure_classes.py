@@ -14,7 +14,7 @@ from lorajob_operator.reconcile.decide import Create, decide
 from lorajob_operator.reconcile.observed import Observed, observe_child
 from lorajob_operator.validation import parse_spec
 from lorajob_operator.settings import ReconcileSettings, RenderSettings
-from lorajob_trainer import exit_codes
+from lorajob_trainer.contract import exit_codes
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 AFTER_BACKOFF = NOW + timedelta(minutes=5)

@@ -14,7 +14,7 @@ from lorajob_operator.reconcile.status_text import ordinal, queue_place
 from lorajob_operator.reconcile.trainer_output import train_log_wanted
 from lorajob_operator.validation import parse_spec
 from lorajob_operator.settings import ReconcileSettings
-from lorajob_trainer.contract import EvalRecord, ModelScore, ProgressRecord
+from lorajob_trainer.contract.records import EvalRecord, ModelScore, ProgressRecord
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 SETTINGS = ReconcileSettings(retry_backoff_seconds=10, retry_backoff_max_seconds=60)

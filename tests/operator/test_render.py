@@ -12,7 +12,7 @@ from builders import GPU, NAMESPACE, UID, compute, lorajob, owner, parsed, spec_
 
 from lorajob_operator import accelerators, jobsets, names, rules, step_commands, validation
 from lorajob_operator.settings import Images, RenderSettings
-from lorajob_trainer.config import TrainConfig
+from lorajob_trainer.contract.config import TrainConfig
 
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 SETTINGS = RenderSettings()
@@ -283,13 +283,14 @@ def test_convert_and_export_arguments_are_accepted_by_the_trainer_entry_points(m
     export = pytest.importorskip("lorajob_trainer.export", reason="needs the trainer extra (JAX)")
     datacheck = pytest.importorskip("lorajob_trainer.datacheck", reason="needs the trainer extra (JAX)")
     from lorajob_trainer import fit
+    from lorajob_trainer.contract.fit import Attempt, Plan
 
     calls = []
     monkeypatch.setattr(datacheck, "check", lambda config, devices: calls.append(("check", (config.hf_path, devices), {}))
                         or datacheck.DataReport(1, 10, 5, 0, 0, 1, 1))
     monkeypatch.setattr(fit, "check", lambda config, model_config, request: calls.append(
         ("fit", (model_config, request.targets[0].chips, config.per_device_batch_size), {}))
-        or fit.Plan(fit.Attempt(
+        or Plan(Attempt(
             request.targets[0], fits=True, capacity_bytes=2, total_bytes=1, flops_per_step=1.0,
             executed_flops_per_step=1.5, step_seconds=1.0, tokens_per_second_per_chip=1.0, mfu=0.5, bound="compute",
             compile_seconds=1.0,

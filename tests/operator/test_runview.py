@@ -8,7 +8,7 @@ from datetime import datetime, UTC
 from builders import condition, lorajob
 
 from lorajob_operator import runview
-from lorajob_trainer.contract import PROGRESS_LINE_PREFIX
+from lorajob_trainer.contract.records import PROGRESS_LINE_PREFIX
 
 NOW = datetime(2026, 1, 1, 0, 10, tzinfo=UTC)
 

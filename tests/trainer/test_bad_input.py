@@ -1,5 +1,5 @@
 """Each bad input to the trainer fails fast (before step 1) with a message naming the problem and the
-documented exit code of `lorajob_trainer.exit_codes` (what the operator turns into a Failed condition).
+documented exit code of `lorajob_trainer.contract.exit_codes` (what the operator turns into a Failed condition).
 
 The real entry point (`train.main`) runs in this process on a tiny generated Qwen3 checkpoint.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from trainer_testkit import arithmetic_rows, base_args, tiny_checkpoint, write_jsonl
 
-from lorajob_trainer import exit_codes
+from lorajob_trainer.contract import exit_codes
 from lorajob_trainer import train as train_lib
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from lorajob_trainer import checkpoint as ckpt
 from lorajob_trainer import export
-from lorajob_trainer.contract import CheckpointRecord, NoSuchCheckpoint, checkpoints_to_keep, choose_checkpoint
+from lorajob_trainer.contract.records import CheckpointRecord, NoSuchCheckpoint, checkpoints_to_keep, choose_checkpoint
 
 EVAL_LOSSES = {1: 0.5, 2: 0.9, 3: 1.0, 4: None, 5: 0.7}
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lorajob_trainer.config import ConfigError, TrainConfig, all_keys, resolve_target_modules
+from lorajob_trainer.contract.config import ConfigError, TrainConfig, all_keys, resolve_target_modules
 
 REQUIRED = [
     "run_name=demo",
@@ -141,7 +141,7 @@ def test_target_modules_command_line_beats_yaml_beats_family_default(tmp_path):
 
 def test_config_imports_without_jax():
     code = (
-        "import sys; from lorajob_trainer.config import TrainConfig; "
+        "import sys; from lorajob_trainer.contract.config import TrainConfig; "
         "assert 'jax' not in sys.modules and 'flax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env={"PYTHONPATH": str(Path(__file__).parents[2] / "trainer")})

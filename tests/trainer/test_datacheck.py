@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 from trainer_testkit import arithmetic_rows, base_args, tiny_checkpoint, write_jsonl
 
-from lorajob_trainer import datacheck, exit_codes
-from lorajob_trainer.config import TrainConfig
-from lorajob_trainer.contract import last_data
+from lorajob_trainer import datacheck
+from lorajob_trainer.contract import exit_codes
+from lorajob_trainer.contract.config import TrainConfig
+from lorajob_trainer.contract.records import last_data
 
 EXAMPLES = 40
 

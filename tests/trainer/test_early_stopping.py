@@ -11,8 +11,8 @@ from trainer_testkit import arithmetic_rows, base_args, tiny_checkpoint, write_j
 from lorajob_trainer import checkpoint as ckpt
 from lorajob_trainer import export
 from lorajob_trainer import train as train_lib
-from lorajob_trainer.config import ConfigError, TrainConfig
-from lorajob_trainer.contract import STOPPED_EARLY
+from lorajob_trainer.contract.config import ConfigError, TrainConfig
+from lorajob_trainer.contract.records import STOPPED_EARLY
 
 
 @pytest.mark.parametrize("losses, patience, min_delta, stops_at", [

@@ -11,10 +11,11 @@ import pytest
 from trainer_testkit import arithmetic_rows, base_args, tiny_checkpoint, write_jsonl
 
 from lorajob_trainer import data as data_lib
-from lorajob_trainer import evaluate, exit_codes, export
+from lorajob_trainer import evaluate, export
+from lorajob_trainer.contract import exit_codes
 from lorajob_trainer import train as train_lib
-from lorajob_trainer.config import ConfigError, TrainConfig
-from lorajob_trainer.contract import EvalRecord, EvalSample, ExportGate, ModelScore, last_evaluation
+from lorajob_trainer.contract.config import ConfigError, TrainConfig
+from lorajob_trainer.contract.records import EvalRecord, EvalSample, ExportGate, ModelScore, last_evaluation
 
 
 @pytest.mark.parametrize("name, pattern, answer, reference, right", [

@@ -17,7 +17,7 @@ from trainer_testkit import arithmetic_rows, base_args, gemma4_checkpoint, tiny_
 
 from lorajob_trainer import evaluate, models
 from lorajob_trainer import train as train_lib
-from lorajob_trainer.config import TrainConfig
+from lorajob_trainer.contract.config import TrainConfig
 
 FAMILIES = ["qwen3", "llama3", "gemma3", "qwen3-moe", "gemma4", "gemma4-e2b"]
 MAX_NEW_TOKENS = 6

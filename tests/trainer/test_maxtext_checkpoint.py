@@ -27,7 +27,8 @@ from jax.sharding import Mesh
 from safetensors.numpy import load_file
 from trainer_testkit import arithmetic_rows, base_args, trainer_env, write_jsonl
 
-from lorajob_trainer import convert, exit_codes, export, loading, lora, maxtext, models, tiny, weights
+from lorajob_trainer import convert, export, loading, lora, maxtext, models, tiny, weights
+from lorajob_trainer.contract import exit_codes
 from lorajob_trainer import train as train_lib
 
 FIXTURES = Path(__file__).parent / "fixtures" / "maxtext"

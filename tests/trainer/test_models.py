@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
-from lorajob_trainer import catalog, loading, lora, models, tiny
+from lorajob_trainer import loading, lora, models, tiny
+from lorajob_trainer.contract import catalog
 from lorajob_trainer.models import attention, families, rope
 
 

@@ -17,7 +17,7 @@ from lorajob_trainer import loading, metrics, models, tiny
 from lorajob_trainer import loss as loss_lib
 from lorajob_trainer import run as run_lib
 from lorajob_trainer import train as train_lib
-from lorajob_trainer.config import TrainConfig
+from lorajob_trainer.contract.config import TrainConfig
 from lorajob_trainer.models import experts
 from test_parity import load_hf, mesh, tokens  # noqa: F401  (mesh: a fixture)
 from trainer_testkit import GEMMA4_SHAPES, arithmetic_rows, base_args, tiny_checkpoint, trainer_env, write_jsonl
@@ -178,7 +178,7 @@ def test_dense_model_reports_no_aux_loss(tmp_path):
 EXPERT_MESH_SCRIPT = r"""
 import json, sys
 from lorajob_trainer import train as train_lib
-from lorajob_trainer.config import TrainConfig
+from lorajob_trainer.contract.config import TrainConfig
 trainer = train_lib.build_trainer(TrainConfig.from_args(sys.argv[1:]))
 def shards(array):
     return {"spec": [list(a) if isinstance(a, tuple) else a for a in array.sharding.spec],

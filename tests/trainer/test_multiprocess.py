@@ -134,14 +134,14 @@ def test_incomplete_distributed_environment_is_named(env, named):
     ],
 )
 def test_mesh_shape(axes, devices, slices, expected):
-    from lorajob_trainer.config import MeshConfig
+    from lorajob_trainer.contract.config import MeshConfig
     from lorajob_trainer.mesh import mesh_shape
 
     assert mesh_shape(MeshConfig(**axes), devices, slices) == expected
 
 
 def test_mesh_that_does_not_use_every_device_is_rejected():
-    from lorajob_trainer.config import MeshConfig
+    from lorajob_trainer.contract.config import MeshConfig
     from lorajob_trainer.mesh import MeshError, mesh_shape
 
     with pytest.raises(MeshError, match="8 are available"):

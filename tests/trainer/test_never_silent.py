@@ -24,7 +24,7 @@ from safetensors.numpy import load_file, save_file
 
 from trainer_testkit import arithmetic_rows, tiny_checkpoint, trainer_env, write_jsonl
 
-from lorajob_trainer.contract import PROGRESS_LINE_PREFIX
+from lorajob_trainer.contract.records import PROGRESS_LINE_PREFIX
 
 RUN_NAME = "run"
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lorajob_trainer import optim
-from lorajob_trainer.config import TrainConfig
+from lorajob_trainer.contract.config import TrainConfig
 
 PEAK = 1e-3
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from lorajob_operator import planning
-from lorajob_trainer import catalog, contract, fit
+from lorajob_trainer.contract import catalog, fit, records
 
 LORAJOB = """
 apiVersion: lorajob.dev/v1alpha1
@@ -57,7 +57,7 @@ def test_a_step_that_does_not_fit_gets_the_smallest_change_that_does(two_layer_c
     refusal = fit.refusal(result)
     assert refusal.startswith(f"the train step does not fit {refused.target.short()}: ") and len(refusal) <= 300
     assert refusal.endswith(f"; fits (compiled): {target.short()}, {suggestion.total_bytes / 1e9:.2f} GB per chip")
-    record = contract.PlanRecord.from_line(result.record().line())
+    record = records.PlanRecord.from_line(result.record().line())
     assert record == result.record() and not record.fits and record.suggestion == target.describe()
 
 
@@ -72,7 +72,7 @@ def test_remat_auto_fits_the_same_lorajob_with_the_least_recompute_that_fits(two
     assert [line.split(":")[0] for line in attempt.remat_rejected] == ["none", "minimal"]
     assert "exceeds available HBM" in attempt.remat_rejected[1] or " GB > " in attempt.remat_rejected[1]
     assert "remat auto: full (the least recompute that fits); none: " in "\n".join(fit.format_plan(result))
-    record = contract.PlanRecord.from_line(result.record().line())
+    record = records.PlanRecord.from_line(result.record().line())
     assert record == result.record() and record.fits and record.remat_policy == "full"
 
 

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     from lorajob_trainer import loading, plan
     from lorajob_trainer import run as run_lib
     from lorajob_trainer import train as train_lib
-    from lorajob_trainer.config import TrainConfig
+    from lorajob_trainer.contract.config import TrainConfig
 
     config = TrainConfig.from_args(sys.argv[2:])
     hf_config = loading.read_hf_config(loading.local_config_directory(sys.argv[1]))

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from trainer_testkit import arithmetic_rows, base_args, tiny_checkpoint, write_jsonl
 
-from lorajob_trainer import config as config_lib
+from lorajob_trainer.contract import config as config_lib
 from lorajob_trainer import export, loading, lora, models
 from lorajob_trainer import train as train_lib
 

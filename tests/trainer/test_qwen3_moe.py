@@ -140,7 +140,7 @@ def test_a_config_saved_by_current_transformers_builds_the_same_model():
 
 def test_training_moves_every_expert_adapter_and_lowers_the_loss(tmp_path):
     from lorajob_trainer import train as train_lib
-    from lorajob_trainer.config import TrainConfig
+    from lorajob_trainer.contract.config import TrainConfig
     from trainer_testkit import arithmetic_rows, base_args, tiny_checkpoint, write_jsonl
 
     model_dir = tiny_checkpoint(tmp_path / "model", family=FAMILY)

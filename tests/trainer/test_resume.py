@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 from trainer_testkit import arithmetic_rows, base_args, free_port, tiny_checkpoint, trainer_env, write_jsonl
 
-from lorajob_trainer import exit_codes
+from lorajob_trainer.contract import exit_codes
 from lorajob_trainer import train as train_lib
-from lorajob_trainer.config import TrainConfig
+from lorajob_trainer.contract.config import TrainConfig
 
 STEPS = 40
 PERIOD = 5

@@ -88,7 +88,7 @@ SHARDED_SCRIPT = textwrap.dedent(
     import jax
     sys.path.insert(0, sys.argv[1])
     from lorajob_trainer import mesh as mesh_lib
-    from lorajob_trainer.config import MeshConfig
+    from lorajob_trainer.contract.config import MeshConfig
     from test_splash_attention import outputs_and_gradients
     mesh = mesh_lib.build_mesh(MeshConfig(fsdp=2, tensor=2))
     with jax.set_mesh(mesh):

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from lorajob_trainer import stages
+from lorajob_trainer.contract.records import duration
 
 
 class Lines(logging.Handler):
@@ -50,4 +51,4 @@ def test_a_failed_stage_does_not_claim_it_is_done(lines):
 
 @pytest.mark.parametrize("seconds, text", [(0.4, "0s"), (59, "59s"), (61, "1m01s"), (3725, "1h02m05s")])
 def test_duration(seconds, text):
-    assert stages.duration(seconds) == text
+    assert duration(seconds) == text

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import pytest
 
-from lorajob_trainer import catalog, plan
-from lorajob_trainer.config import TrainConfig
+from lorajob_trainer import plan
+from lorajob_trainer.contract import catalog
+from lorajob_trainer.contract.config import TrainConfig
 
 TOPOLOGY = "v6e:2x2"
 SEQ = 1024

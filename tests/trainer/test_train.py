@@ -17,7 +17,7 @@ from trainer_testkit import arithmetic_rows, base_args, tiny_checkpoint, write_j
 from lorajob_trainer import checkpoint as ckpt
 from lorajob_trainer import lora as lora_lib
 from lorajob_trainer import train as train_lib
-from lorajob_trainer.config import TrainConfig
+from lorajob_trainer.contract.config import TrainConfig
 
 STEPS = 30
 

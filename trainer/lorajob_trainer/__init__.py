@@ -1,4 +1,5 @@
 """lorajob trainer: JAX/Tunix LoRA fine-tuning with Hugging Face interop.
 
-`catalog` and `config` import without JAX, so the operator can build command lines from them.
+`contract` (the config, the catalogue, the records, the exit codes...) imports without JAX: the operator imports it
+and nothing else of the trainer.
 """

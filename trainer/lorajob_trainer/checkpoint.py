@@ -27,8 +27,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from lorajob_trainer import distributed, weights
-from lorajob_trainer.config import TrainConfig
-from lorajob_trainer.contract import DEFAULTS, CheckpointRecord, checkpoints_to_keep
+from lorajob_trainer.contract.config import TrainConfig
+from lorajob_trainer.contract.records import DEFAULTS, CheckpointRecord, checkpoints_to_keep
 
 log = logging.getLogger(__name__)
 

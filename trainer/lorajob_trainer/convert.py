@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lorajob_trainer import catalog, loading, lora, models, stages, storage, weights
+from lorajob_trainer import loading, lora, models, stages, storage, weights
+from lorajob_trainer.contract import catalog
 from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer.checkpoint import CheckpointMetadata
 from lorajob_trainer.console import configure_logging

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 if TYPE_CHECKING:
-    from lorajob_trainer.config import TrainConfig
+    from lorajob_trainer.contract.config import TrainConfig
 
 log = logging.getLogger(__name__)
 

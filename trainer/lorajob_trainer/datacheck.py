@@ -19,10 +19,12 @@ import sys
 from dataclasses import dataclass
 
 from lorajob_trainer import data as data_lib
-from lorajob_trainer import exit_codes, loading, models
-from lorajob_trainer.config import TrainConfig, parse_or_report
+from lorajob_trainer import loading, models
+from lorajob_trainer.contract import exit_codes
+from lorajob_trainer.contract.config import TrainConfig, parse_or_report
 from lorajob_trainer.console import configure_logging
-from lorajob_trainer.contract import DataRecord, missing_token
+from lorajob_trainer.contract.records import DataRecord
+from lorajob_trainer.contract.environment import missing_token
 
 log = logging.getLogger("lorajob_trainer.datacheck")  # not __name__: run as __main__
 

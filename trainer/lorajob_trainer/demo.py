@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from lorajob_trainer import metrics
-from lorajob_trainer.contract import RunLayout
+from lorajob_trainer.contract.records import RunLayout
 
 
 def arithmetic_rows(count: int, seed: int = 0) -> list[dict[str, str]]:

@@ -1,6 +1,6 @@
 """Process start-up: Pathways (single controller), multi-controller JAX, or one local process.
 
-The operator's JobSets set the environment; this is the one place that reads it.
+The operator's JobSets set the environment (its names: `contract.environment`); this is the one place that reads it.
 
 - `JAX_PLATFORMS` containing `proxy`: Pathways. `pathwaysutils.initialize()` connects the
   controller to the proxy (`JAX_BACKEND_TARGET`); there is one process.
@@ -18,16 +18,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-log = logging.getLogger(__name__)
+from lorajob_trainer.contract.environment import (
+    DEFAULT_COORDINATOR_PORT, ENV_COORDINATOR_ADDRESS, ENV_COORDINATOR_PORT, ENV_NUM_PROCESSES, ENV_PLATFORMS,
+    ENV_PROCESS_ID, PATHWAYS_PLATFORM,
+)
 
-ENV_PLATFORMS = "JAX_PLATFORMS"
-ENV_COORDINATOR_ADDRESS = "JAX_COORDINATOR_ADDRESS"
-ENV_COORDINATOR_PORT = "JAX_COORDINATOR_PORT"
-ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
-ENV_PROCESS_ID = "JAX_PROCESS_ID"
-DEFAULT_COORDINATOR_PORT = 8476
-PATHWAYS_PLATFORM = "proxy"
-"""The JAX platform of a Pathways client: its backend is the Pathways proxy."""
+log = logging.getLogger(__name__)
 
 Mode = Literal["pathways", "multi-controller", "single"]
 

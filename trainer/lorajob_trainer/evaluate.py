@@ -22,8 +22,8 @@ import jax
 
 from lorajob_trainer import data as data_lib
 from lorajob_trainer import storage
-from lorajob_trainer.config import GenerationEvalConfig
-from lorajob_trainer.contract import EVAL_SAMPLE_CHARACTERS, EvalRecord, EvalSample, ModelScore, RunLayout
+from lorajob_trainer.contract.config import GenerationEvalConfig
+from lorajob_trainer.contract.records import EVAL_SAMPLE_CHARACTERS, EvalRecord, EvalSample, ModelScore, RunLayout
 from lorajob_trainer.run import Run
 
 log = logging.getLogger("lorajob_trainer.evaluate")

@@ -27,10 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from lorajob_trainer import catalog, evaluate, exit_codes, lora, stages, storage
+from lorajob_trainer import evaluate, lora, stages, storage
+from lorajob_trainer.contract import catalog, exit_codes
 from lorajob_trainer.checkpoint import CheckpointError, CheckpointMetadata, complete_checkpoints
 from lorajob_trainer.console import configure_logging
-from lorajob_trainer.contract import ExportGate, choose_checkpoint, join
+from lorajob_trainer.contract.records import ExportGate, choose_checkpoint, join
 
 log = logging.getLogger("lorajob_trainer.export")  # not __name__: run as __main__
 

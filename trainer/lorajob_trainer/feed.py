@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from lorajob_trainer import data as data_lib
 from lorajob_trainer import mesh as mesh_lib
-from lorajob_trainer.config import TrainConfig
+from lorajob_trainer.contract.config import TrainConfig
 from lorajob_trainer.step import Batch
 
 

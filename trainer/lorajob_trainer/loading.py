@@ -18,7 +18,8 @@ from etils import epath
 from flax import nnx
 from jax.sharding import Mesh
 
-from lorajob_trainer import catalog, maxtext, storage, weights
+from lorajob_trainer import maxtext, storage, weights
+from lorajob_trainer.contract import catalog
 from lorajob_trainer.models import Family, ModelConfigError, TensorMap, abstract_model, family_for_hf_config
 
 CheckpointFormat = Literal["hf", "orbax", "maxtext"]

@@ -234,7 +234,7 @@ class QuantizedBaseLoraProvider(qwix.LoraProvider):
 
 
 QUANTIZED_TYPES: dict[str, Any] = {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4", "fp8": jnp.float8_e4m3fn}
-"""contract.BASE_QUANTIZATIONS (but none) -> Qwix's weight qtype."""
+"""contract.records.BASE_QUANTIZATIONS (but none) -> Qwix's weight qtype."""
 DECODER_LAYERS = "layers/.*"
 """Module paths of the decoder layers: what QLoRA quantises (the embedding, read by index, stays as loaded)."""
 NOT_ROUTERS = "(?!.*/router$)"

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from lorajob_trainer.config import MeshConfig
+from lorajob_trainer.contract.config import MeshConfig
 
 FSDP = "fsdp"
 AXES = ("data", FSDP, "expert", "tp")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorajob_trainer.contract import CheckpointRecord, ProgressRecord, RunLayout
+from lorajob_trainer.contract.records import CheckpointRecord, ProgressRecord, RunLayout
 
 PEAK_BF16_FLOPS = {
     # Dense bf16 peak per device, by a substring of jax.Device.device_kind.

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lorajob_trainer.config import TrainConfig
+from lorajob_trainer.contract.config import TrainConfig
 
 
 def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:

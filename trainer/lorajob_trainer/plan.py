@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from lorajob_trainer import run as run_lib
-from lorajob_trainer.config import TrainConfig
-from lorajob_trainer.contract import REMAT_POLICIES
+from lorajob_trainer.contract.config import TrainConfig
+from lorajob_trainer.contract.records import REMAT_POLICIES
 from lorajob_trainer.models import splash
 
 

@@ -16,7 +16,7 @@ from typing import Literal
 
 import jax
 
-from lorajob_trainer.contract import REMAT_POLICIES
+from lorajob_trainer.contract.records import REMAT_POLICIES
 
 RematPolicy = Literal["none", "minimal", "full"]
 

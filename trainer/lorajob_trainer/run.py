@@ -26,7 +26,7 @@ from lorajob_trainer import lora as lora_lib
 from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import metrics as metrics_lib
 from lorajob_trainer import step as step_lib
-from lorajob_trainer.config import LoraConfig, TrainConfig, resolve_target_modules
+from lorajob_trainer.contract.config import LoraConfig, TrainConfig, resolve_target_modules
 from lorajob_trainer.models import experts
 from lorajob_trainer.optim import build_optimizer
 

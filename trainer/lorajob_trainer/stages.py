@@ -9,13 +9,9 @@ import threading
 import time
 from collections.abc import Iterator
 
+from lorajob_trainer.contract.records import duration
+
 HEARTBEAT_SECONDS = 30.0
-
-
-def duration(seconds: float) -> str:
-    minutes, seconds = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from etils import epath
 
-from lorajob_trainer.contract import HF_TOKEN_ENV
+from lorajob_trainer.contract.environment import HF_TOKEN_ENV
 
 REMOTE_PREFIX = "gs://"
 # Same rule as the LoRAJob API's hubRepo / huggingFace fields.

@@ -4,7 +4,7 @@ The training loop (`Trainer.train`) over the run's step (run.py: built once from
 model), one jitted call per optimizer step: evaluation, checkpoints, progress and metrics, early stopping, preemption. The run resumes from the
 latest complete checkpoint in `<base_output_directory>/<run_name>/checkpoints`, including the data position.
 
-Exit status: the codes of `lorajob_trainer.exit_codes` (0 when all steps ran), each non-zero one
+Exit status: the codes of `lorajob_trainer.contract.exit_codes` (0 when all steps ran), each non-zero one
 with a line on stderr naming what failed and at which step. On SIGTERM the run finishes the step
 it is in, saves a checkpoint at that step and exits `exit_codes.PREEMPTED`.
 """
@@ -23,7 +23,8 @@ import jax
 
 from lorajob_trainer import checkpoint as ckpt
 from lorajob_trainer import data as data_lib
-from lorajob_trainer import distributed, exit_codes, preemption
+from lorajob_trainer import distributed, preemption
+from lorajob_trainer.contract import exit_codes
 from lorajob_trainer import evaluate as evaluate_lib
 from lorajob_trainer import lora as lora_lib
 from lorajob_trainer import mesh as mesh_lib
@@ -32,12 +33,12 @@ from lorajob_trainer import feed as feed_lib
 from lorajob_trainer import loading, models, storage, weights
 from lorajob_trainer import run as run_lib
 from lorajob_trainer import plan as plan_lib
-from lorajob_trainer.config import TrainConfig, describe_keys, parse_or_report
+from lorajob_trainer.contract.config import TrainConfig, describe_keys, parse_or_report
 from lorajob_trainer.console import ConsoleProgress, configure_logging
-from lorajob_trainer.contract import (
+from lorajob_trainer.contract.records import (
     COMPILING, EVALUATING, REMAT_AUTO, REMAT_POLICIES, STOPPED_EARLY, CheckpointRecord, last_plan,
 )
-from lorajob_trainer.fit import SAFETY_MARGIN
+from lorajob_trainer.contract.fit import SAFETY_MARGIN
 from lorajob_trainer.optim import learning_rate_per_step
 from lorajob_trainer.step import Batch
 

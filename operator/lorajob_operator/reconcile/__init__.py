@@ -22,7 +22,7 @@ Mechanisms, in one place:
 * Retries: a failed try N of a step (label lorajob.dev/attempt) is deleted once its backoff has
   passed and `status.restarts` records try N+1; the next pass, seeing no child, creates try N+1
   under the same name. Failures are classed (`failure_kind`): a user error (the trainer's documented
-  exit codes, lorajob_trainer.exit_codes) fails the LoRAJob at once with the trainer's message; an
+  exit codes, lorajob_trainer.contract.exit_codes) fails the LoRAJob at once with the trainer's message; an
   infrastructure failure (a pod disrupted: evicted, preempted, node lost; a container killed by a
   signal; the trainer stopped by SIGTERM) is retried up to `scheduling.infrastructureRetryLimit`
   times, counted in `status.infrastructureRestarts`; anything else up to `scheduling.retryLimit`.

@@ -15,8 +15,8 @@ from lorajob_operator.reconcile.trainer_output import (
 )
 from lorajob_operator.settings import ReconcileSettings
 from lorajob_operator.step_commands import run_paths
-from lorajob_trainer import exit_codes
-from lorajob_trainer.contract import STOPPED_EARLY, last_progress
+from lorajob_trainer.contract import exit_codes
+from lorajob_trainer.contract.records import STOPPED_EARLY, last_progress
 
 
 RUNNING_PHASE = {step: api.Phase(phase) for step, phase in rules.PHASE_WHILE_RUNNING.items()}

@@ -15,7 +15,7 @@ from lorajob_operator.names import (
 from lorajob_operator.reconcile.conditions import find_condition, is_true, parse_time
 from lorajob_operator.reconcile.kueue import QueuePosition, WorkloadState, observe_workload
 from lorajob_operator.settings import RenderSettings
-from lorajob_trainer import exit_codes
+from lorajob_trainer.contract import exit_codes
 
 
 DISRUPTED_POD_REASONS = ("Evicted", "NodeLost", "Preempting", "Shutdown", "Terminated", "UnexpectedAdmissionError")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lorajob_operator.reconcile.kueue import WorkloadState
-from lorajob_trainer.contract import COMPILING
+from lorajob_trainer.contract.records import COMPILING
 from lorajob_operator.reconcile.observed import ChildState
 
 

@@ -11,7 +11,7 @@ from lorajob_operator import api, rules
 from lorajob_operator.names import run_name
 from lorajob_operator.reconcile.observed import ChildState, Observed
 from lorajob_operator.reconcile.status_text import progress_summary
-from lorajob_trainer.contract import (
+from lorajob_trainer.contract.records import (
     EVALUATING, FINISHED_STATES, CheckpointRecord, ProgressRecord, RunLayout, choose_checkpoint, last_data,
     last_evaluation, last_plan, last_progress,
 )

@@ -20,8 +20,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from lorajob_trainer import catalog
-from lorajob_trainer.contract import (
+from lorajob_trainer.contract import catalog
+from lorajob_trainer.contract.records import (
     BASE_QUANTIZATIONS, BOUNDS, COLUMN_LAYOUTS, DEFAULTS, DORA_NEEDS_FULL_PRECISION, EVAL_SCORERS, RunLayout,
 )
 
@@ -48,7 +48,7 @@ class LoraConfig(_Section):
     """DoRA (PEFT's use_dora): each adapted weight's output features also get a learned magnitude,
     W' = m * (W + s B A) / ||W + s B A||. Not on routed experts."""
     base_quantization: Literal[BASE_QUANTIZATIONS] = "none"
-    """QLoRA: hold the frozen decoder projections quantised (contract.BASE_QUANTIZATIONS); the adapters stay
+    """QLoRA: hold the frozen decoder projections quantised (contract.records.BASE_QUANTIZATIONS); the adapters stay
     in the base's dtype."""
 
     @model_validator(mode="after")
@@ -99,7 +99,7 @@ class GenerationEvalConfig(_Section):
     """After the last step, generate answers to the evaluation prompts with the base model and with the trained
     adapter, score both and write <run>/evaluation.json (and print a LORAJOB_EVAL line)."""
     scorer: Literal[EVAL_SCORERS] = "exact_match"
-    """How an answer is scored against the reference answer (contract.EVAL_SCORERS)."""
+    """How an answer is scored against the reference answer (contract.records.EVAL_SCORERS)."""
     pattern: str = ""
     """scorer=regex: the regex whose first group (else whole match) is the answer, searched in both texts."""
     max_new_tokens: int = Field(256, ge=1, le=32_768)
@@ -130,7 +130,7 @@ class TrainConfig(_Section):
     """Root for checkpoints, metrics and the progress file."""
 
     model_name: str
-    """A model name from lorajob_trainer.catalog (selects the model family)."""
+    """A model name from lorajob_trainer.contract.catalog (selects the model family)."""
     load_parameters_path: str = Field(min_length=1)
     """Base weights: a local directory of Hugging Face safetensors + config.json, a lorajob base checkpoint
     (`python -m lorajob_trainer.convert base`) or a MaxText checkpoint (`.../0/items`, scanned or not);

@@ -1,15 +1,15 @@
-"""What the operator and the trainer agree on, in one place: shared defaults, the run directory layout, the
-dataset column layouts and the progress record (its JSON and the stdout line that carries it).
+"""What the operator and the trainer agree on of a run: shared defaults and bounds, the run directory layout, the
+dataset column layouts, the records the steps print (progress, data, plan, evaluation: their JSON and the stdout
+lines that carry them) and how a duration is written.
 
-Standard library only: the operator imports it without JAX. The trainer's exit codes are the other half of
-the contract and live in `exit_codes` (also standard library only).
+Standard library only. The exit codes (`exit_codes`), the config (`config`) and the environment (`environment`)
+are the other parts of the contract.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 
@@ -540,18 +540,8 @@ def _percent(share: float) -> str:
     return f"{100 * share:.1f}%"
 
 
-HF_TOKEN_ENV = "HF_TOKEN"
-"""The Hugging Face token's environment variable (a secretKeyRef the operator renders, optional)."""
-HF_TOKEN_SOURCE_ENV = "LORAJOB_HF_TOKEN_SECRET"
-"""`<Secret name>/<key>` the token should come from: set by the operator, which never reads the Secret itself."""
-
-
-def missing_token(environ: Mapping[str, str]) -> str | None:
-    """Why the token a LoRAJob names did not arrive (no such Secret in its namespace, no such key, or an empty
-    value); None when it did, or when none was named."""
-    source = environ.get(HF_TOKEN_SOURCE_ENV)
-    if not source or environ.get(HF_TOKEN_ENV):
-        return None
-    name, _, key = source.partition("/")
-    return (f"the Hugging Face token is missing: no Secret {name} with a non-empty key {key} in the LoRAJob's "
-            "namespace (spec.credentials.huggingFaceToken)")
+def duration(seconds: float) -> str:
+    """A duration as the trainer's log lines and the operator's run view write it: 1h02m03s, 4m05s, 6s."""
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"

@@ -60,7 +60,7 @@ def family_of(model_name: str) -> str:
 
 @functools.cache
 def _released_configs() -> dict[str, dict[str, Any]]:
-    return json.loads(resources.files("lorajob_trainer").joinpath("released_configs.json").read_text())
+    return json.loads(resources.files("lorajob_trainer.contract").joinpath("released_configs.json").read_text())
 
 
 def released_config(model_name: str) -> dict[str, Any]:
