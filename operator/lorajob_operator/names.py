@@ -8,10 +8,13 @@ Constants and pure functions only: modules that need a name or a label key impor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:  # api imports this module (for DNS_LABEL_MAX)
-    from lorajob_operator import api
+
+class NamedRun(Protocol):
+    """What `run_name` reads of a LoRAJobSpec (api.py imports this module, so this one names no api type)."""
+
+    run_name: str | None
 
 # --- Resources ------------------------------------------------------------------------------------
 
@@ -62,7 +65,7 @@ CHILD_SUFFIX = {"check": "-check", "convert": "-convert", "train": "", "export":
 """Suffix of each step's JobSet name; the train JobSet carries the run name itself (as in the tutorial)."""
 
 
-def run_name(spec: api.LoRAJobSpec, metadata_name: str) -> str:
+def run_name(spec: NamedRun, metadata_name: str) -> str:
     return metadata_name if spec.run_name is None else spec.run_name  # as the CEL rules: "" is set (and invalid)
 
 
