@@ -41,7 +41,7 @@ def test_status_shows_the_run_through_the_api_server_and_as_a_kubectl_plugin(sim
         lines = result.stdout.splitlines()
         assert lines[0] == f"LoRAJob {lorajobs.namespace}/{training}: Training"
         assert any(line.startswith("steps     ✓ check   ▶ train") for line in lines), result.stdout
-        assert any(line.startswith("progress  [") and f"7/{STEPS} (70%)" in line for line in lines), result.stdout
+        assert any(line.startswith("progress  [") and f"7/{STEPS}  70%" in line for line in lines), result.stdout
         loss = next(line for line in lines if line.startswith("loss "))
         assert loss.endswith(f"step 1..7: 3.0000 -> {3.0 / 7:.4f} (min {3.0 / 7:.4f})")
         assert "eval loss ▁  last 0.8000 at step 5" in lines

@@ -41,7 +41,7 @@ def test_kubectl_get_shows_the_progress_the_trainer_logs(lorajobs, operator, tra
         "path": f"{running['spec']['output']['baseOutputDirectory']}/tracked/checkpoints/5",
     }]
     columns, row = table_row(lorajobs, "tracked")
-    assert columns[:3] == ["NAME", "PHASE", "PROGRESS"] and row.split()[:4] == ["tracked", "Training", "7/10", "(70%)"]
+    assert columns[:3] == ["NAME", "PHASE", "PROGRESS"] and row.split()[:4] == ["tracked", "Training", "7/10", "70%"]
     columns, row = table_row(lorajobs, "tracked", "-o", "wide")
     assert "LOSS" in columns and str(round(3.0 / 7, 4)) in row.split()
     assert "EVAL" in columns and "0.8" in row.split()
