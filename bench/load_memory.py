@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO_ROOT / "tests" / "trainer"))
 from test_multiprocess import HIDE_TORCH  # noqa: E402
 from trainer_testkit import arithmetic_rows, base_args, write_jsonl  # noqa: E402
 
-# Samples RssFile/RssAnon, snapshots the peaks when setup is done (Trainer.run starts), runs the
+# Samples RssFile/RssAnon, snapshots the peaks when setup is done (Trainer.train starts), runs the
 # entry point, and reports both snapshots as JSON on the last line of stderr.
 LAUNCHER = HIDE_TORCH + """
 import json, threading, time
@@ -53,11 +53,11 @@ def sample():
 def snapshot():
     return {**peaks, 'peak_rss': metrics.peak_host_memory_bytes()}
 figures = {}
-run = train.Trainer.run
-def run_after_setup(self):
+train_to_end = train.Trainer.train
+def train_after_setup(self):
     figures['setup'] = snapshot()
-    return run(self)
-train.Trainer.run = run_after_setup
+    return train_to_end(self)
+train.Trainer.train = train_after_setup
 threading.Thread(target=sample, daemon=True).start()
 status = train.main()
 figures['run'] = snapshot()
