@@ -23,7 +23,7 @@ from lorajob_trainer.contract import catalog, fit
 
 INSTALL_HINT = ('lorajob plan compiles the trainer\'s step with the TPU compiler: pip install "lorajob[trainer]" '
                 '"jax[tpu]" (the operator image carries neither)')
-FIT_CHECK = "lorajob_trainer.fit"
+FIT_CHECK = step_commands.FIT_CHECK
 """The module the child process runs (`python -m`), as the LoRAJob's CPU step does."""
 
 
@@ -67,8 +67,8 @@ def run_fit_check(config_args: list[str], hf_config: dict[str, Any], request: fi
     the model's config.json; PlanUnavailable when it prints no outcome (it cannot start, or fails otherwise)."""
     with tempfile.TemporaryDirectory(prefix="lorajob-plan-") as model_config:
         (Path(model_config) / "config.json").write_text(json.dumps(hf_config))
-        command = [sys.executable, "-m", FIT_CHECK, "--request", request.to_json(), "--model-config", model_config,
-                   "--json", *config_args]
+        command = step_commands.fit_command(request, model_config, ["--json", *config_args], python=sys.executable,
+                                            module=FIT_CHECK)
         completed = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = completed.stdout.strip().splitlines()
     try:

@@ -174,10 +174,20 @@ def plan_request(spec: api.LoRAJobSpec) -> fit.Request:
     return fit.Request(accelerators.TPU_CHIPS[machine.generation], machine.chips_per_vm, tuple(targets))
 
 
+FIT_CHECK = "lorajob_trainer.fit"
+"""The trainer's fit check, run as `python -m`: by the LoRAJob's CPU step, and by `lorajob plan` (planning.py)."""
+
+
+def fit_command(request: fit.Request, model_config: str, config_args: list[str], python: str = "python",
+                module: str = FIT_CHECK) -> list[str]:
+    """The fit check of the train config `config_args` on `request`; `model_config`: where the model's config.json
+    is."""
+    return [python, "-m", module, "--request", request.to_json(), "--model-config", model_config, *config_args]
+
+
 def plan_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
-    """The fit check of the train step's own config (`lorajob_trainer.fit`), run on a CPU first."""
-    return ["python", "-m", "lorajob_trainer.fit", "--request", plan_request(spec).to_json(),
-            "--model-config", spec.model.hugging_face or _tokenizer(spec), *train_config(spec, run).to_args()]
+    """The fit check of the train step's own config, run on a CPU first."""
+    return fit_command(plan_request(spec), spec.model.hugging_face or _tokenizer(spec), train_config(spec, run).to_args())
 
 
 def check_commands(spec: api.LoRAJobSpec, run: str) -> list[list[str]]:

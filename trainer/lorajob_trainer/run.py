@@ -161,6 +161,12 @@ def lora_flops(
     )
 
 
+def _float32_shapes(adapters: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
+    """The trainable adapters' shapes and places (the step trains them in float32), nothing allocated."""
+    return {name: jax.ShapeDtypeStruct(value.shape, jnp.float32, sharding=value.sharding)
+            for name, value in adapters.items()}
+
+
 @dataclass(frozen=True)
 class Run:
     """The train step of one run and everything it is built from (`build`). Immutable: the adapters and the
@@ -194,8 +200,7 @@ class Run:
         model's stay valid), or ShapeDtypeStructs for an abstract model."""
         flat = self.layout.flat(self.lora_state)
         if self.model.abstract:
-            return {name: jax.ShapeDtypeStruct(value.shape, jnp.float32, sharding=value.sharding)
-                    for name, value in flat.items()}
+            return _float32_shapes(flat)
         return {name: jnp.copy(value).astype(jnp.float32) for name, value in flat.items()}
 
     def optimizer_state(self, adapters: dict[str, Any]) -> Any:
@@ -235,9 +240,7 @@ def build(config: TrainConfig, model: LoraModel, mesh: Mesh, dtype: jnp.dtype, r
     flops = model.flops(config.max_target_length)
     graphdef, layout, lora, base = step_lib.split_for_step(model.model, model.layer_period if scan_layers else None)
     optimizer = build_optimizer(config)
-    adapters = {name: jax.ShapeDtypeStruct(value.shape, jnp.float32, sharding=value.sharding)
-                for name, value in layout.flat(lora).items()}
-    shardings = step_lib.step_shardings(adapters, optimizer, base, mesh)
+    shardings = step_lib.step_shardings(_float32_shapes(layout.flat(lora)), optimizer, base, mesh)
     steps = step_lib.build_step_functions(
         graphdef, layout, optimizer, dtype, shardings, config.loss_chunk_length, remat_policy, model.aux_loss_coef,
     )
