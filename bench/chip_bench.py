@@ -386,7 +386,7 @@ def run_row(name: str, args) -> dict:
     return {**json.loads(lines[-1].removeprefix("RESULT ")), "wall_s": time.perf_counter() - started}
 
 
-TUNIX_REMAT = {"none": "none", "minimal": "block", "full": "decoder"}
+TUNIX_REMAT = {"none": "none", "minimal": "block", "attention": "decoder", "full": "decoder"}
 """Tunix Qwen3's RematConfig nearest to each of ours: BLOCK recomputes the attention block, DECODER the whole layer."""
 TUNIX_PRESETS = {"qwen3-0.6b": "qwen3_0p6b", "qwen3-4b": "qwen3_4b"}
 

@@ -22,7 +22,7 @@ import time
 
 from trainer_bench import QWEN3, bench_dtype, random_lora_model, run_child
 
-from lorajob_trainer.contract.config import TrainConfig
+from lorajob_trainer.contract.config import default_loss_chunk
 from lorajob_trainer.metrics import peak_device_memory_bytes, peak_host_memory_bytes
 
 LOSSES = ("full-logits", "chunked")
@@ -119,14 +119,15 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--trained", type=float, default=0.5, help="fraction of each row with loss weight 1")
-    parser.add_argument("--chunk", type=int, default=TrainConfig.model_fields["loss_chunk_length"].default,
-                        help="loss_chunk_length (default: the trainer's)")
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="loss_chunk_length (default: the trainer's for --batch rows)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--losses", default=",".join(LOSSES))
     parser.add_argument("--single-thread", action="store_true", help="CPU: one XLA thread")
     parser.add_argument("--loss", choices=LOSSES, help=argparse.SUPPRESS)
     parser.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.chunk = args.chunk or default_loss_chunk(args.batch)
     if args.loss:
         print("RESULT " + json.dumps(measure(args)), flush=True)
         return

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "maxtext"))
 
 from lorajob_operator.accelerators import TPU_CHIPS, chips_in
+from lorajob_trainer.contract.records import REMAT_POLICIES
 
 SLICES = {
     "v6e-1": ("v6e", "1x1"), "v6e-4": ("v6e", "2x2"), "v6e-8": ("v6e", "2x4"), "v6e-16": ("v6e", "4x4"),
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=None, help="model:slice:seq[:slices]")
     parser.add_argument("--smallest", nargs="+", default=[], help="model:seq: the smallest v6e slice ours fits")
-    parser.add_argument("--remat", default="full", choices=["none", "minimal", "full"],
+    parser.add_argument("--remat", default="full", choices=REMAT_POLICIES,
                         help="our remat policy (MaxText's default is full)")
     parser.add_argument("--no-maxtext", action="store_true")
     parser.add_argument("--maxtext-weight-dtype", default="float32")

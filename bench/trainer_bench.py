@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from lorajob_trainer.contract.config import TrainConfig
+from lorajob_trainer.contract.records import REMAT_POLICIES
 from lorajob_trainer.metrics import peak_host_memory_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -335,9 +335,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--loss-chunk", type=int, default=TrainConfig.model_fields["loss_chunk_length"].default,
-                        help="loss_chunk_length: positions per LM-head chunk (default: the trainer's)")
-    parser.add_argument("--remat", choices=["none", "minimal", "full"], default="minimal",
+    parser.add_argument("--loss-chunk", type=int, default=None,
+                        help="loss_chunk_length: positions per row per LM-head chunk (default: the trainer's)")
+    parser.add_argument("--remat", choices=REMAT_POLICIES, default="minimal",
                         help="remat_policy (default: minimal, what remat auto runs on a CPU; bench/chip_bench.py plans "
                              "auto's choice for a TPU chip)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (needed on CPU)")

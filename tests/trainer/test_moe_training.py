@@ -145,7 +145,7 @@ def test_step_minimises_lm_loss_plus_weighted_aux_loss(tmp_path):
             micro = {name: value[m] for name, value in batch.items()}
             model = nnx.merge(graphdef, state, trainer.run.base)
             loss_sum, _, aux = loss_lib.losses_with_load_balancing(
-                model, micro, config.loss_chunk_length, trainer.run.remat_policy
+                model, micro, config.loss_chunk_per_row, trainer.run.remat_policy
             )
             lm_sum, aux_sum = lm_sum + loss_sum, aux_sum + aux
         return lm_sum / jnp.sum(batch["weights"]), aux_sum / 2

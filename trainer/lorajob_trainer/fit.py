@@ -146,7 +146,7 @@ def analytic_attempt(config: TrainConfig, hf_config: dict[str, Any], gpu: Chip, 
     tokens = rows * config.max_target_length
     width, layers = tunix_config.embed_dim, tunix_config.num_layers
     activations = tokens * width * layers * ACTIVATION_BYTES[config.remat_policy]
-    working = 2 * base_bytes // layers + 2 * rows * config.loss_chunk_length * tunix_config.vocab_size * 4
+    working = 2 * base_bytes // layers + 2 * rows * config.loss_chunk_per_row * tunix_config.vocab_size * 4
     total = base_bytes // target.chips + adapter_bytes // target.chips + activations + working
     attempt = Attempt(
         target, fits=total <= gpu.capacity_bytes, capacity_bytes=gpu.capacity_bytes, total_bytes=total, analytic=True,

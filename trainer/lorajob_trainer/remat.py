@@ -1,11 +1,13 @@
 """Rematerialisation of the decoder layers: which activations the backward pass recomputes instead of keeping.
 
-Policies (the names and meanings of MaxText's `remat_policy`), applied to each decoder layer
-(models/decoder.py `call_layer`):
-  none     keep every activation of every layer (most memory, no recompute);
-  minimal  keep the outputs of the weight matmuls (projections, MLP, LoRA), recompute the cheap rest
-           (norms, RoPE, activations, attention scores and softmax), per layer;
-  full     keep only each layer's input and recompute the whole layer.
+Policies (MaxText's `remat_policy` names where it has them), applied to each decoder layer
+(models/decoder.py `call_layer`), least recompute and most memory first:
+  none       keep every activation of every layer (no recompute);
+  minimal    keep the outputs of the weight matmuls (projections, MLP, LoRA) and of the attention kernel,
+             recompute the cheap rest (norms, RoPE, activations; dense attention's scores and softmax);
+  attention  keep the attention's query, key and value projections and the attention kernel's output, recompute
+             the MLP (most of a layer's matmuls, none of its attention);
+  full       keep only each layer's input and recompute the whole layer.
 The setting `auto` (the default) runs the first of these whose step fits the devices, as the compiler judges
 it (`plan.choose_remat`; the fit check records its choice for the train step: `train.remat_for_run`).
 """
@@ -18,10 +20,20 @@ import jax
 
 from lorajob_trainer.contract.records import REMAT_POLICIES
 
-RematPolicy = Literal["none", "minimal", "full"]
+RematPolicy = Literal["none", "minimal", "attention", "full"]
+
+PROJECTIONS = "attention_projections"
+"""The `jax.checkpoint_name` of the attention's query, key and value projections (models/attention.py)."""
+KERNEL_OUTPUT = "attention_kernel_output"
+"""The name the splash kernel gives what its backward pass needs of its forward (its output and log-sum-exp):
+kept, the backward does not run the kernel's forward again (models/splash.py)."""
 
 _SAVEABLE = {
-    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "minimal": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(KERNEL_OUTPUT),
+    ),
+    "attention": jax.checkpoint_policies.save_only_these_names(PROJECTIONS, KERNEL_OUTPUT),
     "full": jax.checkpoint_policies.nothing_saveable,
 }
 assert set(REMAT_POLICIES) == {"none", *_SAVEABLE}

@@ -242,7 +242,7 @@ def build(config: TrainConfig, model: LoraModel, mesh: Mesh, dtype: jnp.dtype, r
     optimizer = build_optimizer(config)
     shardings = step_lib.step_shardings(_float32_shapes(layout.flat(lora)), optimizer, base, mesh)
     steps = step_lib.build_step_functions(
-        graphdef, layout, optimizer, dtype, shardings, config.loss_chunk_length, remat_policy, model.aux_loss_coef,
+        graphdef, layout, optimizer, dtype, shardings, config.loss_chunk_per_row, remat_policy, model.aux_loss_coef,
     )
     return Run(mesh, dtype, remat_policy, model, graphdef, layout, lora, base, optimizer, shardings, steps, flops,
                batch_spec(config, mesh, config.gradient_accumulation_steps))

@@ -61,7 +61,7 @@ class Bounds:
 
 BOUNDS = Bounds()
 
-REMAT_POLICIES = ("none", "minimal", "full")
+REMAT_POLICIES = ("none", "minimal", "attention", "full")
 """What the backward pass recomputes per decoder layer, least recompute (and most memory) first; `auto` takes the
 first whose step fits."""
 REMAT_AUTO = "auto"

@@ -22,12 +22,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from tunix.models.gemma3 import model as gemma3_lib
 from tunix.models.llama3 import model as llama3_lib
 from tunix.models.qwen3 import model as qwen3_lib
 
 from lorajob_trainer.models import splash
 from lorajob_trainer.models.rope import RopeSpec, apply_rope
+from lorajob_trainer.remat import PROJECTIONS
 
 MASKED = -2.3819763e38
 """The score of a masked position (Tunix's K_MASK: the most negative bfloat16 that softmax still handles)."""
@@ -54,7 +56,7 @@ class RopeAttention(nnx.Module):
     ) -> tuple[dict[str, jax.Array] | None, jax.Array]:
         """x [B, T, D], positions [B, T], mask [B, T, S] -> (the updated cache or None, [B, T, D])."""
         del segment_ids  # the mask carries the segments (Tunix reads them only in its splash-attention branch)
-        query, key, value = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        query, key, value = (checkpoint_name(project(x), PROJECTIONS) for project in (self.q_proj, self.k_proj, self.v_proj))
         if self.qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
         query = apply_rope(query, segment_pos, self.head_dim, spec=self.rope_spec)
@@ -106,8 +108,8 @@ class Gemma3Attention(gemma3_lib.Attention):
         batch, length = x.shape[:2]
         if not splash.applies(batch, length, self.num_heads, self.num_kv_heads, cache, attn_mask):
             return super().block(x, segment_pos, cache, attn_mask)
-        query = self._query_norm(self.q_einsum(x))
-        key, value = self.kv_einsum(x)
+        query = self._query_norm(checkpoint_name(self.q_einsum(x), PROJECTIONS))
+        key, value = checkpoint_name(self.kv_einsum(x), PROJECTIONS)
         key = self._key_norm(key)
         rope = {"head_dim": self.head_dim, "base_frequency": self.rope_base_frequency,
                 "scale_factor": self.rope_scale_factor}

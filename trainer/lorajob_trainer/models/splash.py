@@ -25,6 +25,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import PartitionSpec
 
 from lorajob_trainer import mesh as mesh_lib
+from lorajob_trainer.remat import KERNEL_OUTPUT
 
 BLOCK = 128
 """The kernel's block granularity (a TPU vector register's lanes): lengths must be a multiple of it."""
@@ -123,7 +124,8 @@ def _kernel(heads: int, length: int, window: int | None, interpret: bool) -> spl
         block_q=block, block_kv=block, block_kv_compute=compute,
         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=compute, use_fused_bwd_kernel=True,
     )
-    return splash_kernel.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    return splash_kernel.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret,
+                                         residual_checkpoint_name=KERNEL_OUTPUT)
 
 
 def _batch_axes(mesh: jax.sharding.AbstractMesh) -> tuple[str, ...]:
