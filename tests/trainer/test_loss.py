@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from trainer_testkit import gemma4_checkpoint, tiny_checkpoint
 
 from lorajob_trainer import loading, lora, models, remat
+from lorajob_trainer.contract.records import REMAT_POLICIES
 from lorajob_trainer import step as step_lib
 from lorajob_trainer import loss as loss_lib
 
@@ -130,8 +131,9 @@ def full_logits_reference(lora_model):
     return batch, value_and_grad(full_logits_losses, step_parts(lora_model, stacked=False), batch)
 
 
-@pytest.mark.parametrize(("chunk_length", "policy", "stacked"), [(5, "none", False), (64, "minimal", True), (5, "full", True)],
-                         ids=["5-none-unrolled", "64-minimal-as-trained", "5-full-as-trained"])
+@pytest.mark.parametrize(("chunk_length", "policy", "stacked"),
+                         [(5, "none", False), (64, "minimal", True), (64, "attention", True), (5, "full", True)],
+                         ids=["5-none-unrolled", "64-minimal-as-trained", "64-attention-as-trained", "5-full-as-trained"])
 def test_chunked_loss_and_gradients_equal_full_logits(lora_model, full_logits_reference, chunk_length, policy, stacked):
     """Chunking alone (no remat, layers unrolled as in the reference) changes nothing beyond float32 rounding;
     under each remat policy, with the layers as the train step runs them (scanned with the family's period,
@@ -144,10 +146,10 @@ def test_chunked_loss_and_gradients_equal_full_logits(lora_model, full_logits_re
     # different gradient.
     exact = policy == "none" and not stacked and lora_model.model.final_logit_softcap is None
     tolerance = 1e-6 if exact else 1e-5
-    if lora_model.layer_period is None and policy == "full":
-        # Gemma 4 E2B (per-layer inputs, KV-shared layers) under full remat: its LoRA gradients differ from the
-        # unrematerialised ones by up to ~3e-4 relative in float32 on CPU, with Tunix's own forward as with ours
-        # (measured 2026-12-04); not understood yet, so bounded here rather than hidden.
+    if lora_model.layer_period is None and policy in ("attention", "full"):
+        # Gemma 4 E2B (per-layer inputs, KV-shared layers) under remat that recomputes its MLP: its LoRA gradients
+        # differ from the unrematerialised ones by up to ~3e-4 relative in float32 on CPU, with Tunix's own forward
+        # as with ours (measured 2026-12-04); not understood yet, so bounded here rather than hidden.
         tolerance = 1e-3
     np.testing.assert_allclose(chunked, reference, rtol=tolerance)
     assert set(chunked_grads) == set(reference_grads)
@@ -157,9 +159,14 @@ def test_chunked_loss_and_gradients_equal_full_logits(lora_model, full_logits_re
         np.testing.assert_allclose(chunked_grads[name], expected, rtol=tolerance, atol=tolerance * scale, err_msg=name)
 
 
+CHECKPOINT_POLICY_MARKS = {"minimal": "'projection_outputs'", "attention": "'attention_projections'",
+                           "full": "nothing_saveable"}
+"""What a checkpoint of each remat policy shows of its policy in a printed jaxpr."""
+
+
 @pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "scanned"])
-@pytest.mark.parametrize(("policy", "saved"), [("none", None), ("minimal", "DotsSaveable"), ("full", "nothing_saveable")])
-def test_remat_policy_checkpoints_every_decoder_layer(lora_model, policy, saved, stacked):
+@pytest.mark.parametrize("policy", REMAT_POLICIES)
+def test_remat_policy_checkpoints_every_decoder_layer(lora_model, policy, stacked):
     """Each layer runs under its own checkpoint: unrolled, one per layer; scanned, one per layer of the scanned
     period (the scan body) plus one per layer after the scan."""
     graphdef, adapters, base, layout = step_parts(lora_model, stacked)
@@ -168,7 +175,8 @@ def test_remat_policy_checkpoints_every_decoder_layer(lora_model, policy, saved,
     jaxpr = str(jax.make_jaxpr(
         jax.grad(lambda a: losses(nnx.merge(graphdef, layout.state(a), base), batch)[0])
     )(adapters))
-    checkpointed = sum(jaxpr.count(name) for name in ("DotsSaveable", "nothing_saveable"))
+    checkpointed = sum(jaxpr.count(mark) for mark in CHECKPOINT_POLICY_MARKS.values())
+    saved = CHECKPOINT_POLICY_MARKS.get(policy)
     assert checkpointed == (0 if saved is None else jaxpr.count(saved)), jaxpr.count("policy=")
     layers = len(lora_model.model.layers)
     if layout.stacking:

@@ -48,6 +48,7 @@ import qwix
 import yaml
 from flax import nnx
 from flax.nnx import initializers
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from qwix._src.core import qarray  # how Qwix's own providers quantise a weight and find adapted ones
 from qwix._src.providers import ptq
@@ -56,6 +57,7 @@ from qwix._src.utils import flax_util
 from lorajob_trainer import weights
 from lorajob_trainer.checkpoint import CheckpointMetadata
 from lorajob_trainer.mesh import variable_sharding
+from lorajob_trainer.remat import PROJECTION_OUTPUTS
 from lorajob_trainer.models import experts, tracing_rngs
 
 PEFT_PREFIX = "base_model.model.model.layers"
@@ -162,7 +164,25 @@ def weight_norm(weight: jax.Array, contracting: tuple[int, ...]) -> jax.Array:
     return jnp.sqrt(jnp.sum(jnp.square(weight.astype(_wide(weight.dtype))), axis=contracting))
 
 
-class DoraProvider(qwix.LoraProvider):
+class LoraProvider(qwix.LoraProvider):
+    """Qwix's LoRA, naming each projection's output (`remat.PROJECTION_OUTPUTS`, the adapter's contribution
+    added) for the remat policies: without the name, remat "minimal" (keep every matmul's output) kept the base
+    matmul's and the adapter's outputs apart, twice the activations of one projection."""
+
+    def einsum(self, einsum_str: str, *operands, **kwargs) -> jax.Array:
+        return self._named(super().einsum(einsum_str, *operands, **kwargs), operands[1])
+
+    def dot_general(self, lhs, rhs, *args, **kwargs) -> jax.Array:
+        return self._named(super().dot_general(lhs, rhs, *args, **kwargs), rhs)
+
+    @staticmethod
+    def _named(result: jax.Array, rhs) -> jax.Array:
+        if flax_util.find_param(rhs, ptq.WithAux) is None:  # no weight: attention's own products, say
+            return result
+        return checkpoint_name(result, PROJECTION_OUTPUTS)
+
+
+class DoraProvider(LoraProvider):
     """Qwix's LoRA, with DoRA's decomposition on top (PEFT's use_dora): each adapted weight W gets a learned
     magnitude m (one per output feature, initially the norms of W's columns), and the layer computes
     (m / ‖W + s·A·B‖) ⊙ (x·W + s·x·A·B), the norm taken per output feature and held constant in the backward
@@ -219,7 +239,7 @@ class DoraProvider(qwix.LoraProvider):
         return magnitude.astype(wide) / jax.lax.stop_gradient(weight_norm(adapted, contracting))
 
 
-class QuantizedBaseLoraProvider(qwix.LoraProvider):
+class QuantizedBaseLoraProvider(LoraProvider):
     """Qwix's (Q)LoRA, also letting a quantised weight through `jnp.astype`: Tunix's projections cast their
     weight to the compute dtype that way (Qwix intercepts `jnp.asarray`, not `jnp.astype`), which for a
     quantised weight casts its scale and keeps it quantised."""
@@ -269,7 +289,7 @@ def apply_lora(
     if qtype is not None:  # the frozen projections that carry no adapter, the first matching rule applying
         not_experts = "".join(f"(?!{re.escape(p)}$)" for p in expert_paths)
         rules.append(qwix.QtRule(module_path=not_experts + NOT_ROUTERS + DECODER_LAYERS, weight_qtype=qtype))
-    provider = (DoraProvider if dora else QuantizedBaseLoraProvider if qtype is not None else qwix.LoraProvider)(rules)
+    provider = (DoraProvider if dora else QuantizedBaseLoraProvider if qtype is not None else LoraProvider)(rules)
     batch = mesh.devices.size
     inputs = (jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1), jnp.int32), None, jnp.ones((batch, 1, 1), bool))
     graphdef, base = nnx.split(model)

@@ -3,8 +3,9 @@
 Policies (MaxText's `remat_policy` names where it has them), applied to each decoder layer
 (models/decoder.py `call_layer`), least recompute and most memory first:
   none       keep every activation of every layer (no recompute);
-  minimal    keep the outputs of the weight matmuls (projections, MLP, LoRA) and of the attention kernel,
-             recompute the cheap rest (norms, RoPE, activations; dense attention's scores and softmax);
+  minimal    keep each projection's output (the weight matmul's with its adapter's added) and the attention
+             kernel's, recompute the cheap rest (norms, RoPE, activations, the adapters' rank-wide products;
+             dense attention's scores and softmax);
   attention  keep the attention's query, key and value projections and the attention kernel's output, recompute
              the MLP (most of a layer's matmuls, none of its attention);
   full       keep only each layer's input and recompute the whole layer.
@@ -22,6 +23,10 @@ from lorajob_trainer.contract.records import REMAT_POLICIES
 
 RematPolicy = Literal["none", "minimal", "attention", "full"]
 
+PROJECTION_OUTPUTS = "projection_outputs"
+"""The `jax.checkpoint_name` of every adapted or frozen projection's output in a decoder layer, its adapter's
+contribution added (lora.LoraProvider): kept once, not as the base matmul's and the adapter's two outputs of the
+same width."""
 PROJECTIONS = "attention_projections"
 """The `jax.checkpoint_name` of the attention's query, key and value projections (models/attention.py)."""
 KERNEL_OUTPUT = "attention_kernel_output"
@@ -29,10 +34,7 @@ KERNEL_OUTPUT = "attention_kernel_output"
 kept, the backward does not run the kernel's forward again (models/splash.py)."""
 
 _SAVEABLE = {
-    "minimal": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(KERNEL_OUTPUT),
-    ),
+    "minimal": jax.checkpoint_policies.save_only_these_names(PROJECTION_OUTPUTS, KERNEL_OUTPUT),
     "attention": jax.checkpoint_policies.save_only_these_names(PROJECTIONS, KERNEL_OUTPUT),
     "full": jax.checkpoint_policies.nothing_saveable,
 }
