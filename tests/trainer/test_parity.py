@@ -29,13 +29,29 @@ def mesh():
     return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
 
 
-@pytest.fixture(scope="module", params=FAMILIES + list(GEMMA4_SHAPES))
-def checkpoint(request, tmp_path_factory):
-    """(family, directory); Gemma 4 checkpoints are written by transformers (one per size's features)."""
-    name = request.param
-    if name in GEMMA4_SHAPES:
-        return "gemma4", gemma4_checkpoint(tmp_path_factory.mktemp(name), name, seed=3)
-    return name, tiny.make_tiny_checkpoint(name, tmp_path_factory.mktemp(name), seed=3)
+CHECKPOINTS = FAMILIES + list(GEMMA4_SHAPES)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (family, directory), each made once for the module; Gemma 4 checkpoints are written by
+    transformers (one per size's features)."""
+    made: dict[str, tuple[str, Path]] = {}
+
+    def checkpoint(name: str) -> tuple[str, Path]:
+        if name not in made:
+            directory = tmp_path_factory.mktemp(name)
+            made[name] = (("gemma4", gemma4_checkpoint(directory, name, seed=3)) if name in GEMMA4_SHAPES
+                          else (name, tiny.make_tiny_checkpoint(name, directory, seed=3)))
+        return made[name]
+
+    return checkpoint
+
+
+@pytest.fixture(scope="module", params=CHECKPOINTS)
+def checkpoint(request, checkpoints):
+    """(family, directory) of each checkpoint."""
+    return checkpoints(request.param)
 
 
 def tokens(batch: int = 2, length: int = SEQ, seed: int = 1) -> np.ndarray:
@@ -72,9 +88,9 @@ def test_logits_match_transformers(checkpoint, mesh):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama3"])
-def test_unpatched_tunix_rope_is_wrong(family, mesh, tmp_path):
+def test_unpatched_tunix_rope_is_wrong(family, mesh, checkpoints):
     """The Tunix 0.1.7 model with the same weights misses HF by far: the RoPE fix is what matters."""
-    directory = tiny.make_tiny_checkpoint(family, tmp_path / family, seed=3)
+    _, directory = checkpoints(family)
     model, spec = loading.load_model(f"tiny-{family}", directory, mesh=mesh, dtype=jnp.float32)
     plain = nnx.eval_shape(lambda: spec.family.model_class(spec.tunix_config, rngs=nnx.Rngs(0)))
     graphdef, _ = nnx.split(plain)
@@ -96,6 +112,11 @@ def random_lora(model, seed: int) -> dict[str, np.ndarray]:
 
 
 VARIANTS = ["lora", "rslora", "dora"]
+RSLORA_ON = ("qwen3", "qwen3-moe")
+"""rsLoRA changes only the adapters' scale (alpha/√r), the same code for every family: checked on a dense model and
+on routed experts (their own adapters), not on each checkpoint again."""
+CASES = [(name, variant) for name in CHECKPOINTS for variant in VARIANTS if variant != "rslora" or name in RSLORA_ON]
+CASE_IDS = [f"{name}-{variant}" for name, variant in CASES]
 
 
 def _alpha(variant: str) -> float:
@@ -144,18 +165,27 @@ class SavedAdapter:
     """Our LoRA model's logits over `tokens()`."""
 
 
-@pytest.fixture(scope="module", params=VARIANTS)
-def saved_adapter(request, checkpoint, mesh, tmp_path_factory) -> SavedAdapter:
-    """Each variant's random adapters on each checkpoint, made and saved once for both exports."""
-    family, directory = checkpoint
-    model, params, metadata = lora_model_with_random_adapters(family, directory, mesh, request.param)
-    step_dir = lora.save_adapter_checkpoint(tmp_path_factory.mktemp(f"{family}-{request.param}") / "ckpt", params, metadata)
-    return SavedAdapter(family, directory, step_dir, jax_logits(model, tokens()))
+@pytest.fixture(scope="module")
+def saved_adapters(checkpoints, mesh, tmp_path_factory):
+    """(checkpoint name, variant) -> its random adapters, made and saved once for both exports."""
+    made: dict[tuple[str, str], SavedAdapter] = {}
+
+    def saved_adapter(name: str, variant: str) -> SavedAdapter:
+        if (name, variant) not in made:
+            family, directory = checkpoints(name)
+            model, params, metadata = lora_model_with_random_adapters(family, directory, mesh, variant)
+            step_dir = lora.save_adapter_checkpoint(tmp_path_factory.mktemp(f"{name}-{variant}") / "ckpt", params, metadata)
+            made[name, variant] = SavedAdapter(family, directory, step_dir, jax_logits(model, tokens()))
+        return made[name, variant]
+
+    return saved_adapter
 
 
-def test_exported_adapter_matches_peft(saved_adapter, tmp_path):
+@pytest.mark.parametrize(("name", "variant"), CASES, ids=CASE_IDS)
+def test_exported_adapter_matches_peft(saved_adapters, name, variant, tmp_path):
     from peft import PeftModel
 
+    saved_adapter = saved_adapters(name, variant)
     out = export.export_adapter(saved_adapter.step_dir, tmp_path / "adapter")
     base = load_hf(saved_adapter.directory)
     ids = tokens()
@@ -163,19 +193,21 @@ def test_exported_adapter_matches_peft(saved_adapter, tmp_path):
     np.testing.assert_allclose(saved_adapter.logits, torch_logits(PeftModel.from_pretrained(base, out), ids), atol=ATOL, rtol=0)
 
 
-def test_merged_export_matches_lora_model(saved_adapter, tmp_path):
+@pytest.mark.parametrize(("name", "variant"), CASES, ids=CASE_IDS)
+def test_merged_export_matches_lora_model(saved_adapters, name, variant, tmp_path):
+    saved_adapter = saved_adapters(name, variant)
     merged = export.export_merged(saved_adapter.step_dir, tmp_path / "merged")
     np.testing.assert_allclose(saved_adapter.logits, torch_logits(load_hf(merged), tokens()), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_peft_made_adapter_converts_to_peft_logits(checkpoint, mesh, tmp_path, variant):
+@pytest.mark.parametrize(("name", "variant"), CASES, ids=CASE_IDS)
+def test_peft_made_adapter_converts_to_peft_logits(checkpoints, mesh, tmp_path, name, variant):
     """An adapter PEFT wrote (k_proj and v_proj with their own lora_A) converts in and gives PEFT's logits."""
     from peft import PeftModel
     from safetensors.numpy import load_file
     from test_convert_export import make_peft_adapter
 
-    family, directory = checkpoint
+    family, directory = checkpoints(name)
     adapter = make_peft_adapter(family, directory, tmp_path / "adapter", variant=variant)
     tensors = load_file(adapter / "adapter_model.safetensors")
     attn = f"{lora.PEFT_PREFIX}.0.self_attn"
