@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 import socket
 import subprocess
 import time
@@ -16,8 +17,27 @@ class ComponentFailed(RuntimeError):
     """A dev-cluster component exited or never became ready; the message carries its log tail."""
 
 
+LOWEST_PORT = 20000
+"""Ports for the cluster's components are drawn from here up to the kernel's ephemeral range."""
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    """A loopback port that nothing listens on, below the kernel's ephemeral range. A free port from that range (what
+    binding port 0 gives) can become the local end of any outgoing connection before the component binds it: a
+    cluster starting beside another lost its scheduler's port that way ("bind: address already in use")."""
+    try:
+        highest = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        highest = LOWEST_PORT
+    for port in random.sample(range(LOWEST_PORT, highest), min(64, max(highest - LOWEST_PORT, 0))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:  # no such range here: any free port
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
