@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from lorajob_trainer.contract.config import default_loss_chunk
 from lorajob_trainer.contract.records import REMAT_POLICIES
 from lorajob_trainer.metrics import peak_host_memory_bytes
 
@@ -181,7 +182,7 @@ def bench_jax(args) -> dict:
     config = TrainConfig.from_dict({
         "run_name": "bench", "base_output_directory": "/tmp/bench", "model_name": "tiny-qwen3",
         "load_parameters_path": "random", "hf_train_files": ["random"], "steps": 1000, "learning_rate": 1e-4,
-        "warmup_steps_fraction": 0.0, "max_target_length": args.seq, "loss_chunk_length": args.loss_chunk,
+        "warmup_steps_fraction": 0.0, "max_target_length": args.seq, "loss_chunk_length": args.loss_chunk or default_loss_chunk(args.batch),
     })
     family = models.family_for_hf_config(hf)
     run = run_lib.build(config, run_lib.lora_model_of(model, family, tunix_config, hf, None, config, abstract=False),
@@ -336,7 +337,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--loss-chunk", type=int, default=None,
-                        help="loss_chunk_length: positions per row per LM-head chunk (default: the trainer's)")
+                        help="loss_chunk_length: positions per row per LM-head chunk (default: the trainer's for --batch rows)")
     parser.add_argument("--remat", choices=REMAT_POLICIES, default="minimal",
                         help="remat_policy (default: minimal, what remat auto runs on a CPU; bench/chip_bench.py plans "
                              "auto's choice for a TPU chip)")

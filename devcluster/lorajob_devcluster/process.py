@@ -27,10 +27,11 @@ def free_loopback_port() -> int:
     binding port 0 gives) can become the local end of any outgoing connection before the component binds it: a
     cluster starting beside another lost its scheduler's port that way ("bind: address already in use")."""
     try:
-        highest = int(EPHEMERAL_RANGE.read_text().split()[0])
+        ephemeral_from = int(EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        highest = LOWEST_PORT
-    for port in random.sample(range(LOWEST_PORT, highest), min(64, max(highest - LOWEST_PORT, 0))):
+        ephemeral_from = LOWEST_PORT
+    candidates = range(LOWEST_PORT, max(ephemeral_from, LOWEST_PORT))
+    for port in random.sample(candidates, min(64, len(candidates))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             try:
                 probe.bind(("127.0.0.1", port))

@@ -218,9 +218,10 @@ class TrainConfig(_Section):
     each reading the whole head again. Default (`loss_chunk_per_row`): `LOSS_CHUNK_TOKENS` positions per
     device over its rows, at least 64 per row."""
     remat_policy: Literal["auto", "none", "minimal", "attention", "full"] = DEFAULTS.remat_policy
-    """What the backward pass recomputes per decoder layer (MaxText's names): none = keep every activation;
-    minimal = keep the weight matmuls' outputs, recompute norms, activations and attention scores;
-    full = keep only each layer's input; auto = the first of these whose step fits the devices (the fit check's
+    """What the backward pass recomputes per decoder layer (remat.py): none = keep every activation;
+    minimal = keep each projection's output and the attention kernel's, recompute norms, activations and dense
+    attention's scores; attention = keep the query, key and value projections and the attention kernel's output,
+    recompute the MLP; full = keep only each layer's input; auto = the first of these whose step fits the devices (the fit check's
     choice in the run's plan.json, else compiled on the devices at start; minimal where a device reports no memory
     capacity, as a CPU)."""
 
