@@ -140,18 +140,21 @@ probabilities and the gradients' products each carry a few such roundings: a few
 
 @pytest.mark.parametrize("precision", ["highest", "default"])
 @pytest.mark.parametrize("window", [None, 200], ids=["causal", "sliding-window"])
-def test_splash_kernel_equals_dense_attention_with_its_gradients(window, precision):
-    """tests/trainer/test_splash_attention.py's inputs: 2 rows of 384 positions (row 0 packs three sequences, row 1
-    ends in padding), 4 query heads on 2 KV heads of 128; the reference is dense attention in float32."""
+@pytest.mark.parametrize("length", [384, 2048])
+def test_splash_kernel_equals_dense_attention_with_its_gradients(length, window, precision):
+    """tests/trainer/test_splash_attention.py's inputs: 2 rows (row 0 packs three sequences, row 1 ends in padding),
+    4 query heads on 2 KV heads of 128; the reference is dense attention in float32. 384 positions run the kernel
+    in 128-position blocks, 2,048 in the 1,024-position blocks a training step of that length uses."""
+    assert splash.block_size(length) == {384: splash.BLOCK, 2048: splash.LARGEST_BLOCK}[length]
     with highest():
-        dense = outputs_and_gradients("dense", window)
+        dense = outputs_and_gradients("dense", window, length=length)
     with highest() if precision == "highest" else contextlib.nullcontext():
-        splashed = outputs_and_gradients("splash", window, interpret=INTERPRET)
+        splashed = outputs_and_gradients("splash", window, length=length, interpret=INTERPRET)
     errors = {}
     for name, got, expected in zip(("output", "d_query", "d_key", "d_value"), splashed, dense, strict=True):
         error, scale = max_error(got, expected)
         errors[name] = {"max_abs_error": error, "max_abs_value": scale, "relative": error / scale}
-    record(f"splash-{'causal' if window is None else 'window'}-{precision}", errors=errors)
+    record(f"splash-{length}-{'causal' if window is None else 'window'}-{precision}", errors=errors)
     tolerance = KERNEL_TOLERANCE[precision]
     for name, got, expected in zip(errors, splashed, dense, strict=True):
         assert errors[name]["relative"] <= tolerance, (name, errors[name])

@@ -25,26 +25,28 @@ BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM = 2, 384, 4, 2, 128
 """Three blocks of 128 positions per side: the kernel skips the three above the diagonal."""
 
 
-def inputs() -> tuple[jax.Array, ...]:
+def inputs(length: int = LENGTH) -> tuple[jax.Array, ...]:
     """query, key, value, segment ids (row 0 packs three sequences, row 1 ends in padding) and a cotangent that
-    is zero at padding (where the loss never looks)."""
+    is zero at padding (where the loss never looks); the sequences' bounds fall inside blocks at any length."""
     keys = jax.random.split(jax.random.key(0), 4)
-    query = jax.random.normal(keys[0], (BATCH, LENGTH, HEADS, HEAD_DIM))
-    key = jax.random.normal(keys[1], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
-    value = jax.random.normal(keys[2], (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
-    segments = np.ones((BATCH, LENGTH), np.int32)
-    segments[0, 100:200], segments[0, 200:] = 2, 3
-    segments[1, 250:] = 0
+    query = jax.random.normal(keys[0], (BATCH, length, HEADS, HEAD_DIM))
+    key = jax.random.normal(keys[1], (BATCH, length, KV_HEADS, HEAD_DIM))
+    value = jax.random.normal(keys[2], (BATCH, length, KV_HEADS, HEAD_DIM))
+    segments = np.ones((BATCH, length), np.int32)
+    segments[0, length * 100 // 384 : length * 200 // 384], segments[0, length * 200 // 384 :] = 2, 3
+    segments[1, length * 250 // 384 :] = 0
     cotangent = jax.random.normal(keys[3], query.shape) * (segments != 0)[:, :, None, None]
     return query, key, value, jnp.asarray(segments), cotangent
 
 
-def outputs_and_gradients(kernel: str, window: int | None = None, *, interpret: bool = True) -> list[np.ndarray]:
+def outputs_and_gradients(
+    kernel: str, window: int | None = None, *, length: int = LENGTH, interpret: bool = True
+) -> list[np.ndarray]:
     """The attention's output and the gradients of sum(output · cotangent) by query, key and value; with
     `window`, a sliding-window layer's (Gemma 3's: each position sees itself and the `window` - 1 before it).
     `interpret`: the splash kernel in Pallas' interpreter (any backend); False runs the compiled kernel, on a
     TPU only (tests/chip/test_on_chip.py)."""
-    query, key, value, segments, cotangent = inputs()
+    query, key, value, segments, cotangent = inputs(length)
     mask, scale = models.attention_mask(segments), HEAD_DIM**-0.5
 
     def attend(query, key, value):
@@ -52,8 +54,8 @@ def outputs_and_gradients(kernel: str, window: int | None = None, *, interpret: 
             return splash.causal_attention(
                 query * scale, key, value, splash.segment_ids(mask), window=window, interpret=interpret
             )
-        positions = jnp.arange(LENGTH)
-        near = positions[:, None] - positions[None, :] < (window or LENGTH)
+        positions = jnp.arange(length)
+        near = positions[:, None] - positions[None, :] < (window or length)
         return dense_attention(query, key, value, mask & near, scale)
 
     def loss(query, key, value):
