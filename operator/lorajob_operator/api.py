@@ -26,6 +26,7 @@ from lorajob_trainer.contract.records import (
     DEFAULTS,
     DORA_NEEDS_FULL_PRECISION,
     ExportGate,
+    RematSetting,
 )
 
 GROUP = "lorajob.dev"
@@ -207,7 +208,7 @@ class TrainingSpec(_Model):
     """schedule of the learning rate after warmup."""
     gradient_accumulation_steps: int = Field(default=DEFAULTS.gradient_accumulation_steps, ge=1, le=1024)
     """gradientAccumulationSteps accumulates gradients over this many micro-batches per step."""
-    remat: Literal["auto", "none", "minimal", "attention", "full"] = DEFAULTS.remat_policy
+    remat: RematSetting = DEFAULTS.remat_policy
     """remat is what the backward pass recomputes per decoder layer: none keeps every activation; minimal keeps the weight matmuls' and the attention kernel's outputs; attention keeps the query, key and value projections and the attention kernel's output and recomputes the MLP; full keeps only each layer's input, for about a third more compute and far less memory. auto (the default) runs the first of none, minimal, attention, full whose step fits the chips, as the TPU compiler judges it in the fit check (status.plan.remat says which)."""
     checkpoint_period: int = Field(default=DEFAULTS.checkpoint_period, ge=1, le=10_000_000)
     """checkpointPeriod saves a checkpoint every this many steps (and at the end); a resumed run restarts from the latest."""

@@ -27,7 +27,7 @@ class DataFeed:
 
     packer: data_lib.PackedRows | data_lib.PrefetchedRows
     sharding: NamedSharding
-    position_sharding: NamedSharding
+    """Rows split over the mesh's batch axes: of the batch's arrays and of the packer's positions alike."""
     global_shape: tuple[int, int, int]
     local_rows: range
 
@@ -44,7 +44,7 @@ class DataFeed:
 
     def positions(self) -> jax.Array:
         local = self.packer.state().astype(np.int32).reshape(self.local_shape[:2])
-        return jax.make_array_from_process_local_data(self.position_sharding, local, self.global_shape[:2])
+        return jax.make_array_from_process_local_data(self.sharding, local, self.global_shape[:2])
 
     def restore(self, positions: jax.Array) -> None:
         local = np.zeros(self.local_shape[:2], dtype=np.int64)
@@ -76,7 +76,7 @@ def make_feed(
     packer = data_lib.PackedRows(len(dataset), encode, row_ids, accumulation * rows_per_micro_batch, options)
     if prefetch:
         packer = data_lib.PrefetchedRows(packer, depth=prefetch)
-    return DataFeed(packer, sharding, mesh_lib.batch_sharding(mesh, leading_dims=1), global_shape, local_rows)
+    return DataFeed(packer, sharding, global_shape, local_rows)
 
 
 def load_split(config: TrainConfig, source: data_lib.DataSource, tokenizer: Any) -> tuple[Any, Callable[[int], data_lib.EncodedExample]]:

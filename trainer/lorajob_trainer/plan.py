@@ -129,28 +129,32 @@ def compile_train_step(
     trainer never does, so that the cost analysis counts every layer (bench/tpu_plan.py --executed-flops)."""
     started = time.perf_counter()
     run = run_lib.abstract_run(config, hf_config, list(devices), scan_layers)
+    arguments = run.arguments()
     with jax.set_mesh(run.mesh):
-        compiled = run.steps.train.lower(*run.arguments()).compile()
-    return describe_compiled(compiled, run, config, started)
+        compiled = run.steps.train.lower(*arguments).compile()
+    return describe_compiled(compiled, run, arguments, config, started)
 
 
-def describe_compiled(compiled: Any, run: run_lib.Run, config: TrainConfig, started: float) -> CompiledStep:
-    """The figures of a compiled train step (`jax.stages.Compiled`) of `run`; `started`: when building began."""
+def describe_compiled(
+    compiled: Any, run: run_lib.Run, arguments: tuple[Any, ...], config: TrainConfig, started: float
+) -> CompiledStep:
+    """The figures of a compiled train step (`jax.stages.Compiled`) of `run` for `arguments` (`Run.arguments`:
+    adapters, optimizer state, base, batch); `started`: when building began."""
     attention_block = splash.block_size(config.max_target_length) if splash.ran_in(compiled.as_text()) else None
     analysis = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):
         cost = cost[0] if cost else {}
-    adapters = run.adapters()
+    adapters, optimizer_state, base, batch = arguments
     memory = StepMemory(
         arguments=analysis.argument_size_in_bytes,
         outputs=analysis.output_size_in_bytes,
         aliased=analysis.alias_size_in_bytes,
         temporaries=analysis.temp_size_in_bytes,
-        base_weights=per_chip_bytes(run.base),
+        base_weights=per_chip_bytes(base),
         adapters=per_chip_bytes(adapters),
-        optimizer_state=per_chip_bytes(run.optimizer_state(adapters)),
-        batch=per_chip_bytes(run.batch),
+        optimizer_state=per_chip_bytes(optimizer_state),
+        batch=per_chip_bytes(batch),
     )
     flops = run.flops
     return CompiledStep(

@@ -15,13 +15,9 @@ it (`plan.choose_remat`; the fit check records its choice for the train step: `t
 
 from __future__ import annotations
 
-from typing import Literal
-
 import jax
 
-from lorajob_trainer.contract.records import REMAT_POLICIES
-
-RematPolicy = Literal["none", "minimal", "attention", "full"]
+from lorajob_trainer.contract.records import REMAT_POLICIES, RematPolicy
 
 PROJECTION_OUTPUTS = "projection_outputs"
 """The `jax.checkpoint_name` of every adapted or frozen projection's output in a decoder layer, its adapter's

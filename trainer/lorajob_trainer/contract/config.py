@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from lorajob_trainer.contract import catalog
 from lorajob_trainer.contract.records import (
-    BASE_QUANTIZATIONS, BOUNDS, COLUMN_LAYOUTS, DEFAULTS, DORA_NEEDS_FULL_PRECISION, EVAL_SCORERS, RunLayout,
+    BASE_QUANTIZATIONS, BOUNDS, COLUMN_LAYOUTS, DEFAULTS, DORA_NEEDS_FULL_PRECISION, EVAL_SCORERS, RematSetting,
+    RunLayout,
 )
 
 
@@ -217,7 +218,7 @@ class TrainConfig(_Section):
     come first). Shorter chunks skip more of the prompt and padding but make more, smaller LM-head matmuls,
     each reading the whole head again. Default (`loss_chunk_per_row`): `LOSS_CHUNK_TOKENS` positions per
     device over its rows, at least 64 per row."""
-    remat_policy: Literal["auto", "none", "minimal", "attention", "full"] = DEFAULTS.remat_policy
+    remat_policy: RematSetting = DEFAULTS.remat_policy
     """What the backward pass recomputes per decoder layer (remat.py): none = keep every activation;
     minimal = keep each projection's output and the attention kernel's, recompute norms, activations and dense
     attention's scores; attention = keep the query, key and value projections and the attention kernel's output,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
+from typing import Literal, get_args
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,12 @@ class Bounds:
 
 BOUNDS = Bounds()
 
-REMAT_POLICIES = ("none", "minimal", "attention", "full")
-"""What the backward pass recomputes per decoder layer, least recompute (and most memory) first; `auto` takes the
-first whose step fits."""
+RematPolicy = Literal["none", "minimal", "attention", "full"]
+"""What the backward pass recomputes per decoder layer, least recompute (and most memory) first."""
+REMAT_POLICIES: tuple[RematPolicy, ...] = get_args(RematPolicy)
 REMAT_AUTO = "auto"
+RematSetting = Literal["auto", RematPolicy]
+"""A remat policy, or `auto`: the first of `REMAT_POLICIES` whose step fits."""
 
 BASE_QUANTIZATIONS = ("none", "int8", "int4", "nf4", "fp8")
 """How the frozen base is held while the adapters train (QLoRA): as loaded (none), or each decoder projection and
