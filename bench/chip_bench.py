@@ -261,7 +261,7 @@ def measure(name: str, plan: dict, steps: int, profile_dir: str | None, work: Pa
             executable = run.steps.train.lower(*run.arguments()).compile()
         compile_s = time.perf_counter() - compile_started
     stage(name, f"compiled ({compile_s:.1f} s)", began)
-    compiled_hbm = plan_lib.describe_compiled(executable, run, (adapters, opt_state, base, batch), config, 0.0).memory.total
+    compiled_hbm = plan_lib.describe_compiled(executable, run, (adapters, opt_state, base, batch), 0.0).memory.total
     compiled = executable
     feed = generated_feed(config, run.mesh, work / "tokenizer", work / "data.jsonl") if row.feed else None
 

@@ -173,6 +173,7 @@ def bench_jax(args) -> dict:
     from lorajob_trainer import models
     from lorajob_trainer import run as run_lib
     from lorajob_trainer.contract.config import MeshConfig, TrainConfig
+    from lorajob_trainer.optim import build_optimizer
 
     hf = hf_config(args.shape)
     dtype = bench_dtype()
@@ -185,8 +186,8 @@ def bench_jax(args) -> dict:
         "warmup_steps_fraction": 0.0, "max_target_length": args.seq, "loss_chunk_length": args.loss_chunk or default_loss_chunk(args.batch),
     })
     family = models.family_for_hf_config(hf)
-    run = run_lib.build(config, run_lib.lora_model_of(model, family, tunix_config, hf, None, config, abstract=False),
-                        mesh, dtype, args.remat)
+    lora_model = run_lib.lora_model_of(model, family, tunix_config, hf, None, None, abstract=False)
+    run = run_lib.build(config.step_shape, build_optimizer(config), lora_model, mesh, dtype, args.remat)
     steps, base, flops = run.steps, run.base, run.flops
     adapters = run.adapters()
     opt_state = run.optimizer_state(adapters)

@@ -201,7 +201,7 @@ def real_width_forward(dtype, mesh):
         "load_parameters_path": "random", "hf_train_files": ["random"], "steps": 1,
         "lora": {"lora_rank": 16, "lora_alpha": 32},
     })
-    model = run_lib.abstract_model(config, REAL_WIDTHS, mesh, dtype)
+    model = run_lib.abstract_model(REAL_WIDTHS, config.lora, mesh, dtype)
     graphdef, _, lora_state, base = step_lib.split_for_step(model.model, model.layer_period)
     return graphdef, lora_state, base
 

@@ -128,15 +128,15 @@ def test_missing_or_invalid_yaml_file(tmp_path):
 
 def test_target_modules_command_line_beats_yaml_beats_family_default(tmp_path):
     family_default = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    assert resolve_target_modules(parse(), family_default) == family_default
+    assert resolve_target_modules(parse().lora, family_default) == family_default
     task = tmp_path / "task.yaml"
     task.write_text("lora:\n  target_modules: [q_proj, v_proj]\n")
     from_yaml = TrainConfig.from_args([str(task), *REQUIRED])
-    assert resolve_target_modules(from_yaml, family_default) == ["q_proj", "v_proj"]
+    assert resolve_target_modules(from_yaml.lora, family_default) == ["q_proj", "v_proj"]
     from_cli = TrainConfig.from_args([str(task), *REQUIRED, "lora.target_modules=[down_proj]"])
-    assert resolve_target_modules(from_cli, family_default) == ["down_proj"]
+    assert resolve_target_modules(from_cli.lora, family_default) == ["down_proj"]
     regex = parse("lora.lora_module_path=.*q_proj")
-    assert resolve_target_modules(regex, family_default) is None
+    assert resolve_target_modules(regex.lora, family_default) is None
 
 
 def test_config_imports_without_jax():

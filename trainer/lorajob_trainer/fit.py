@@ -136,7 +136,7 @@ def analytic_attempt(config: TrainConfig, hf_config: dict[str, Any], gpu: Chip, 
         return Attempt(target, fits=False, capacity_bytes=gpu.capacity_bytes, analytic=True,
                        error=f"no analytic estimate for remat_policy {config.remat_policy!r} (one of {', '.join(ACTIVATION_BYTES)})")
     mesh = mesh_lib.build_mesh(config.mesh, jax.devices("cpu")[:1])
-    model = run_lib.abstract_model(config, hf_config, mesh, jnp.bfloat16)
+    model = run_lib.abstract_model(hf_config, config.lora, mesh, jnp.bfloat16, config.router_aux_loss_coef)
     tunix_config = model.tunix_config
     flops = model.flops(config.max_target_length)
     _, lora, base = nnx.split(model.model, nnx.LoRAParam, ...)

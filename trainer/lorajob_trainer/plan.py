@@ -132,15 +132,13 @@ def compile_train_step(
     arguments = run.arguments()
     with jax.set_mesh(run.mesh):
         compiled = run.steps.train.lower(*arguments).compile()
-    return describe_compiled(compiled, run, arguments, config, started)
+    return describe_compiled(compiled, run, arguments, started)
 
 
-def describe_compiled(
-    compiled: Any, run: run_lib.Run, arguments: tuple[Any, ...], config: TrainConfig, started: float
-) -> CompiledStep:
+def describe_compiled(compiled: Any, run: run_lib.Run, arguments: tuple[Any, ...], started: float) -> CompiledStep:
     """The figures of a compiled train step (`jax.stages.Compiled`) of `run` for `arguments` (`Run.arguments`:
     adapters, optimizer state, base, batch); `started`: when building began."""
-    attention_block = splash.block_size(config.max_target_length) if splash.ran_in(compiled.as_text()) else None
+    attention_block = splash.block_size(run.shape.length) if splash.ran_in(compiled.as_text()) else None
     analysis = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):
@@ -161,12 +159,12 @@ def describe_compiled(
         memory=memory,
         flops=cost.get("flops"),
         flops_per_token=flops.per_token,
-        executed_flops_per_token=flops.executed_per_token(config.remat_policy, attention_block),
+        executed_flops_per_token=flops.executed_per_token(run.remat_policy, attention_block),
         attention_block=attention_block,
         kernel_flops_per_token=(
-            0.0 if attention_block is None else flops.executed_attention_per_token(config.remat_policy, attention_block)
+            0.0 if attention_block is None else flops.executed_attention_per_token(run.remat_policy, attention_block)
         ),
-        tokens_per_device=config.per_device_batch_size * config.max_target_length * config.gradient_accumulation_steps,
+        tokens_per_device=run.shape.tokens,
         compile_seconds=time.perf_counter() - started,
         devices=len(run.mesh.devices.flat),
         layers_scanned=run.layers_scanned,

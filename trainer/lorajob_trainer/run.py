@@ -26,7 +26,7 @@ from lorajob_trainer import lora as lora_lib
 from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import metrics as metrics_lib
 from lorajob_trainer import step as step_lib
-from lorajob_trainer.contract.config import LoraConfig, TrainConfig, resolve_target_modules
+from lorajob_trainer.contract.config import LoraConfig, StepShape, TrainConfig, resolve_target_modules
 from lorajob_trainer.models import experts
 from lorajob_trainer.optim import build_optimizer
 
@@ -77,21 +77,22 @@ def _with_adapters(model: nnx.Module, lora: LoraConfig, target_regex: str, mesh:
     )
 
 
-def _targets(config: TrainConfig, family: str, num_layers: int) -> tuple[list[str] | None, str]:
+def _targets(lora: LoraConfig, family: str, num_layers: int) -> tuple[list[str] | None, str]:
     """(the adapted modules' names, None where a regex alone names them; the regex that selects them)."""
-    targets = resolve_target_modules(config, lora_lib.default_targets(family))
-    regex = lora_lib.target_regex(family, targets, config.lora.lora_module_path)
+    targets = resolve_target_modules(lora, lora_lib.default_targets(family))
+    regex = lora_lib.target_regex(family, targets, lora.lora_module_path)
     if targets is None:
         targets = lora_lib.names_for_regex(family, regex, num_layers) or None
     return targets, regex
 
 
 def lora_model_of(model: nnx.Module, family: models.Family, tunix_config: Any, hf_config: dict[str, Any],
-                  targets: list[str] | None, config: TrainConfig, abstract: bool) -> LoraModel:
-    """`model` (adapters applied) with the facts the run is built from."""
+                  targets: list[str] | None, aux_loss_override: float | None, abstract: bool) -> LoraModel:
+    """`model` (adapters applied) with the facts the run is built from; `aux_loss_override`: the config's
+    router_aux_loss_coef (None: the checkpoint's)."""
     return LoraModel(
         model, targets, tunix_config, hf_config, family.layer_period(tunix_config), abstract,
-        experts.active_shares(model), aux_loss_coef(config.router_aux_loss_coef, hf_config, model),
+        experts.active_shares(model), aux_loss_coef(aux_loss_override, hf_config, model),
     )
 
 
@@ -102,9 +103,10 @@ def loaded_model(config: TrainConfig, mesh: Mesh, dtype: jnp.dtype) -> LoraModel
     model, spec = loading.load_model(
         config.model_name, config.load_parameters_path, mesh=mesh, dtype=dtype, config_dir=config.tokenizer_directory
     )
-    targets, regex = _targets(config, spec.family.name, spec.tunix_config.num_layers)
+    targets, regex = _targets(config.lora, spec.family.name, spec.tunix_config.num_layers)
     model = _with_adapters(model, config.lora, regex, mesh, nnx.Rngs(config.seed))
-    return lora_model_of(model, spec.family, spec.tunix_config, spec.hf_config, targets, config, abstract=False)
+    return lora_model_of(model, spec.family, spec.tunix_config, spec.hf_config, targets, config.router_aux_loss_coef,
+                         abstract=False)
 
 
 LOADED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -118,21 +120,22 @@ def _abstract(variable: nnx.Variable, mesh: Mesh, dtype: Any) -> jax.ShapeDtypeS
     return jax.ShapeDtypeStruct(value.shape, value_dtype, sharding=mesh_lib.variable_sharding(mesh, variable))
 
 
-def abstract_model(config: TrainConfig, hf_config: dict[str, Any], mesh: Mesh, dtype: Any) -> LoraModel:
-    """The model `loaded_model` would load for a checkpoint with this config.json, every value a ShapeDtypeStruct
-    placed on `mesh`, the base weights in `dtype` as the trainer loads them."""
+def abstract_model(hf_config: dict[str, Any], lora: LoraConfig, mesh: Mesh, dtype: Any,
+                   aux_loss_override: float | None = None) -> LoraModel:
+    """The model `loaded_model` would load for a checkpoint with this config.json and `lora`'s adapters, every
+    value a ShapeDtypeStruct placed on `mesh`, the base weights in `dtype` as the trainer loads them."""
     family = models.family_for_hf_config(hf_config)
     tunix_config = family.config_from_hf(hf_config, dtype)
-    targets, regex = _targets(config, family.name, tunix_config.num_layers)
+    targets, regex = _targets(lora, family.name, tunix_config.num_layers)
 
     def build() -> nnx.Module:
         model = family.build(tunix_config, hf_config, models.tracing_rngs())
-        return _with_adapters(model, config.lora, regex, mesh, models.tracing_rngs(config.seed))
+        return _with_adapters(model, lora, regex, mesh, models.tracing_rngs())
 
     model = nnx.eval_shape(build)
     for _, variable in nnx.to_flat_state(nnx.state(model)):
         variable.set_value(_abstract(variable, mesh, dtype))
-    return lora_model_of(model, family, tunix_config, hf_config, targets, config, abstract=True)
+    return lora_model_of(model, family, tunix_config, hf_config, targets, aux_loss_override, abstract=True)
 
 
 def aux_loss_coef(override: float | None, hf_config: dict[str, Any], model: nnx.Module) -> float | None:
@@ -175,6 +178,7 @@ class Run:
     mesh: Mesh
     dtype: jnp.dtype
     """The base weights' and the activations' dtype (`compute_dtype`)."""
+    shape: StepShape
     remat_policy: str
     model: LoraModel
     graphdef: nnx.GraphDef
@@ -223,29 +227,29 @@ class Run:
                                       self.shardings["base"], max_new_tokens, stop_ids)
 
 
-def batch_spec(config: TrainConfig, mesh: Mesh, accumulation: int) -> dict[str, jax.ShapeDtypeStruct]:
-    """A batch of `accumulation` micro-batches of `config.per_device_batch_size` rows per device (every device of
-    the mesh counts towards the global batch) of `config.max_target_length` positions."""
-    shape = (accumulation, mesh_lib.global_batch_rows(config.per_device_batch_size, mesh), config.max_target_length)
+def batch_spec(shape: StepShape, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    """A batch of `shape.accumulation` micro-batches of `shape.rows` rows per device (every device of the mesh
+    counts towards the global batch) of `shape.length` positions."""
+    dims = (shape.accumulation, mesh_lib.global_batch_rows(shape.rows, mesh), shape.length)
     sharding = mesh_lib.batch_sharding(mesh, leading_dims=1)
-    return {name: jax.ShapeDtypeStruct(shape, jnp.float32 if name == "weights" else jnp.int32, sharding=sharding)
+    return {name: jax.ShapeDtypeStruct(dims, jnp.float32 if name == "weights" else jnp.int32, sharding=sharding)
             for name in step_lib.BATCH_FIELDS}
 
 
-def build(config: TrainConfig, model: LoraModel, mesh: Mesh, dtype: jnp.dtype, remat_policy: str,
-          scan_layers: bool = True) -> Run:
-    """The run's step over `model` on `mesh` with a concrete `remat_policy` (train.remat_for_run resolves auto).
+def build(shape: StepShape, optimizer: optax.GradientTransformation, model: LoraModel, mesh: Mesh,
+          dtype: jnp.dtype, remat_policy: str, scan_layers: bool = True) -> Run:
+    """The step over `model` on `mesh` for batches of `shape`, updating the adapters with `optimizer`
+    (optim.build_optimizer), with a concrete `remat_policy` (train.remat_for_run resolves auto).
     `scan_layers=False` leaves the layers unrolled, as the trainer never does, so that the compiler's cost
     analysis counts every layer (bench/tpu_plan.py --executed-flops). The model's layers are stacked in place."""
-    flops = model.flops(config.max_target_length)
+    flops = model.flops(shape.length)
     graphdef, layout, lora, base = step_lib.split_for_step(model.model, model.layer_period if scan_layers else None)
-    optimizer = build_optimizer(config)
     shardings = step_lib.step_shardings(_float32_shapes(layout.flat(lora)), optimizer, base, mesh)
     steps = step_lib.build_step_functions(
-        graphdef, layout, optimizer, dtype, shardings, config.loss_chunk_per_row, remat_policy, model.aux_loss_coef,
+        graphdef, layout, optimizer, dtype, shardings, shape.loss_chunk, remat_policy, model.aux_loss_coef,
     )
-    return Run(mesh, dtype, remat_policy, model, graphdef, layout, lora, base, optimizer, shardings, steps, flops,
-               batch_spec(config, mesh, config.gradient_accumulation_steps))
+    return Run(mesh, dtype, shape, remat_policy, model, graphdef, layout, lora, base, optimizer, shardings, steps,
+               flops, batch_spec(shape, mesh))
 
 
 def abstract_run(config: TrainConfig, hf_config: dict[str, Any], devices: list[jax.Device],
@@ -253,5 +257,5 @@ def abstract_run(config: TrainConfig, hf_config: dict[str, Any], devices: list[j
     """The run of `config` (a concrete remat policy) over `devices`, every array abstract: what the plan compiles."""
     mesh = mesh_lib.build_mesh(config.mesh, devices)
     dtype = compute_dtype(config, devices[0].platform)
-    model = abstract_model(config, hf_config, mesh, dtype)
-    return build(config, model, mesh, dtype, config.remat_policy, scan_layers)
+    model = abstract_model(hf_config, config.lora, mesh, dtype, config.router_aux_loss_coef)
+    return build(config.step_shape, build_optimizer(config), model, mesh, dtype, config.remat_policy, scan_layers)

@@ -39,7 +39,7 @@ from lorajob_trainer.contract.records import (
     COMPILING, EVALUATING, REMAT_AUTO, REMAT_POLICIES, STOPPED_EARLY, CheckpointRecord, last_plan,
 )
 from lorajob_trainer.contract.fit import SAFETY_MARGIN
-from lorajob_trainer.optim import learning_rate_per_step
+from lorajob_trainer.optim import build_optimizer, learning_rate_per_step
 from lorajob_trainer.step import Batch
 
 log = logging.getLogger("lorajob_trainer.train")
@@ -408,7 +408,7 @@ def build_trainer(
     with jax.set_mesh(mesh):
         model = load_model(config, mesh, dtype)
     policy = remat_for_run(config, model.hf_config, list(mesh.devices.flat))
-    return Trainer(config, run_lib.build(config, model, mesh, dtype, policy))
+    return Trainer(config, run_lib.build(config.step_shape, build_optimizer(config), model, mesh, dtype, policy))
 
 
 def train(config: TrainConfig) -> RunResult:

@@ -14,6 +14,7 @@ import difflib
 import re
 import sys
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -129,6 +130,22 @@ LOSS_CHUNK_TOKENS = 512
 [hidden, vocab] for that many positions, and on a TPU below about 240 positions per read (v5e: 197 TFLOP/s over
 819 GB/s) they wait on memory, not the matrix unit (qwen3-4b on a v5e chip, 2 rows of 64 positions a chunk:
 67 ms of its 854 ms step for a head that needs 32)."""
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one train step takes per device: `accumulation` micro-batches of `rows` sequences of `length`
+    positions; the loss is computed `loss_chunk` positions of each row at a time."""
+
+    rows: int
+    length: int
+    accumulation: int
+    loss_chunk: int
+
+    @property
+    def tokens(self) -> int:
+        """Positions per device per step."""
+        return self.rows * self.length * self.accumulation
 
 
 def default_loss_chunk(rows: int) -> int:
@@ -296,6 +313,11 @@ class TrainConfig(_Section):
         return default_loss_chunk(self.per_device_batch_size)
 
     @property
+    def step_shape(self) -> StepShape:
+        return StepShape(self.per_device_batch_size, self.max_target_length, self.gradient_accumulation_steps,
+                         self.loss_chunk_per_row)
+
+    @property
     def layout(self) -> RunLayout:
         return RunLayout(self.base_output_directory, self.run_name)
 
@@ -405,15 +427,15 @@ def _is_section_type(annotation: Any) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, _Section)
 
 
-def resolve_target_modules(config: TrainConfig, family_default: list[str]) -> list[str] | None:
+def resolve_target_modules(lora: LoraConfig, family_default: list[str]) -> list[str] | None:
     """Target modules: command line / YAML (`lora.target_modules`) > the family default.
 
     Returns None when an explicit regex (`lora.lora_module_path`) selects the layers instead.
     """
-    if config.lora.lora_module_path:
+    if lora.lora_module_path:
         return None
-    if config.lora.target_modules is not None:
-        return list(config.lora.target_modules)
+    if lora.target_modules is not None:
+        return list(lora.target_modules)
     return list(family_default)
 
 
