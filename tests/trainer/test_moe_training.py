@@ -65,7 +65,7 @@ def test_load_balancing_loss_matches_transformers(checkpoint, mesh, policy):
         model = nnx.merge(graphdef, state)
         return loss_lib.losses_with_load_balancing(model, batch, chunk_length=8, remat=policy)
 
-    loss_sum, weight_sum, aux = ours(state, batch)
+    loss_sum, weight_sum, aux, _ = ours(state, batch)
     hf = load_hf(checkpoint)
     labels = torch.tensor(np.where(mask == 1, ids, -100))
     with torch.no_grad():
@@ -144,7 +144,7 @@ def test_step_minimises_lm_loss_plus_weighted_aux_loss(tmp_path):
         for m in range(2):
             micro = {name: value[m] for name, value in batch.items()}
             model = nnx.merge(graphdef, state, trainer.run.base)
-            loss_sum, _, aux = loss_lib.losses_with_load_balancing(
+            loss_sum, _, aux, _ = loss_lib.losses_with_load_balancing(
                 model, micro, config.loss_chunk_per_row, trainer.run.remat_policy
             )
             lm_sum, aux_sum = lm_sum + loss_sum, aux_sum + aux

@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
     try:
+        from lorajob_trainer import mesh as mesh_lib
         from lorajob_trainer import models, storage, weights
         from lorajob_trainer import plan as plan_lib
         from lorajob_trainer.console import configure_logging
@@ -218,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     except (models.ModelConfigError, weights.WeightsError) as error:
         print(f"plan failed: {error}", file=sys.stderr)
         return answer(Outcome(no_plan=f"plan failed: {error}"), exit_codes.MODEL)
+    except mesh_lib.MeshError as error:
+        print(f"plan failed: {error}", file=sys.stderr)
+        return answer(Outcome(no_plan=f"plan failed: {error}"), exit_codes.CONFIG)
     for line in format_plan(result):
         log.info("%s", line)
     if not result.attempt.fits:  # stderr only: its last line is the container's termination message

@@ -88,7 +88,9 @@ def _targets(config: TrainConfig, family: str, num_layers: int) -> tuple[list[st
 
 def lora_model_of(model: nnx.Module, family: models.Family, tunix_config: Any, hf_config: dict[str, Any],
                   targets: list[str] | None, config: TrainConfig, abstract: bool) -> LoraModel:
-    """`model` (adapters applied) with the facts the run is built from."""
+    """`model` (adapters applied) with the facts the run is built from, its routed-experts blocks set to dispatch
+    as the config says (MeshError where mesh.expert does not divide their experts)."""
+    experts.configure_dispatch(model, config.mesh.expert, config.expert_capacity_factor)
     return LoraModel(
         model, targets, tunix_config, hf_config, family.layer_period(tunix_config), abstract,
         experts.active_shares(model), aux_loss_coef(config.router_aux_loss_coef, hf_config, model),
@@ -243,6 +245,7 @@ def build(config: TrainConfig, model: LoraModel, mesh: Mesh, dtype: jnp.dtype, r
     shardings = step_lib.step_shardings(_float32_shapes(layout.flat(lora)), optimizer, base, mesh)
     steps = step_lib.build_step_functions(
         graphdef, layout, optimizer, dtype, shardings, config.loss_chunk_per_row, remat_policy, model.aux_loss_coef,
+        expert_parallel=bool(model.active) and mesh.shape[experts.EXPERT_AXIS] > 1,
     )
     return Run(mesh, dtype, remat_policy, model, graphdef, layout, lora, base, optimizer, shardings, steps, flops,
                batch_spec(config, mesh, config.gradient_accumulation_steps))

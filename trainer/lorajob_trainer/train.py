@@ -315,6 +315,10 @@ class Trainer:
             aux = f" aux_loss {values['aux_loss']:.4f}" if "aux_loss" in values else ""
             log.info("step %d/%d loss %.4f%s  %.0f tok/s  %.3f s/step", step, self.config.steps, values["loss"], aux,
                      tokens_per_second, step_time)
+            if values.get("expert_rows_dropped"):
+                log.warning("step %d: the experts' all-to-alls dropped %d (token, expert) rows past their capacity "
+                            "(expert_capacity_factor %s)", step, values["expert_rows_dropped"],
+                            self.config.expert_capacity_factor)
         self.last_loss = values["loss"]
         self.report_progress(step, loss=values["loss"], tokens_per_second=tokens_per_second, eta_seconds=eta,
                        state="running")

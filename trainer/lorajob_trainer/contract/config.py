@@ -225,6 +225,11 @@ class TrainConfig(_Section):
     choice in the run's plan.json, else compiled on the devices at start; minimal where a device reports no memory
     capacity, as a CPU)."""
 
+    expert_capacity_factor: float = Field(2.0, ge=0)
+    """With mesh.expert > 1: each device sends each device of its expert group room for this many times its
+    even share of its (token, expert) rows (models/experts.py); rows beyond that room are dropped, counted
+    in the step's metrics (expert_rows_dropped) as the empty room is (expert_slots_padded). 0 = room for
+    every row whatever the routing: nothing dropped, mesh.expert times the traffic."""
     router_aux_loss_coef: float | None = Field(None, ge=0)
     """Weight of the MoE load-balancing loss added to the LM loss, as transformers' router_aux_loss_coef
     (Qwen3 MoE; Gemma 4 defines no such loss); None = as the checkpoint's config.json: its
