@@ -634,7 +634,7 @@ class PlanStatus(_Model):
     mfu: float | None = None
     """mfu is the roofline's model-FLOPs-utilisation ceiling (0 to 1)."""
     bound: str | None = None
-    """bound says what bounds the roofline: compute, HBM bandwidth or ICI all-gathers."""
+    """bound says what bounds the roofline: compute, HBM bandwidth or ICI collectives (the compiled step's, on TPU; NVLink all-gathers in a GPU estimate)."""
     compile_seconds: float | None = None
     """compileSeconds is how long the compile took on the CPU step's pod."""
     remat: str | None = None

@@ -319,7 +319,7 @@ def test_a_run_that_stopped_early_succeeds_with_reason_early_stopped_and_exports
 DATA = DataRecord(examples=7473, tokens=1402116, trained_tokens=512330, epochs=4.28, truncated_examples=12, truncated_share=0.003)
 PLAN = PlanRecord(fits=True, target="tpu-v6e-slice 4x4 (16 chips), per-device batch 1 x 1 accumulation", chips=16,
                   hbm_bytes_per_chip=14_630_000_000, capacity_bytes=30_923_764_531, step_seconds=0.25,
-                  tokens_per_second_per_chip=4096.0, mfu=0.08, bound="ICI all-gathers", compile_seconds=565.0)
+                  tokens_per_second_per_chip=4096.0, mfu=0.08, bound="ICI collectives", compile_seconds=565.0)
 
 
 def _convert(body: dict, **jobset_args) -> object:
@@ -352,7 +352,7 @@ def test_the_data_and_plan_lines_of_the_convert_log_are_lifted_into_status_and_k
                               "truncatedExamples": 12, "truncatedShare": 0.003}
     assert status["plan"] == {"target": PLAN.target, "hbmBytesPerChip": 14_630_000_000, "capacityBytes": 30_923_764_531,
                               "stepSeconds": 0.25, "tokensPerSecond": 16 * 4096.0, "mfu": 0.08,
-                              "bound": "ICI all-gathers", "compileSeconds": 565.0}
+                              "bound": "ICI collectives", "compileSeconds": 565.0}
     later = dataclasses.replace(observed, status=status, checks_log=None)
     assert {k: decide(later, SETTINGS).status[k] for k in ("data", "plan")} == {k: status[k] for k in ("data", "plan")}
 

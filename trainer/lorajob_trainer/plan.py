@@ -21,10 +21,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lorajob_trainer import collectives
 from lorajob_trainer import run as run_lib
 from lorajob_trainer.contract.config import TrainConfig
 from lorajob_trainer.contract.records import REMAT_POLICIES
-from lorajob_trainer.models import splash
+from lorajob_trainer.models import experts, splash
 
 
 class PlanError(RuntimeError):
@@ -98,6 +99,11 @@ class CompiledStep:
     devices: int
     layers_scanned: int
     """Decoder layers inside the scan (0: unrolled)."""
+    collective_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Bytes one device sends to others per step, by collective kind, from the compiled step's HLO (collectives.py)."""
+    weights_read_bytes: int = 0
+    """Base-weight bytes one device reads per pass: every weight whole (gathered), the experts split over the
+    expert axis only by it (`weights_read_per_pass`)."""
     executable: Any = None
     """The compiled step (`jax.stages.Compiled`): callable with the step's arguments where its devices are real."""
 
@@ -166,8 +172,22 @@ def describe_compiled(compiled: Any, run: run_lib.Run, config: TrainConfig, star
         compile_seconds=time.perf_counter() - started,
         devices=len(run.mesh.devices.flat),
         layers_scanned=run.layers_scanned,
+        collective_bytes=collectives.collective_bytes(compiled.as_text()),
+        weights_read_bytes=weights_read_per_pass(run.base, run.mesh),
         executable=compiled,
     )
+
+
+def weights_read_per_pass(base: Any, mesh: jax.sharding.Mesh) -> int:
+    """Bytes of the base weights one device computes with in one pass over the layers: each weight gathered over
+    the axes it is split on, except the expert axis, whose devices each keep their share of the experts."""
+    total = 0
+    for leaf in jax.tree.leaves(base):
+        spec = leaf.sharding.spec if leaf.sharding is not None else ()
+        named = {axis for dim in spec if dim for axis in (dim if isinstance(dim, tuple) else (dim,))}
+        share = mesh.shape[experts.EXPERT_AXIS] if experts.EXPERT_AXIS in named else 1
+        total += math.ceil(math.prod(leaf.shape) * bits(leaf.dtype) / 8 / share)
+    return total
 
 
 OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"

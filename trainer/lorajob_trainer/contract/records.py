@@ -386,7 +386,7 @@ class PlanRecord:
     mfu: float | None = None
     """The roofline's MFU ceiling (0 to 1)."""
     bound: str | None = None
-    """What bounds the roofline's step time: compute, HBM bandwidth or ICI all-gathers."""
+    """What bounds the roofline's step time: compute, HBM bandwidth or ICI collectives (NVLink all-gathers for a GPU)."""
     compile_seconds: float | None = None
     suggestion: str | None = None
     """When it does not fit: the smallest change that fits, compiled."""
