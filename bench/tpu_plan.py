@@ -53,7 +53,7 @@ def _train_config(model: str, seq: int, remat: str, lora: dict | None = None, **
 
 
 def ours(model: str, slice_name: str, seq: int, remat: str, base_quantization: str = "none", slices: int = 1,
-         targets: list[str] | None = None, expert: int = 1, capacity_factor: float | None = None) -> dict:
+         targets: list[str] | None = None, expert: int | str = 1, capacity_factor: float | None = None) -> dict:
     from lorajob_trainer import fit
     from lorajob_trainer.contract import catalog
     from lorajob_trainer.contract.fit import Target
@@ -74,7 +74,7 @@ def ours(model: str, slice_name: str, seq: int, remat: str, base_quantization: s
             "temporaries_gb": memory["temporaries"] / 1e9, "total_gb": attempt.total_bytes / 1e9, "fits": attempt.fits,
             "compile_s": attempt.compile_seconds, "flops": attempt.compiler_flops,
             "tokens_per_second_per_chip": attempt.tokens_per_second_per_chip, "mfu": attempt.mfu, "bound": attempt.bound,
-            "collective_bytes": attempt.collective_bytes, "expert": expert,
+            "collective_bytes": attempt.collective_bytes, "mesh": attempt.mesh,
             "expert_capacity_factor": config.expert_capacity_factor}
 
 
@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-maxtext", action="store_true")
     parser.add_argument("--maxtext-weight-dtype", default="float32")
     parser.add_argument("--base-quantization", default="none", help="ours: lora.base_quantization (QLoRA)")
-    parser.add_argument("--expert", type=int, default=1, help="ours: mesh.expert (expert parallelism for MoE models)")
+    parser.add_argument("--expert", default="1", help="ours: mesh.expert, a number or auto (expert parallelism for MoE "
+                        "models; default 1: the FSDP-style step)")
     parser.add_argument("--capacity-factor", type=float, default=None,
                         help="ours, with --expert > 1: expert_capacity_factor (default: the trainer's)")
     parser.add_argument("--executed-flops", nargs="+", default=[], metavar="MODEL:SLICE:SEQ",
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                              "attention only: q_proj,k_proj,v_proj,o_proj is the same work)")
     args = parser.parse_args(argv)
     targets = args.targets.split(",") if args.targets else None
+    expert = args.expert if args.expert == "auto" else int(args.expert)
     if args.executed_flops:
         return _print_executed_flops(args.executed_flops, args.remat, not args.no_maxtext)
     cases = args.cases if args.cases is not None else ([] if args.smallest else DEFAULT_CASES)
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         model, slice_name, seq, *rest = case.split(":")
         slices = int(rest[0]) if rest else 1
         report(model, slice_name, int(seq), slices,
-               ours(model, slice_name, int(seq), args.remat, args.base_quantization, slices, targets, args.expert,
+               ours(model, slice_name, int(seq), args.remat, args.base_quantization, slices, targets, expert,
                     args.capacity_factor))
     for wanted in args.smallest:
         model, seq = wanted.split(":")
@@ -243,7 +245,7 @@ def _line(row: dict) -> str:
         mine = ["", "", ours_row["error"], "", "", "no", "", "", "", ""]
     else:
         sent = ", ".join(f"{kind} {value / 1e9:.2f}" for kind, value in ours_row["collective_bytes"].items())
-        mine = [str(ours_row["expert"]), f"{ours_row['base_weights_gb']:.2f}", f"{ours_row['arguments_gb']:.2f}",
+        mine = [str(ours_row["mesh"].get("expert")), f"{ours_row['base_weights_gb']:.2f}", f"{ours_row['arguments_gb']:.2f}",
                 f"{ours_row['temporaries_gb']:.2f}", f"{ours_row['total_gb']:.2f}", "yes" if ours_row["fits"] else "no",
                 f"{ours_row['tokens_per_second_per_chip']:,.0f}", f"{ours_row['mfu']:.1%} ({ours_row['bound']})", sent,
                 f"{ours_row['compile_s']:.0f}"]

@@ -134,3 +134,34 @@ def test_collective_bytes_count_each_loop_trip_and_group():
     assert sent["all-gather"] == 48 * 32 * 3
     assert sent["all-reduce"] == 128
     assert sent["reduce-scatter"] == sent["collective-permute"] == 0
+
+
+class FakeDevice:
+    slice_index = 0
+
+
+def never_read() -> dict:
+    raise AssertionError("config.json read where there is no choice")
+
+
+@pytest.mark.parametrize(("model", "devices", "tokens", "expected"), [
+    # qwen3-30b-a3b: 128 experts of 3 x 2,048 x 768 in 48 layers, 58 GB in bf16, top-8 of 2,048 wide.
+    ("qwen3-30b-a3b", 16, 2048, 16),  # 12 GB of tokens per pass against 54 GB of weights
+    ("qwen3-30b-a3b", 16, 16384, 1),  # 97 GB of tokens: gathering the weights sends less
+    ("qwen3-30b-a3b", 12, 2048, 4),  # the largest divisor of both 12 and 128
+    ("gemma4-26b", 16, 2048, 16),
+    ("llama3.1-8b", 16, 2048, 1),  # no routed experts
+])
+def test_auto_expert_axis_where_the_tokens_send_fewer_bytes_than_the_weights(model, devices, tokens, expected):
+    from lorajob_trainer import run
+    from lorajob_trainer.contract import catalog
+
+    config = TrainConfig.from_args(["run_name=r", "base_output_directory=/tmp/o", f"model_name={model}",
+                                    "load_parameters_path=/tmp/m", "hf_train_files=['x']", "steps=1",
+                                    f"max_target_length={tokens}", "per_device_batch_size=1"])
+    assert config.mesh.expert == "auto"
+    resolved = run.resolve_expert_axis(config, lambda: catalog.released_config(model), [FakeDevice()] * devices)
+    assert resolved.mesh.expert == expected
+    assert run.resolve_expert_axis(config, never_read, [FakeDevice()]).mesh.expert == 1
+    fixed = config.model_copy(update={"mesh": config.mesh.model_copy(update={"fsdp": devices})})
+    assert run.resolve_expert_axis(fixed, never_read, [FakeDevice()] * devices).mesh.expert == 1

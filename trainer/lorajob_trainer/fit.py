@@ -80,6 +80,7 @@ def attempt_of_step(target: Target, step: Any, chip: TpuChip, policy: str, rejec
         remat_policy=policy, remat_rejected=rejected, devices_per_chip=chip.devices_per_chip,
     )
     attempt.collective_bytes = {kind: sent for kind, sent in step.collective_bytes.items() if sent}
+    attempt.mesh = step.mesh
     _roofline(attempt, device, step.flops_per_token, step.executed_flops_per_token, step.tokens_per_device,
               step.weights_read_bytes, sum(step.collective_bytes.values()), policy)
     return attempt
@@ -136,6 +137,7 @@ def analytic_attempt(config: TrainConfig, hf_config: dict[str, Any], gpu: Chip, 
     if config.remat_policy not in ACTIVATION_BYTES:
         return Attempt(target, fits=False, capacity_bytes=gpu.capacity_bytes, analytic=True,
                        error=f"no analytic estimate for remat_policy {config.remat_policy!r} (one of {', '.join(ACTIVATION_BYTES)})")
+    config = run_lib.resolve_expert_axis(config, lambda: hf_config, jax.devices("cpu")[:1])
     mesh = mesh_lib.build_mesh(config.mesh, jax.devices("cpu")[:1])
     model = run_lib.abstract_model(config, hf_config, mesh, jnp.bfloat16)
     tunix_config = model.tunix_config

@@ -34,19 +34,20 @@ class MeshError(ValueError):
 def mesh_shape(config: MeshConfig, num_devices: int, num_slices: int) -> tuple[int, int, int, int]:
     """(data, fsdp, expert, tp) with -1 entries filled in; MeshError if it does not use every device exactly."""
     data = num_slices if config.data == -1 else config.data
-    fixed = data * config.expert * config.tensor
+    expert = config.expert_degree
+    fixed = data * expert * config.tensor
     if num_devices % fixed:
         raise MeshError(
-            f"mesh.data={data} x mesh.expert={config.expert} x mesh.tensor={config.tensor} does not divide "
+            f"mesh.data={data} x mesh.expert={expert} x mesh.tensor={config.tensor} does not divide "
             f"{num_devices} devices"
         )
     fsdp = num_devices // fixed if config.fsdp == -1 else config.fsdp
     if fsdp * fixed != num_devices:
         raise MeshError(
-            f"mesh data={data} x fsdp={fsdp} x expert={config.expert} x tensor={config.tensor} = {fsdp * fixed} "
+            f"mesh data={data} x fsdp={fsdp} x expert={expert} x tensor={config.tensor} = {fsdp * fixed} "
             f"devices, but {num_devices} are available"
         )
-    return data, fsdp, config.expert, config.tensor
+    return data, fsdp, expert, config.tensor
 
 
 def build_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -101,6 +101,8 @@ class CompiledStep:
     """Decoder layers inside the scan (0: unrolled)."""
     collective_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
     """Bytes one device sends to others per step, by collective kind, from the compiled step's HLO (collectives.py)."""
+    mesh: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The step's mesh axes and sizes (mesh.expert "auto" decided)."""
     weights_read_bytes: int = 0
     """Base-weight bytes one device reads per pass: every weight whole (gathered), the experts split over the
     expert axis only by it (`weights_read_per_pass`)."""
@@ -173,6 +175,7 @@ def describe_compiled(compiled: Any, run: run_lib.Run, config: TrainConfig, star
         devices=len(run.mesh.devices.flat),
         layers_scanned=run.layers_scanned,
         collective_bytes=collectives.collective_bytes(compiled.as_text()),
+        mesh=dict(run.mesh.shape),
         weights_read_bytes=weights_read_per_pass(run.base, run.mesh),
         executable=compiled,
     )

@@ -11,6 +11,7 @@ trainer runs and the one the plan compiles (tests/trainer/test_plan_is_the_train
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,7 +91,7 @@ def lora_model_of(model: nnx.Module, family: models.Family, tunix_config: Any, h
                   targets: list[str] | None, config: TrainConfig, abstract: bool) -> LoraModel:
     """`model` (adapters applied) with the facts the run is built from, its routed-experts blocks set to dispatch
     as the config says (MeshError where mesh.expert does not divide their experts)."""
-    experts.configure_dispatch(model, config.mesh.expert, config.expert_capacity_factor)
+    experts.configure_dispatch(model, config.mesh.expert_degree, config.expert_capacity_factor)
     return LoraModel(
         model, targets, tunix_config, hf_config, family.layer_period(tunix_config), abstract,
         experts.active_shares(model), aux_loss_coef(config.router_aux_loss_coef, hf_config, model),
@@ -251,9 +252,31 @@ def build(config: TrainConfig, model: LoraModel, mesh: Mesh, dtype: jnp.dtype, r
                batch_spec(config, mesh, config.gradient_accumulation_steps))
 
 
+def resolve_expert_axis(
+    config: TrainConfig, hf_config: Callable[[], dict[str, Any]], devices: list[jax.Device]
+) -> TrainConfig:
+    """`config` with mesh.expert "auto" made a number on `devices` for the model of the config.json `hf_config`
+    returns (read only where there is a choice): `experts.expert_axis_for` over the devices of a slice that data
+    and tensor leave; 1 where fsdp is fixed or they leave one device."""
+    mesh = config.mesh
+    if mesh.expert != "auto":
+        return config
+    slices = 1 + max(getattr(device, "slice_index", 0) or 0 for device in devices)
+    available = len(devices) // ((slices if mesh.data == -1 else mesh.data) * mesh.tensor)
+    expert = 1
+    if mesh.fsdp == -1 and available > 1:
+        hf = hf_config()
+        family = models.family_for_hf_config(hf)
+        model = models.abstract_model(family, family.config_from_hf(hf, jnp.bfloat16), hf)
+        tokens = config.per_device_batch_size * config.max_target_length
+        expert = experts.expert_axis_for(model, available, tokens, config.expert_capacity_factor)
+    return config.model_copy(update={"mesh": mesh.model_copy(update={"expert": expert})})
+
+
 def abstract_run(config: TrainConfig, hf_config: dict[str, Any], devices: list[jax.Device],
                  scan_layers: bool = True) -> Run:
     """The run of `config` (a concrete remat policy) over `devices`, every array abstract: what the plan compiles."""
+    config = resolve_expert_axis(config, lambda: hf_config, devices)
     mesh = mesh_lib.build_mesh(config.mesh, devices)
     dtype = compute_dtype(config, devices[0].platform)
     model = abstract_model(config, hf_config, mesh, dtype)

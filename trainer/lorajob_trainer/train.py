@@ -406,6 +406,10 @@ def build_trainer(
     config: TrainConfig, load_model: Callable[..., run_lib.LoraModel] = run_lib.loaded_model
 ) -> Trainer:
     """The trainer of `config`: its checkpoint loaded onto the configured mesh (`load_model`), the run built."""
+    config = run_lib.resolve_expert_axis(
+        config, lambda: loading.checkpoint_hf_config(config.load_parameters_path, config.tokenizer_directory),
+        jax.devices(),
+    )
     mesh = mesh_lib.build_mesh(config.mesh)
     ckpt.ensure_writable(config.run_directory)
     dtype = run_lib.compute_dtype(config)

@@ -93,11 +93,13 @@ class DispatchCounts(nnx.Intermediate):
 
 
 class RoutedBlock:
-    """A routed-experts block (an nnx.Module with `num_experts`) that mixes its tokens with `mix_experts` at
+    """A routed-experts block (an nnx.Module with `num_experts`, `top_k` and `experts`, whose "gate_up_proj" and
+    "down_proj" are `ExpertsLinear`) that mixes its tokens with `mix_experts` at
     `capacity_factor` (set from the run's config: `configure_dispatch`); while `routing_recorded` is active it
     keeps the dispatch counts of its forward."""
 
     num_experts: int
+    top_k: int
     capacity_factor: float = 0.0
     recording: bool = False
 
@@ -109,8 +111,6 @@ class RoutedBlock:
 class LoadBalanced(RoutedBlock):
     """A routed-experts block whose family defines transformers' load-balancing loss: it calls `record` with its
     router logits, which keeps them while `routing_recorded` is active."""
-
-    top_k: int
 
     def record(self, logits: jax.Array) -> None:
         if self.recording:
@@ -131,6 +131,27 @@ def configure_dispatch(model: nnx.Module, expert_axis: int, capacity_factor: flo
                 "layer: each device of the expert axis holds an equal share of them"
             )
         block.capacity_factor = capacity_factor
+
+
+def expert_axis_for(model: nnx.Module, devices: int, tokens_per_device: int, capacity_factor: float) -> int:
+    """mesh.expert "auto": the largest number of `devices` that divides the experts of `model`'s routed-experts
+    blocks, where per pass its all-to-alls send fewer bytes per device (two exchanges per block of
+    `tokens_per_device` tokens' rows at `capacity_factor`, bf16) than gathering every expert's weights to every
+    device sends (FSDP-style, bf16); 1 otherwise, and for a model without routed experts. Both grow with the
+    passes alike, so the remat policy does not change the choice."""
+    blocks = [module for _, module in nnx.iter_graph(model) if isinstance(module, RoutedBlock)]
+    linears = [module for _, module in nnx.iter_graph(model) if isinstance(module, ExpertsLinear)]
+    if not blocks or devices == 1:
+        return 1
+    group = max(d for d in range(1, devices + 1) if devices % d == 0 and blocks[0].num_experts % d == 0)
+    if group == 1:
+        return 1
+    bf16 = 2
+    gathered = sum(math.prod(linear.w.get_value().shape) * bf16 for linear in linears) * (1 - 1 / devices)
+    width = blocks[0].experts["gate_up_proj"].w.get_value().shape[1]  # the model dimension: what a token sends
+    slots = group * expert_capacity(tokens_per_device * blocks[0].top_k, group, capacity_factor)
+    exchanged = len(blocks) * 2 * slots * width * bf16 * (1 - 1 / group)
+    return group if exchanged < gathered else 1
 
 
 @dataclasses.dataclass
