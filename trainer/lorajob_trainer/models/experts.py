@@ -103,6 +103,12 @@ class RoutedBlock:
     capacity_factor: float = 0.0
     recording: bool = False
 
+    @property
+    def forward_capacity_factor(self) -> float:
+        """The capacity factor of this forward: `capacity_factor` while its dispatch counts are recorded (the train
+        and eval steps), else 0 (dropless): a forward whose drops nobody counts (generation) drops nothing."""
+        return self.capacity_factor if self.recording else 0.0
+
     def record_dispatch(self, counts: jax.Array | None) -> None:
         if self.recording and counts is not None:
             self.dispatch_counts = DispatchCounts(counts)

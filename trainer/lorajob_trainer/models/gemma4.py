@@ -90,7 +90,7 @@ class MoE(experts.RoutedBlock, nnx.Module):
         experts_in = self.pre_norm(tokens)
         out, counts = experts.mix_experts(
             experts_in, weights, ids, self.experts["gate_up_proj"], self.experts["down_proj"], jax.nn.gelu,
-            self.capacity_factor,
+            self.forward_capacity_factor,
         )
         self.record_dispatch(counts)
         return out.reshape(batch, length, dim).astype(x.dtype)

@@ -85,7 +85,7 @@ class SparseMoeBlock(experts.LoadBalanced, nnx.Module):
         weights, ids = experts.route_top_k(logits, k, normalize=self.routing.norm_topk_prob)
         out, counts = experts.mix_experts(
             tokens, weights, ids, self.experts["gate_up_proj"], self.experts["down_proj"], jax.nn.silu,
-            self.capacity_factor,
+            self.forward_capacity_factor,
         )
         self.record_dispatch(counts)
         return out.reshape(batch, length, dim).astype(x.dtype)
