@@ -1,8 +1,9 @@
 """Bytes a compiled step moves between devices, read from its optimized HLO (`compiled.as_text()`).
 
 Each collective instruction is counted as often as it runs: a while loop's body (the layers' scan, the
-gradient-accumulation scan, the loss's chunks) by its `known_trip_count`, every other called computation once
-per call (both branches of a conditional, so an upper bound there). Bytes are what one device sends in the
+gradient-accumulation scan, the loss's chunks) by its trip count (the CPU compiler's `known_trip_count`; the TPU
+compiler writes none, so the bound its condition compares the counter with, as JAX's loops count from 0 by 1),
+every other called computation once per call (both branches of a conditional, so an upper bound there). Bytes are what one device sends in the
 usual ring or pairwise algorithms, from the instruction's operands and its group of n devices: all-gather
 operand x (n - 1), reduce-scatter and all-to-all operand x (n - 1) / n, all-reduce 2 x operand x (n - 1) / n,
 collective-permute its operand. Async pairs are counted at their start (the `-done` half moves nothing new).
@@ -22,6 +23,8 @@ _OPERAND = re.compile(r"%(?P<name>[\w.\-]+)")
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%(?P<name>[\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+_CONDITION = re.compile(r"\bcondition=%(?P<name>[\w.\-]+)")
+_CONSTANT = re.compile(r"^(?P<value>-?\d+)\)")
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{\{(?P<first>[\d,]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[\d+,(?P<size>\d+)\]")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\] \{(?P<chosen>[^}]*)\}")
@@ -81,7 +84,7 @@ def collective_bytes(hlo: str) -> dict[str, float]:
     for name, instructions in computations.items():
         for instruction in instructions:
             rest = instruction["rest"]
-            trips = int(match["n"]) if instruction["op"] == "while" and (match := _TRIP_COUNT.search(rest)) else 1
+            trips = _trips(rest, computations) if instruction["op"] == "while" else 1
             called = [m["name"] for m in _CALLED.finditer(rest)]
             for branches in _BRANCHES.finditer(rest):
                 called += [b.strip().lstrip("%") for b in branches["names"].split(",")]
@@ -100,6 +103,21 @@ def collective_bytes(hlo: str) -> dict[str, float]:
             operand_bytes = sum(array_bytes(types.get(operand, "")) for operand in operands)
             sent[kind] += runs[name] * _sent(kind, operand_bytes, group_size(instruction["rest"]))
     return sent
+
+
+def _trips(rest: str, computations: dict[str, list[re.Match]]) -> int:
+    """A while loop's trip count (see module docstring); 1 where neither says it."""
+    if match := _TRIP_COUNT.search(rest):
+        return int(match["n"])
+    condition = computations.get(match["name"], []) if (match := _CONDITION.search(rest)) else []
+    constants = {i["name"]: int(c["value"]) for i in condition if i["op"] == "constant" and (c := _CONSTANT.match(i["rest"]))}
+    for instruction in condition:
+        if instruction["op"] == "compare" and "direction=LT" in instruction["rest"]:
+            bounds = [constants[m["name"]] for m in _OPERAND.finditer(instruction["rest"].split(")", 1)[0])
+                      if m["name"] in constants]
+            if bounds:
+                return bounds[0]
+    return 1
 
 
 def _runs(entry: str | None, calls: dict[str, list[tuple[str, int]]]) -> dict[str, int]:
