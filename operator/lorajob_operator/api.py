@@ -589,6 +589,8 @@ class Progress(_Model):
     """evalLoss is the latest loss on dataset.evalSplit."""
     eval_step: int | None = None
     """evalStep is the step evalLoss was measured at."""
+    expert_rows_dropped: int | None = None
+    """expertRowsDropped counts the (token, expert) rows a mixture-of-experts model's expert-parallel step dropped past the experts' capacity since the train step started (the trainer's expert_capacity_factor; absent without expert parallelism)."""
     state: str | None = None
     """state of the trainer: compiling (until its first step has run), running, evaluating (after the last step),
     succeeded, stopped_early (the eval loss stopped improving), preempted or failed."""

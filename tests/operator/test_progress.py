@@ -48,6 +48,12 @@ def test_a_progress_line_gives_every_field_and_the_summary():
     }
 
 
+def test_the_rows_an_expert_parallel_step_dropped_reach_status():
+    progress = parse_progress_line(line(step=12, total_steps=500, state="running", expert_rows_dropped=4096))
+    assert progress.model_dump(by_alias=True, exclude_none=True)["expertRowsDropped"] == 4096
+    assert parse_progress_line(GOOD).expert_rows_dropped is None
+
+
 def test_a_compiling_train_step_shows_compiling_until_its_first_step():
     progress = parse_progress_line(line(step=0, total_steps=500, tokens_per_second=0.0, state="compiling",
                                         message="compiling the train step; its first step follows"))
@@ -76,7 +82,9 @@ def test_unknown_values_are_left_out_not_invented():
     PROGRESS_LINE_PREFIX + '{"step":120,"total_steps":500,"loss":NaN}',
     line(step=120, total_steps=500, loss="low"),
     line(step=120, total_steps=500, eta_seconds=[1]),
-], ids=range(14))
+    line(step=120, total_steps=500, expert_rows_dropped=-3),
+    line(step=120, total_steps=500, expert_rows_dropped=2.5),
+], ids=range(16))
 def test_anything_but_a_well_formed_progress_line_is_ignored(text):
     assert parse_progress_line(text) is None
 

@@ -238,6 +238,12 @@ def test_expert_axis_shards_experts_and_their_adapters_and_keeps_the_losses(tmp_
     sharded, reference = figures("sharded"), figures("single")
     for key in reference:
         np.testing.assert_allclose(sharded[key], reference[key], rtol=1e-5, err_msg=key)
+    # Expert parallel (2 devices of 2 experts each): at capacity factor 2 each device has room for all its rows.
+    records = [json.loads(line) for line in (tmp_path / "out" / "sharded" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["expert_rows_dropped"] for r in records if "loss" in r] == [0, 0, 0]
+    assert all(r["expert_slots_padded"] > 0 for r in records if "loss" in r)
+    progress = json.loads((tmp_path / "out" / "sharded" / "progress.json").read_text())
+    assert progress["expert_rows_dropped"] == 0
 
 
 def test_mfu_counts_active_parameters_of_routed_experts():

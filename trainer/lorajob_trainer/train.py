@@ -122,6 +122,8 @@ class Trainer:
         self.last_tokens_per_second = 0.0
         self.last_loss: float | None = None
         self.last_eval: tuple[int | None, float | None] = (None, None)
+        self.expert_rows_dropped: int | None = None
+        """Rows the expert-parallel steps dropped since the start (ProgressRecord.expert_rows_dropped)."""
         """(step, loss) of the latest evaluation."""
         self.kept_checkpoints: tuple[CheckpointRecord, ...] = ()
         """The complete checkpoints the run keeps, reported in every progress record."""
@@ -281,7 +283,7 @@ class Trainer:
     def report_progress(self, step: int, **values) -> None:
         eval_step, eval_loss = self.last_eval
         self.writer.progress(step, eval_loss=eval_loss, eval_step=eval_step, checkpoints=self.kept_checkpoints,
-                             **values)
+                             expert_rows_dropped=self.expert_rows_dropped, **values)
 
     def _stop_preempted(self, step: int) -> None:
         """SIGTERM: a complete checkpoint at `step`, the last step run, before exiting."""
@@ -299,6 +301,8 @@ class Trainer:
         if not math.isfinite(values["loss"]):
             raise TrainingFailed(f"loss is {values['loss']} at step {step}", exit_codes.DIVERGED)
         step_time = timer.lap()
+        if "expert_rows_dropped" in values:
+            self.expert_rows_dropped = (self.expert_rows_dropped or 0) + int(values["expert_rows_dropped"])
         tokens_per_second = self.last_tokens_per_second = values["real_tokens"] / step_time
         eta = timer.eta_seconds(self.config.steps - step)
         if step % self.config.log_period == 0 or step == self.config.steps:
