@@ -138,7 +138,8 @@ def test_expert_parallel_step_sends_tokens_not_weights_on_v6e():
     (mesh.expert=1) gathers every expert's weights for every pass; the expert-parallel one (mesh.expert=8) sends
     each chip's rows of tokens to their experts' chips and back instead. Its all-to-all bytes, counted from the
     compiled HLO (collectives.py), are those of 4 to 6 exchanges per layer of its capacity's slots (forward,
-    backward, and the recompute of remat "full"), it gathers far less, and it needs no more HBM."""
+    backward, and the recompute of remat "full"), it gathers far less, it needs no more HBM, and it reads an eighth
+    of the experts' weights per pass."""
     from lorajob_trainer.models import experts
 
     hf = released_at_depth("qwen3-30b-a3b", 2)
@@ -155,3 +156,6 @@ def test_expert_parallel_step_sends_tokens_not_weights_on_v6e():
     assert 4 * 2 * slot_bytes <= parallel["all-to-all"] <= 6 * 2 * slot_bytes * 1.05
     assert parallel["all-gather"] < fsdp["all-gather"] / 4
     assert steps[8].memory.total <= steps[1].memory.total
+    # The roofline's HBM term: each chip reads its eighth of the experts, every other weight whole.
+    expert_bytes = 2 * 3 * hf["num_experts"] * hf["hidden_size"] * hf["moe_intermediate_size"] * 2
+    assert steps[1].weights_read_bytes - steps[8].weights_read_bytes == pytest.approx(expert_bytes * 7 / 8, rel=1e-6)

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from lorajob_trainer import collectives
 from lorajob_trainer import run as run_lib
@@ -181,14 +182,13 @@ def describe_compiled(compiled: Any, run: run_lib.Run, config: TrainConfig, star
     )
 
 
-def weights_read_per_pass(base: Any, mesh: jax.sharding.Mesh) -> int:
-    """Bytes of the base weights one device computes with in one pass over the layers: each weight gathered over
-    the axes it is split on, except the expert axis, whose devices each keep their share of the experts."""
+def weights_read_per_pass(base: nnx.State, mesh: jax.sharding.Mesh) -> int:
+    """Bytes of the base weights one device computes with in one pass over the layers: every weight gathered
+    whole, except the routed experts' (`experts` modules), of which each device of the expert axis keeps its share."""
     total = 0
-    for leaf in jax.tree.leaves(base):
-        spec = leaf.sharding.spec if leaf.sharding is not None else ()
-        named = {axis for dim in spec if dim for axis in (dim if isinstance(dim, tuple) else (dim,))}
-        share = mesh.shape[experts.EXPERT_AXIS] if experts.EXPERT_AXIS in named else 1
+    for path, variable in nnx.to_flat_state(base):
+        leaf = variable.get_value()
+        share = mesh.shape[experts.EXPERT_AXIS] if "experts" in map(str, path) else 1
         total += math.ceil(math.prod(leaf.shape) * bits(leaf.dtype) / 8 / share)
     return total
 
