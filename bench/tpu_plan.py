@@ -5,7 +5,7 @@
     .venv/bin/python bench/tpu_plan.py --smallest qwen3-8b:1024 gemma3-27b:2048 --no-maxtext
 
 A case is model:slice:seq[:slices] (catalogue model, MaxText's slice name such as v6e-8, v5p-8 or tpu7x-8, sequence
-length, number of slices); batch 1 row per chip, LoRA rank 16, alpha 32 on the default targets, bf16 base weights
+length, number of slices); `--expert N` compiles ours with mesh.expert=N (MoE expert parallelism); batch 1 row per chip, LoRA rank 16, alpha 32 on the default targets, bf16 base weights
 as the trainer loads them on TPU. For each it compiles our step (`fit.compile_attempt`: the trainer's own jitted
 step, layers scanned, and the plan's roofline: predicted tokens/s per chip and MFU ceiling) and, in the same run,
 MaxText 0.2.5's LoRA step (`bench/maxtext/train_compile.py`, MaxText's venv from `bench/maxtext/setup.sh`; float32
@@ -53,12 +53,14 @@ def _train_config(model: str, seq: int, remat: str, lora: dict | None = None, **
 
 
 def ours(model: str, slice_name: str, seq: int, remat: str, base_quantization: str = "none", slices: int = 1,
-         targets: list[str] | None = None) -> dict:
+         targets: list[str] | None = None, expert: int | str = 1, capacity_factor: float | None = None) -> dict:
     from lorajob_trainer import fit
     from lorajob_trainer.contract import catalog
     from lorajob_trainer.contract.fit import Target
 
-    config = _train_config(model, seq, remat, {"base_quantization": base_quantization, "target_modules": targets})
+    dispatch = {} if capacity_factor is None else {"expert_capacity_factor": capacity_factor}
+    config = _train_config(model, seq, remat, {"base_quantization": base_quantization, "target_modules": targets},
+                           mesh={"expert": expert}, **dispatch)
     generation, topology = SLICES[slice_name]
     chip = TPU_CHIPS[generation]
     chips = chips_in(topology) * slices
@@ -71,7 +73,9 @@ def ours(model: str, slice_name: str, seq: int, remat: str, base_quantization: s
     return {"base_weights_gb": memory["base_weights"] / 1e9, "arguments_gb": memory["arguments"] / 1e9,
             "temporaries_gb": memory["temporaries"] / 1e9, "total_gb": attempt.total_bytes / 1e9, "fits": attempt.fits,
             "compile_s": attempt.compile_seconds, "flops": attempt.compiler_flops,
-            "tokens_per_second_per_chip": attempt.tokens_per_second_per_chip, "mfu": attempt.mfu, "bound": attempt.bound}
+            "tokens_per_second_per_chip": attempt.tokens_per_second_per_chip, "mfu": attempt.mfu, "bound": attempt.bound,
+            "collective_bytes": attempt.collective_bytes, "mesh": attempt.mesh,
+            "expert_capacity_factor": config.expert_capacity_factor}
 
 
 def _depths(model: str) -> tuple[dict, int, int, int]:
@@ -155,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-maxtext", action="store_true")
     parser.add_argument("--maxtext-weight-dtype", default="float32")
     parser.add_argument("--base-quantization", default="none", help="ours: lora.base_quantization (QLoRA)")
+    parser.add_argument("--expert", default="1", help="ours: mesh.expert, a number or auto (expert parallelism for MoE "
+                        "models; default 1: the FSDP-style step)")
+    parser.add_argument("--capacity-factor", type=float, default=None,
+                        help="ours, with --expert > 1: expert_capacity_factor (default: the trainer's)")
     parser.add_argument("--executed-flops", nargs="+", default=[], metavar="MODEL:SLICE:SEQ",
                         help="FLOPs each side's step executes per chip against the model FLOPs (MFU ceiling if "
                              "compute-bound)")
@@ -163,12 +171,14 @@ def main(argv: list[str] | None = None) -> int:
                              "attention only: q_proj,k_proj,v_proj,o_proj is the same work)")
     args = parser.parse_args(argv)
     targets = args.targets.split(",") if args.targets else None
+    expert = args.expert if args.expert == "auto" else int(args.expert)
     if args.executed_flops:
         return _print_executed_flops(args.executed_flops, args.remat, not args.no_maxtext)
     cases = args.cases if args.cases is not None else ([] if args.smallest else DEFAULT_CASES)
     rows = []
-    header = ("model", "slice", "seq", "base", "ours weights", "ours args", "ours temp", "ours total", "fits",
-              "tok/s/chip", "MFU", "ours compile s", "MaxText total", "MaxText temp", "ratio", "MaxText compile s")
+    header = ("model", "slice", "seq", "base", "expert", "ours weights", "ours args", "ours temp", "ours total", "fits",
+              "tok/s/chip", "MFU", "sent GB/chip", "ours compile s", "MaxText total", "MaxText temp", "ratio",
+              "MaxText compile s")
     print(" | ".join(header), flush=True)
 
     def report(model: str, slice_name: str, seq: int, slices: int, mine: dict) -> None:
@@ -186,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         model, slice_name, seq, *rest = case.split(":")
         slices = int(rest[0]) if rest else 1
         report(model, slice_name, int(seq), slices,
-               ours(model, slice_name, int(seq), args.remat, args.base_quantization, slices, targets))
+               ours(model, slice_name, int(seq), args.remat, args.base_quantization, slices, targets, expert,
+                    args.capacity_factor))
     for wanted in args.smallest:
         model, seq = wanted.split(":")
         weight_bytes = base_weight_bytes(model)
@@ -231,11 +242,12 @@ def _print_executed_flops(cases: list[str], remat: str, maxtext: bool) -> int:
 def _line(row: dict) -> str:
     ours_row, theirs = row["ours"], row.get("maxtext") or {}
     if "error" in ours_row:
-        mine = ["", ours_row["error"], "", "", "no", "", "", ""]
+        mine = ["", "", ours_row["error"], "", "", "no", "", "", "", ""]
     else:
-        mine = [f"{ours_row['base_weights_gb']:.2f}", f"{ours_row['arguments_gb']:.2f}", f"{ours_row['temporaries_gb']:.2f}",
-                f"{ours_row['total_gb']:.2f}", "yes" if ours_row["fits"] else "no",
-                f"{ours_row['tokens_per_second_per_chip']:,.0f}", f"{ours_row['mfu']:.0%} ({ours_row['bound']})",
+        sent = ", ".join(f"{kind} {value / 1e9:.2f}" for kind, value in ours_row["collective_bytes"].items())
+        mine = [str(ours_row["mesh"].get("expert")), f"{ours_row['base_weights_gb']:.2f}", f"{ours_row['arguments_gb']:.2f}",
+                f"{ours_row['temporaries_gb']:.2f}", f"{ours_row['total_gb']:.2f}", "yes" if ours_row["fits"] else "no",
+                f"{ours_row['tokens_per_second_per_chip']:,.0f}", f"{ours_row['mfu']:.1%} ({ours_row['bound']})", sent,
                 f"{ours_row['compile_s']:.0f}"]
     their_total = theirs.get("total_per_chip_bytes")
     if theirs.get("ok") and their_total:

@@ -186,7 +186,7 @@ def bench_jax(args) -> dict:
         "warmup_steps_fraction": 0.0, "max_target_length": args.seq, "loss_chunk_length": args.loss_chunk or default_loss_chunk(args.batch),
     })
     family = models.family_for_hf_config(hf)
-    lora_model = run_lib.lora_model_of(model, family, tunix_config, hf, None, None, abstract=False)
+    lora_model = run_lib.lora_model_of(model, family, tunix_config, hf, None, abstract=False)
     run = run_lib.build(config.step_shape, build_optimizer(config), lora_model, mesh, dtype, args.remat)
     steps, base, flops = run.steps, run.base, run.flops
     adapters = run.adapters()

@@ -590,6 +590,8 @@ class Progress(_Model):
     """evalLoss is the latest loss on dataset.evalSplit."""
     eval_step: int | None = None
     """evalStep is the step evalLoss was measured at."""
+    expert_rows_dropped: int | None = None
+    """expertRowsDropped counts the (token, expert) rows a mixture-of-experts model's expert-parallel step dropped past the experts' capacity since the train step started (the trainer's expert_capacity_factor; absent without expert parallelism)."""
     state: str | None = None
     """state of the trainer: compiling (until its first step has run), running, evaluating (after the last step),
     succeeded, stopped_early (the eval loss stopped improving), preempted or failed."""
@@ -635,7 +637,7 @@ class PlanStatus(_Model):
     mfu: float | None = None
     """mfu is the roofline's model-FLOPs-utilisation ceiling (0 to 1)."""
     bound: str | None = None
-    """bound says what bounds the roofline: compute, HBM bandwidth or ICI all-gathers."""
+    """bound says what bounds the roofline: compute, HBM bandwidth or ICI collectives (the compiled step's, on TPU; NVLink all-gathers in a GPU estimate)."""
     compile_seconds: float | None = None
     """compileSeconds is how long the compile took on the CPU step's pod."""
     remat: str | None = None

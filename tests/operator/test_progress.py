@@ -48,6 +48,12 @@ def test_a_progress_line_gives_every_field_and_the_summary():
     }
 
 
+def test_the_rows_an_expert_parallel_step_dropped_reach_status():
+    progress = parse_progress_line(line(step=12, total_steps=500, state="running", expert_rows_dropped=4096))
+    assert progress.model_dump(by_alias=True, exclude_none=True)["expertRowsDropped"] == 4096
+    assert parse_progress_line(GOOD).expert_rows_dropped is None
+
+
 def test_a_compiling_train_step_shows_compiling_until_its_first_step():
     progress = parse_progress_line(line(step=0, total_steps=500, tokens_per_second=0.0, state="compiling",
                                         message="compiling the train step; its first step follows"))
@@ -76,7 +82,9 @@ def test_unknown_values_are_left_out_not_invented():
     PROGRESS_LINE_PREFIX + '{"step":120,"total_steps":500,"loss":NaN}',
     line(step=120, total_steps=500, loss="low"),
     line(step=120, total_steps=500, eta_seconds=[1]),
-], ids=range(14))
+    line(step=120, total_steps=500, expert_rows_dropped=-3),
+    line(step=120, total_steps=500, expert_rows_dropped=2.5),
+], ids=range(16))
 def test_anything_but_a_well_formed_progress_line_is_ignored(text):
     assert parse_progress_line(text) is None
 
@@ -319,7 +327,7 @@ def test_a_run_that_stopped_early_succeeds_with_reason_early_stopped_and_exports
 DATA = DataRecord(examples=7473, tokens=1402116, trained_tokens=512330, epochs=4.28, truncated_examples=12, truncated_share=0.003)
 PLAN = PlanRecord(fits=True, target="tpu-v6e-slice 4x4 (16 chips), per-device batch 1 x 1 accumulation", chips=16,
                   hbm_bytes_per_chip=14_630_000_000, capacity_bytes=30_923_764_531, step_seconds=0.25,
-                  tokens_per_second_per_chip=4096.0, mfu=0.08, bound="ICI all-gathers", compile_seconds=565.0)
+                  tokens_per_second_per_chip=4096.0, mfu=0.08, bound="ICI collectives", compile_seconds=565.0)
 
 
 def _convert(body: dict, **jobset_args) -> object:
@@ -352,7 +360,7 @@ def test_the_data_and_plan_lines_of_the_convert_log_are_lifted_into_status_and_k
                               "truncatedExamples": 12, "truncatedShare": 0.003}
     assert status["plan"] == {"target": PLAN.target, "hbmBytesPerChip": 14_630_000_000, "capacityBytes": 30_923_764_531,
                               "stepSeconds": 0.25, "tokensPerSecond": 16 * 4096.0, "mfu": 0.08,
-                              "bound": "ICI all-gathers", "compileSeconds": 565.0}
+                              "bound": "ICI collectives", "compileSeconds": 565.0}
     later = dataclasses.replace(observed, status=status, checks_log=None)
     assert {k: decide(later, SETTINGS).status[k] for k in ("data", "plan")} == {k: status[k] for k in ("data", "plan")}
 

@@ -65,7 +65,7 @@ def test_load_balancing_loss_matches_transformers(checkpoint, mesh, policy):
         model = nnx.merge(graphdef, state)
         return loss_lib.losses_with_load_balancing(model, batch, chunk_length=8, remat=policy)
 
-    loss_sum, weight_sum, aux = ours(state, batch)
+    loss_sum, weight_sum, aux, _ = ours(state, batch)
     hf = load_hf(checkpoint)
     labels = torch.tensor(np.where(mask == 1, ids, -100))
     with torch.no_grad():
@@ -144,7 +144,7 @@ def test_step_minimises_lm_loss_plus_weighted_aux_loss(tmp_path):
         for m in range(2):
             micro = {name: value[m] for name, value in batch.items()}
             model = nnx.merge(graphdef, state, trainer.run.base)
-            loss_sum, _, aux = loss_lib.losses_with_load_balancing(
+            loss_sum, _, aux, _ = loss_lib.losses_with_load_balancing(
                 model, micro, config.loss_chunk_per_row, trainer.run.remat_policy
             )
             lm_sum, aux_sum = lm_sum + loss_sum, aux_sum + aux
@@ -238,6 +238,12 @@ def test_expert_axis_shards_experts_and_their_adapters_and_keeps_the_losses(tmp_
     sharded, reference = figures("sharded"), figures("single")
     for key in reference:
         np.testing.assert_allclose(sharded[key], reference[key], rtol=1e-5, err_msg=key)
+    # Expert parallel (2 devices of 2 experts each): at capacity factor 2 each device has room for all its rows.
+    records = [json.loads(line) for line in (tmp_path / "out" / "sharded" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["expert_rows_dropped"] for r in records if "loss" in r] == [0, 0, 0]
+    assert all(r["expert_slots_padded"] > 0 for r in records if "loss" in r)
+    progress = json.loads((tmp_path / "out" / "sharded" / "progress.json").read_text())
+    assert progress["expert_rows_dropped"] == 0
 
 
 def test_mfu_counts_active_parameters_of_routed_experts():

@@ -79,28 +79,30 @@ def attempt_of_step(target: Target, step: Any, chip: TpuChip, policy: str, rejec
         compiler_flops=step.flops, attention_block=step.attention_block, compile_seconds=step.compile_seconds,
         remat_policy=policy, remat_rejected=rejected, devices_per_chip=chip.devices_per_chip,
     )
+    attempt.collective_bytes = {kind: sent for kind, sent in step.collective_bytes.items() if sent}
+    attempt.mesh = step.mesh
     _roofline(attempt, device, step.flops_per_token, step.executed_flops_per_token, step.tokens_per_device,
-              memory.base_weights, step.devices, policy)
+              step.weights_read_bytes, sum(step.collective_bytes.values()), policy)
     return attempt
 
 
 def _roofline(
     attempt: Attempt, device: Chip, flops_per_token: float, executed_flops_per_token: float, tokens_per_device: int,
-    weight_bytes_per_device: int, devices: int, remat_policy: str, interconnect: str = "ICI",
+    weights_read_bytes: int, interconnect_bytes: float, remat_policy: str, interconnect: str = "ICI collectives",
 ) -> None:
     """Step time = the largest of: the FLOPs the step runs (the model's, remat's recompute and the masked
-    attention scores) at the device's peak bf16 rate; every layer's gathered weights read from HBM once per pass
-    (forward, backward, and the recompute of remat "full"); the same weights all-gathered over the interconnect
-    once per pass (FSDP). MFU counts the model's FLOPs alone. Activations' traffic and overlap are left out, so
-    the MFU is a ceiling, not a forecast."""
+    attention scores) at the device's peak bf16 rate; the weights one device computes with
+    (`weights_read_bytes`: every layer's, gathered) read from HBM once per pass (forward, backward, and the
+    recompute of remat "full"); `interconnect_bytes`, what one device sends to others per step (the compiled
+    step's collectives, or the analytic plan's FSDP all-gathers), at the interconnect's bandwidth. MFU counts the
+    model's FLOPs alone. Activations' traffic and overlap are left out, so the MFU is a ceiling, not a forecast."""
     flops = flops_per_token * tokens_per_device
     attempt.executed_flops_per_step = executed_flops_per_token * tokens_per_device
     passes = 3 if remat_policy == "full" else 2
-    model_bytes = weight_bytes_per_device * devices
     times = {
         "compute": attempt.executed_flops_per_step / device.peak_bf16_flops,
-        "HBM bandwidth": passes * model_bytes / device.hbm_bandwidth,
-        f"{interconnect} all-gathers": passes * model_bytes * (1 - 1 / devices) / device.interconnect_bandwidth,
+        "HBM bandwidth": passes * weights_read_bytes / device.hbm_bandwidth,
+        interconnect: interconnect_bytes / device.interconnect_bandwidth,
     }
     attempt.bound = max(times, key=times.get)
     attempt.flops_per_step = flops
@@ -135,8 +137,10 @@ def analytic_attempt(config: TrainConfig, hf_config: dict[str, Any], gpu: Chip, 
     if config.remat_policy not in ACTIVATION_BYTES:
         return Attempt(target, fits=False, capacity_bytes=gpu.capacity_bytes, analytic=True,
                        error=f"no analytic estimate for remat_policy {config.remat_policy!r} (one of {', '.join(ACTIVATION_BYTES)})")
+    config = run_lib.resolve_expert_axis(config, lambda: hf_config, jax.devices("cpu")[:1])
     mesh = mesh_lib.build_mesh(config.mesh, jax.devices("cpu")[:1])
-    model = run_lib.abstract_model(hf_config, config.lora, mesh, jnp.bfloat16, config.router_aux_loss_coef)
+    model = run_lib.abstract_model(hf_config, config.lora, mesh, jnp.bfloat16, config.router_aux_loss_coef,
+                                   config.expert_capacity_factor)
     tunix_config = model.tunix_config
     flops = model.flops(config.max_target_length)
     _, lora, base = nnx.split(model.model, nnx.LoRAParam, ...)
@@ -155,9 +159,11 @@ def analytic_attempt(config: TrainConfig, hf_config: dict[str, Any], gpu: Chip, 
                 "outputs_not_aliased": 0, "base_weights": base_bytes // target.chips,
                 "adapters_and_optimizer": adapter_bytes // target.chips, "batch": 0},
     )
+    passes = 3 if config.remat_policy == "full" else 2
+    gathered = passes * base_bytes * (1 - 1 / target.chips)  # FSDP: every weight all-gathered once per pass
     _roofline(attempt, gpu, flops.per_token, flops.executed_per_token(config.remat_policy),
-              tokens * config.gradient_accumulation_steps, base_bytes // target.chips,
-              target.chips, config.remat_policy, interconnect="NVLink")
+              tokens * config.gradient_accumulation_steps, base_bytes, gathered, config.remat_policy,
+              interconnect="NVLink all-gathers")
     return attempt
 
 
@@ -200,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
     try:
+        from lorajob_trainer import mesh as mesh_lib
         from lorajob_trainer import models, storage, weights
         from lorajob_trainer import plan as plan_lib
         from lorajob_trainer.console import configure_logging
@@ -218,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     except (models.ModelConfigError, weights.WeightsError) as error:
         print(f"plan failed: {error}", file=sys.stderr)
         return answer(Outcome(no_plan=f"plan failed: {error}"), exit_codes.MODEL)
+    except mesh_lib.MeshError as error:
+        print(f"plan failed: {error}", file=sys.stderr)
+        return answer(Outcome(no_plan=f"plan failed: {error}"), exit_codes.CONFIG)
     for line in format_plan(result):
         log.info("%s", line)
     if not result.attempt.fits:  # stderr only: its last line is the container's termination message

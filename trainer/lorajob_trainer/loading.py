@@ -116,18 +116,7 @@ def load_model(
     the catalog. Parameters are created directly in their shardings; each process reads only the
     slices its devices hold.
     """
-    location = _checkpoint_location(checkpoint)
-    format = format or detect_format(location)
-    if format == "hf" and storage.is_remote(str(location)):
-        raise weights.WeightsError(
-            f"{location} is a Hugging Face safetensors directory on gs://, which the trainer does not read in "
-            "place; convert it first (`python -m lorajob_trainer.convert base --hf URI --out URI`) or copy it locally"
-        )
-    if format == "maxtext":
-        location = _maxtext_items(location)
-        config_source = _maxtext_config_source(location, config_dir)
-    else:
-        config_source = location
+    location, format, config_source = _sources(checkpoint, format, config_dir)
     hf_config = read_hf_config(config_source)
     family = family_of_checkpoint(model_name, hf_config, config_source)
     tunix_config = family.config_from_hf(hf_config, dtype)
@@ -153,6 +142,28 @@ def load_model(
         config_source=config_source,
     )
     return nnx.merge(graphdef, state), spec
+
+
+def checkpoint_hf_config(checkpoint: str | Path, config_dir: str | Path | None = None) -> dict[str, Any]:
+    """The config.json of the checkpoint `load_model` would load (`config_dir`: as there), without its weights."""
+    return read_hf_config(_sources(checkpoint, None, config_dir)[2])
+
+
+def _sources(
+    checkpoint: str | Path, format: CheckpointFormat | None, config_dir: str | Path | None
+) -> tuple[Path | epath.Path, CheckpointFormat, Path | epath.Path]:
+    """(where the weights are, their format, where config.json is) of a checkpoint, as `load_model` reads it."""
+    location = _checkpoint_location(checkpoint)
+    format = format or detect_format(location)
+    if format == "hf" and storage.is_remote(str(location)):
+        raise weights.WeightsError(
+            f"{location} is a Hugging Face safetensors directory on gs://, which the trainer does not read in "
+            "place; convert it first (`python -m lorajob_trainer.convert base --hf URI --out URI`) or copy it locally"
+        )
+    if format == "maxtext":
+        location = _maxtext_items(location)
+        return location, format, _maxtext_config_source(location, config_dir)
+    return location, format, location
 
 
 def _checkpoint_location(checkpoint: str | Path) -> Path | epath.Path:

@@ -9,7 +9,7 @@ so only the hidden states' gradient is needed, and it is computed in the forward
 chunk of logits (`softmax - onehot` times the head): a differentiated step runs the LM head's matmul
 twice per trained chunk (logits, then their gradient), as a full-logits loss does, and keeps only a
 `[batch, length, hidden]` gradient for the backward pass. `losses_with_load_balancing` adds the MoE
-load-balancing loss of the same forward (experts.py).
+load-balancing loss and dispatch counts of the same forward (experts.py).
 """
 
 from __future__ import annotations
@@ -40,12 +40,13 @@ def token_losses(
 
 def losses_with_load_balancing(
     model: nnx.Module, micro_batch: dict[str, jax.Array], chunk_length: int, remat: RematPolicy = "none"
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`token_losses` and the load-balancing loss of the same forward over the micro-batch's real tokens
-    (transformers' `load_balancing_loss_func`; 0 for a model without load-balanced MoE blocks)."""
-    with experts.router_logits_recorded(model) as routing:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`token_losses`, the load-balancing loss of the same forward over the micro-batch's real tokens
+    (transformers' `load_balancing_loss_func`; 0 for a model without load-balanced MoE blocks) and its
+    expert-parallel blocks' dispatch counts, int32 [rows dropped, slots padded] (`RecordedRouting.dispatch_totals`)."""
+    with experts.routing_recorded(model) as routing:
         loss_sum, weight_sum = token_losses(model, micro_batch, chunk_length, remat)
-    return loss_sum, weight_sum, routing.load_balancing_loss(micro_batch["segment_ids"] != 0)
+    return loss_sum, weight_sum, routing.load_balancing_loss(micro_batch["segment_ids"] != 0), routing.dispatch_totals()
 
 
 def hidden_states(

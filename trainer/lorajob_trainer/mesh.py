@@ -2,7 +2,8 @@
 
 The axis names `fsdp` and `tp` are the ones Tunix model sharding configs use; `data` and `expert` are
 ours. `expert` splits the routed experts' stacked weights and their adapters along the expert
-dimension (with `fsdp`: models/experts.EXPERT_AXES); every other weight is replicated over it, as
+dimension (with `fsdp`: models/experts.EXPERT_AXES); every other weight that `fsdp` splits is split over
+`expert` too (FSDP over both, as MaxText shards its dense weights over its expert axis), and replicated
 over `data`. Batches are split over (`data`, `fsdp`, `expert`); LoRA adapters inherit their base
 layer's sharding.
 """
@@ -21,8 +22,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from lorajob_trainer.contract.config import MeshConfig
 
 FSDP = "fsdp"
-AXES = ("data", FSDP, "expert", "tp")
-BATCH_AXES = ("data", FSDP, "expert")
+EXPERT = "expert"
+AXES = ("data", FSDP, EXPERT, "tp")
+BATCH_AXES = ("data", FSDP, EXPERT)
 
 
 class MeshError(ValueError):
@@ -32,19 +34,20 @@ class MeshError(ValueError):
 def mesh_shape(config: MeshConfig, num_devices: int, num_slices: int) -> tuple[int, int, int, int]:
     """(data, fsdp, expert, tp) with -1 entries filled in; MeshError if it does not use every device exactly."""
     data = num_slices if config.data == -1 else config.data
-    fixed = data * config.expert * config.tensor
+    expert = config.expert_degree
+    fixed = data * expert * config.tensor
     if num_devices % fixed:
         raise MeshError(
-            f"mesh.data={data} x mesh.expert={config.expert} x mesh.tensor={config.tensor} does not divide "
+            f"mesh.data={data} x mesh.expert={expert} x mesh.tensor={config.tensor} does not divide "
             f"{num_devices} devices"
         )
     fsdp = num_devices // fixed if config.fsdp == -1 else config.fsdp
     if fsdp * fixed != num_devices:
         raise MeshError(
-            f"mesh data={data} x fsdp={fsdp} x expert={config.expert} x tensor={config.tensor} = {fsdp * fixed} "
+            f"mesh data={data} x fsdp={fsdp} x expert={expert} x tensor={config.tensor} = {fsdp * fixed} "
             f"devices, but {num_devices} are available"
         )
-    return data, fsdp, config.expert, config.tensor
+    return data, fsdp, expert, config.tensor
 
 
 def build_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -121,10 +124,22 @@ def sharding_names(variable: nnx.Variable) -> tuple[str | None, ...] | None:
 
 def variable_sharding(mesh: Mesh, variable: nnx.Variable) -> NamedSharding:
     shape = tuple(variable.get_value().shape)
-    names = sharding_names(variable)
+    names = _fsdp_over_expert(mesh, sharding_names(variable))
     if isinstance(variable, nnx.LoRAParam):
         names = _adapter_names(mesh, names, shape)
     return named_sharding(mesh, names, shape)
+
+
+def _fsdp_over_expert(mesh: Mesh, names: tuple | None) -> tuple | None:
+    """`names` with `expert` beside each `fsdp`, for a weight the expert axis does not already split (all but the
+    routed experts'), on a mesh with an expert axis of more than one device: held whole on each of its devices,
+    the dense weights of qwen3-30b-a3b would take 3 GB per chip."""
+    if names is None or mesh.shape.get(EXPERT, 1) == 1:
+        return names
+    dims = [name if isinstance(name, tuple) else (name,) for name in names]
+    if any(EXPERT in dim for dim in dims):
+        return names
+    return tuple((*dim, EXPERT) if FSDP in dim else name for dim, name in zip(dims, names))
 
 
 TPU_TILE = (16, 128)

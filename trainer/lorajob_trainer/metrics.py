@@ -243,13 +243,15 @@ class MetricsWriter:
     def progress(
         self, step: int, *, loss: float | None, tokens_per_second: float, eta_seconds: float, state: str, message: str = "",
         eval_loss: float | None = None, eval_step: int | None = None, checkpoints: tuple[CheckpointRecord, ...] = (),
+        expert_rows_dropped: int | None = None,
     ) -> None:
         """Atomically replace the progress file and, with `progress_lines`, print it as one line on stdout."""
         if not self.enabled:
             return
         record = ProgressRecord(step=step, total_steps=self.total_steps, loss=loss, tokens_per_second=tokens_per_second,
                                 eta_seconds=eta_seconds, state=state, message=message, eval_loss=eval_loss,
-                                eval_step=eval_step, checkpoints=checkpoints, updated=time.time())
+                                eval_step=eval_step, checkpoints=checkpoints, expert_rows_dropped=expert_rows_dropped,
+                                updated=time.time())
         partial = self.progress_path.with_suffix(".json.tmp")
         partial.write_text(record.to_json())
         os.replace(partial, self.progress_path)

@@ -20,11 +20,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from lorajob_trainer import collectives
 from lorajob_trainer import run as run_lib
 from lorajob_trainer.contract.config import TrainConfig
 from lorajob_trainer.contract.records import REMAT_POLICIES
-from lorajob_trainer.models import splash
+from lorajob_trainer.models import experts, splash
 
 
 class PlanError(RuntimeError):
@@ -98,6 +100,13 @@ class CompiledStep:
     devices: int
     layers_scanned: int
     """Decoder layers inside the scan (0: unrolled)."""
+    collective_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Bytes one device sends to others per step, by collective kind, from the compiled step's HLO (collectives.py)."""
+    mesh: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The step's mesh axes and sizes (mesh.expert "auto" decided)."""
+    weights_read_bytes: int = 0
+    """Base-weight bytes one device reads per pass: every weight whole (gathered), the experts split over the
+    expert axis only by it (`weights_read_per_pass`)."""
     executable: Any = None
     """The compiled step (`jax.stages.Compiled`): callable with the step's arguments where its devices are real."""
 
@@ -168,8 +177,22 @@ def describe_compiled(compiled: Any, run: run_lib.Run, arguments: tuple[Any, ...
         compile_seconds=time.perf_counter() - started,
         devices=len(run.mesh.devices.flat),
         layers_scanned=run.layers_scanned,
+        collective_bytes=collectives.collective_bytes(compiled.as_text()),
+        mesh=dict(run.mesh.shape),
+        weights_read_bytes=weights_read_per_pass(run.base, run.mesh),
         executable=compiled,
     )
+
+
+def weights_read_per_pass(base: nnx.State, mesh: jax.sharding.Mesh) -> int:
+    """Bytes of the base weights one device computes with in one pass over the layers: every weight gathered
+    whole, except the routed experts' (`experts` modules), of which each device of the expert axis keeps its share."""
+    total = 0
+    for path, variable in nnx.to_flat_state(base):
+        leaf = variable.get_value()
+        share = mesh.shape[experts.EXPERT_AXIS] if "experts" in map(str, path) else 1
+        total += math.ceil(math.prod(leaf.shape) * bits(leaf.dtype) / 8 / share)
+    return total
 
 
 OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"

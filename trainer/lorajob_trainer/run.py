@@ -11,6 +11,7 @@ trainer runs and the one the plan compiles (tests/trainer/test_plan_is_the_train
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,9 +88,12 @@ def _targets(lora: LoraConfig, family: str, num_layers: int) -> tuple[list[str] 
 
 
 def lora_model_of(model: nnx.Module, family: models.Family, tunix_config: Any, hf_config: dict[str, Any],
-                  targets: list[str] | None, aux_loss_override: float | None, abstract: bool) -> LoraModel:
+                  targets: list[str] | None, abstract: bool, *, aux_loss_override: float | None = None,
+                  expert_axis: int = 1, expert_capacity_factor: float = 0.0) -> LoraModel:
     """`model` (adapters applied) with the facts the run is built from; `aux_loss_override`: the config's
-    router_aux_loss_coef (None: the checkpoint's)."""
+    router_aux_loss_coef (None: the checkpoint's). Its routed-experts blocks are set to dispatch over
+    `expert_axis` devices at `expert_capacity_factor` (MeshError where the axis does not divide their experts)."""
+    experts.configure_dispatch(model, expert_axis, expert_capacity_factor)
     return LoraModel(
         model, targets, tunix_config, hf_config, family.layer_period(tunix_config), abstract,
         experts.active_shares(model), aux_loss_coef(aux_loss_override, hf_config, model),
@@ -105,8 +109,9 @@ def loaded_model(config: TrainConfig, mesh: Mesh, dtype: jnp.dtype) -> LoraModel
     )
     targets, regex = _targets(config.lora, spec.family.name, spec.tunix_config.num_layers)
     model = _with_adapters(model, config.lora, regex, mesh, nnx.Rngs(config.seed))
-    return lora_model_of(model, spec.family, spec.tunix_config, spec.hf_config, targets, config.router_aux_loss_coef,
-                         abstract=False)
+    return lora_model_of(model, spec.family, spec.tunix_config, spec.hf_config, targets, abstract=False,
+                         aux_loss_override=config.router_aux_loss_coef, expert_axis=config.mesh.expert_degree,
+                         expert_capacity_factor=config.expert_capacity_factor)
 
 
 LOADED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -121,9 +126,10 @@ def _abstract(variable: nnx.Variable, mesh: Mesh, dtype: Any) -> jax.ShapeDtypeS
 
 
 def abstract_model(hf_config: dict[str, Any], lora: LoraConfig, mesh: Mesh, dtype: Any,
-                   aux_loss_override: float | None = None) -> LoraModel:
+                   aux_loss_override: float | None = None, expert_capacity_factor: float = 0.0) -> LoraModel:
     """The model `loaded_model` would load for a checkpoint with this config.json and `lora`'s adapters, every
-    value a ShapeDtypeStruct placed on `mesh`, the base weights in `dtype` as the trainer loads them."""
+    value a ShapeDtypeStruct placed on `mesh`, the base weights in `dtype` as the trainer loads them; its routed
+    experts dispatch over the mesh's expert axis."""
     family = models.family_for_hf_config(hf_config)
     tunix_config = family.config_from_hf(hf_config, dtype)
     targets, regex = _targets(lora, family.name, tunix_config.num_layers)
@@ -135,7 +141,9 @@ def abstract_model(hf_config: dict[str, Any], lora: LoraConfig, mesh: Mesh, dtyp
     model = nnx.eval_shape(build)
     for _, variable in nnx.to_flat_state(nnx.state(model)):
         variable.set_value(_abstract(variable, mesh, dtype))
-    return lora_model_of(model, family, tunix_config, hf_config, targets, aux_loss_override, abstract=True)
+    return lora_model_of(model, family, tunix_config, hf_config, targets, abstract=True,
+                         aux_loss_override=aux_loss_override, expert_axis=mesh.shape[experts.EXPERT_AXIS],
+                         expert_capacity_factor=expert_capacity_factor)
 
 
 def aux_loss_coef(override: float | None, hf_config: dict[str, Any], model: nnx.Module) -> float | None:
@@ -247,15 +255,39 @@ def build(shape: StepShape, optimizer: optax.GradientTransformation, model: Lora
     shardings = step_lib.step_shardings(_float32_shapes(layout.flat(lora)), optimizer, base, mesh)
     steps = step_lib.build_step_functions(
         graphdef, layout, optimizer, dtype, shardings, shape.loss_chunk, remat_policy, model.aux_loss_coef,
+        expert_parallel=bool(model.active) and mesh.shape[experts.EXPERT_AXIS] > 1,
     )
     return Run(mesh, dtype, shape, remat_policy, model, graphdef, layout, lora, base, optimizer, shardings, steps,
                flops, batch_spec(shape, mesh))
 
 
+def resolve_expert_axis(
+    config: TrainConfig, hf_config: Callable[[], dict[str, Any]], devices: list[jax.Device]
+) -> TrainConfig:
+    """`config` with mesh.expert "auto" made a number on `devices` for the model of the config.json `hf_config`
+    returns (read only where there is a choice): `experts.expert_axis_for` over the devices of a slice that data
+    and tensor leave; 1 where fsdp is fixed or they leave one device."""
+    mesh = config.mesh
+    if mesh.expert != "auto":
+        return config
+    slices = 1 + max(getattr(device, "slice_index", 0) or 0 for device in devices)
+    available = len(devices) // ((slices if mesh.data == -1 else mesh.data) * mesh.tensor)
+    expert = 1
+    if mesh.fsdp == -1 and available > 1:
+        hf = hf_config()
+        family = models.family_for_hf_config(hf)
+        model = models.abstract_model(family, family.config_from_hf(hf, jnp.bfloat16), hf)
+        tokens = config.per_device_batch_size * config.max_target_length
+        expert = experts.expert_axis_for(model, available, tokens, config.expert_capacity_factor)
+    return config.model_copy(update={"mesh": mesh.model_copy(update={"expert": expert})})
+
+
 def abstract_run(config: TrainConfig, hf_config: dict[str, Any], devices: list[jax.Device],
                  scan_layers: bool = True) -> Run:
     """The run of `config` (a concrete remat policy) over `devices`, every array abstract: what the plan compiles."""
+    config = resolve_expert_axis(config, lambda: hf_config, devices)
     mesh = mesh_lib.build_mesh(config.mesh, devices)
     dtype = compute_dtype(config, devices[0].platform)
-    model = abstract_model(hf_config, config.lora, mesh, dtype, config.router_aux_loss_coef)
+    model = abstract_model(hf_config, config.lora, mesh, dtype, config.router_aux_loss_coef,
+                           config.expert_capacity_factor)
     return build(config.step_shape, build_optimizer(config), model, mesh, dtype, config.remat_policy, scan_layers)

@@ -91,21 +91,27 @@ def build_step_functions(
     loss_chunk_length: int,
     remat_policy: remat_lib.RematPolicy,
     aux_loss_coef: float | None = None,
+    expert_parallel: bool = False,
 ) -> StepFunctions:
     """Jitted train and eval steps with fixed in/out shardings, so each compiles once.
 
     `aux_loss_coef` (LoraModel.aux_loss_coef): the step minimises LM loss + coef * load-balancing loss,
     the latter the mean over micro-batches of each one's (as transformers computes it per forward), and
-    reports it as `aux_loss`; None: the model has none."""
+    reports it as `aux_loss`; None: the model has none. `expert_parallel` (routed experts split over the mesh's
+    expert axis): the step also reports the (token, expert) rows its all-to-alls dropped and the empty slots they
+    carried, summed over micro-batches, layers and devices (`expert_rows_dropped`, `expert_slots_padded`)."""
     traces = {"train": 0, "eval": 0}
 
     def losses(lora, base, micro_batch, aux_weight=0.0):
-        """(objective: weighted NLL sum + aux_weight * load-balancing loss, (NLL sum, weight sum, that loss))."""
+        """(objective: weighted NLL sum + aux_weight * load-balancing loss, (NLL sum, weight sum, that loss,
+        dispatch counts))."""
         adapters = layout.state({name: value.astype(dtype) for name, value in lora.items()})
         model = nnx.merge(graphdef, adapters, base)
-        loss_sum, weight_sum, aux = loss_lib.losses_with_load_balancing(model, micro_batch, loss_chunk_length, remat_policy)
+        loss_sum, weight_sum, aux, dispatch = loss_lib.losses_with_load_balancing(
+            model, micro_batch, loss_chunk_length, remat_policy
+        )
         trained_aux = aux if aux_loss_coef else jax.lax.stop_gradient(aux)
-        return loss_sum + aux_weight * trained_aux, (loss_sum, weight_sum, aux)
+        return loss_sum + aux_weight * trained_aux, (loss_sum, weight_sum, aux, dispatch)
 
     grad_fn = jax.value_and_grad(losses, has_aux=True)
 
@@ -118,12 +124,14 @@ def build_step_functions(
         aux_weight = (aux_loss_coef or 0.0) / (accumulation * scale)
 
         def accumulate(carry, micro_batch):
-            grads, loss_sum, aux_sum = carry
-            (_, (micro_loss, _, micro_aux)), micro_grads = grad_fn(lora, base, micro_batch, aux_weight)
-            return (jax.tree.map(jnp.add, grads, micro_grads), loss_sum + micro_loss, aux_sum + micro_aux), None
+            grads, loss_sum, aux_sum, dispatch_sum = carry
+            (_, (micro_loss, _, micro_aux, dispatch)), micro_grads = grad_fn(lora, base, micro_batch, aux_weight)
+            sums = (loss_sum + micro_loss, aux_sum + micro_aux, dispatch_sum + dispatch)
+            return (jax.tree.map(jnp.add, grads, micro_grads), *sums), None
 
         zeros = jax.tree.map(jnp.zeros_like, lora)
-        (grads, loss_sum, aux_sum), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), batch)
+        initial = (zeros, 0.0, 0.0, jnp.zeros(2, jnp.int32))
+        (grads, loss_sum, aux_sum, dispatch_sum), _ = jax.lax.scan(accumulate, initial, batch)
         grads = jax.tree.map(lambda g: g * scale, grads)
         updates, opt_state = optimizer.update(grads, opt_state, lora)
         step_metrics = {
@@ -134,13 +142,15 @@ def build_step_functions(
         }
         if aux_loss_coef is not None:
             step_metrics["aux_loss"] = aux_sum / accumulation
+        if expert_parallel:
+            step_metrics["expert_rows_dropped"], step_metrics["expert_slots_padded"] = dispatch_sum
         return optax.apply_updates(lora, updates), opt_state, step_metrics
 
     def eval_step(lora, base, batch):
         traces["eval"] += 1
 
         def accumulate(carry, micro_batch):
-            _, (loss_sum, weight_sum, _) = losses(lora, base, micro_batch)
+            _, (loss_sum, weight_sum, _, _) = losses(lora, base, micro_batch)
             return (carry[0] + loss_sum, carry[1] + weight_sum), None
 
         (loss_sum, weight_sum), _ = jax.lax.scan(accumulate, (0.0, 0.0), batch)

@@ -122,6 +122,8 @@ class Trainer:
         self.last_tokens_per_second = 0.0
         self.last_loss: float | None = None
         self.last_eval: tuple[int | None, float | None] = (None, None)
+        self.expert_rows_dropped: int | None = None
+        """Rows the expert-parallel steps dropped since the start (ProgressRecord.expert_rows_dropped)."""
         """(step, loss) of the latest evaluation."""
         self.kept_checkpoints: tuple[CheckpointRecord, ...] = ()
         """The complete checkpoints the run keeps, reported in every progress record."""
@@ -281,7 +283,7 @@ class Trainer:
     def report_progress(self, step: int, **values) -> None:
         eval_step, eval_loss = self.last_eval
         self.writer.progress(step, eval_loss=eval_loss, eval_step=eval_step, checkpoints=self.kept_checkpoints,
-                             **values)
+                             expert_rows_dropped=self.expert_rows_dropped, **values)
 
     def _stop_preempted(self, step: int) -> None:
         """SIGTERM: a complete checkpoint at `step`, the last step run, before exiting."""
@@ -299,6 +301,8 @@ class Trainer:
         if not math.isfinite(values["loss"]):
             raise TrainingFailed(f"loss is {values['loss']} at step {step}", exit_codes.DIVERGED)
         step_time = timer.lap()
+        if "expert_rows_dropped" in values:
+            self.expert_rows_dropped = (self.expert_rows_dropped or 0) + int(values["expert_rows_dropped"])
         tokens_per_second = self.last_tokens_per_second = values["real_tokens"] / step_time
         eta = timer.eta_seconds(self.config.steps - step)
         if step % self.config.log_period == 0 or step == self.config.steps:
@@ -315,6 +319,10 @@ class Trainer:
             aux = f" aux_loss {values['aux_loss']:.4f}" if "aux_loss" in values else ""
             log.info("step %d/%d loss %.4f%s  %.0f tok/s  %.3f s/step", step, self.config.steps, values["loss"], aux,
                      tokens_per_second, step_time)
+            if values.get("expert_rows_dropped"):
+                log.warning("step %d: the experts' all-to-alls dropped %d (token, expert) rows past their capacity "
+                            "(expert_capacity_factor %s)", step, values["expert_rows_dropped"],
+                            self.config.expert_capacity_factor)
         self.last_loss = values["loss"]
         self.report_progress(step, loss=values["loss"], tokens_per_second=tokens_per_second, eta_seconds=eta,
                        state="running")
@@ -402,6 +410,10 @@ def build_trainer(
     config: TrainConfig, load_model: Callable[..., run_lib.LoraModel] = run_lib.loaded_model
 ) -> Trainer:
     """The trainer of `config`: its checkpoint loaded onto the configured mesh (`load_model`), the run built."""
+    config = run_lib.resolve_expert_axis(
+        config, lambda: loading.checkpoint_hf_config(config.load_parameters_path, config.tokenizer_directory),
+        jax.devices(),
+    )
     mesh = mesh_lib.build_mesh(config.mesh)
     ckpt.ensure_writable(config.run_directory)
     dtype = run_lib.compute_dtype(config)

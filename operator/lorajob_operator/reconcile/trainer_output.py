@@ -44,6 +44,7 @@ def _status_progress(record: ProgressRecord) -> api.Progress:
         eta_seconds=None if eta is None else max(0, round(eta)),
         eval_loss=_four_digits(record.eval_loss),
         eval_step=record.eval_step,
+        expert_rows_dropped=record.expert_rows_dropped,
         state=record.state,
         message=record.message[:4096] or None,
         summary=progress_summary(record.step, record.total_steps, record.state),

@@ -16,7 +16,7 @@ import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -81,11 +81,20 @@ class MeshConfig(_Section):
     """Data-parallel degree across slices (DCN); -1 = number of slices."""
     fsdp: int = -1
     """Parameter-sharding degree within a slice; -1 = all devices of a slice not used by expert and tensor."""
-    expert: int = Field(1, gt=0)
+    expert: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
     """Expert-parallel degree within a slice: MoE models' routed experts (and their adapters) are split over
-    it along the expert dimension, the batch too; other weights are replicated over it."""
+    it along the expert dimension, and each token travels to the devices holding its experts and back; the batch
+    and the weights fsdp splits are split over it too. auto: the largest degree dividing both the devices of a
+    slice and the model's experts, where the tokens' all-to-alls send fewer bytes than gathering every expert's
+    weights to every device (models/experts.expert_axis_for), else 1; 1 for a model without routed experts."""
     tensor: int = Field(1, gt=0)
     """Tensor-parallel degree within a slice."""
+
+    @property
+    def expert_degree(self) -> int:
+        """`expert` as a number: 1 while still "auto", where no model decided it (run.resolve_expert_axis decides
+        for the trainer and the plan; a mesh for convert or export has no experts to split)."""
+        return 1 if self.expert == "auto" else self.expert
 
     @model_validator(mode="after")
     def _positive_or_fill(self) -> MeshConfig:
@@ -243,6 +252,11 @@ class TrainConfig(_Section):
     choice in the run's plan.json, else compiled on the devices at start; minimal where a device reports no memory
     capacity, as a CPU)."""
 
+    expert_capacity_factor: float = Field(2.0, ge=0)
+    """With mesh.expert > 1: each device sends each device of its expert group room for this many times its
+    even share of its (token, expert) rows (models/experts.py); rows beyond that room are dropped, counted
+    in the step's metrics (expert_rows_dropped) as the empty room is (expert_slots_padded). 0 = room for
+    every row whatever the routing: nothing dropped, mesh.expert times the traffic."""
     router_aux_loss_coef: float | None = Field(None, ge=0)
     """Weight of the MoE load-balancing loss added to the LM loss, as transformers' router_aux_loss_coef
     (Qwen3 MoE; Gemma 4 defines no such loss); None = as the checkpoint's config.json: its

@@ -117,6 +117,10 @@ class Attempt:
     tokens_per_second_per_chip: float | None = None
     mfu: float | None = None
     bound: str | None = None
+    collective_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Bytes one device sends to others per step, by collective kind (the compiled step's; empty: analytic)."""
+    mesh: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The compiled step's mesh axes and sizes (empty: analytic)."""
     compile_seconds: float | None = None
     error: str | None = None
     remat_policy: str | None = None
@@ -224,6 +228,10 @@ def format_attempt(attempt: Attempt) -> list[str]:
         f"chip, MFU ceiling {attempt.mfu:.0%}, bound by {attempt.bound} (the FLOPs run at the chip's peak bf16 "
         f"FLOP/s, HBM and interconnect bandwidth from the catalogue; weights gathered and read once per pass, "
         f"activations left out)",
+        *(["  mesh: " + " x ".join(f"{axis} {size}" for axis, size in attempt.mesh.items())] if attempt.mesh else []),
+        *([f"  sent per step per {attempt.unit} (the compiled step's collectives): "
+           + ", ".join(f"{kind} {gb(int(sent))}" for kind, sent in attempt.collective_bytes.items())]
+          if attempt.collective_bytes else []),
         *([] if attempt.analytic else [f"  compiled in {attempt.compile_seconds:.0f} s"]),
     ]
 

@@ -271,6 +271,9 @@ class ProgressRecord:
     eval_step: int | None = None
     checkpoints: tuple[CheckpointRecord, ...] | None = None
     """The complete checkpoints the run keeps, oldest first; None: unchanged since the last record."""
+    expert_rows_dropped: int | None = None
+    """(token, expert) rows the experts' all-to-alls dropped past their capacity since the train step started
+    (expert parallelism: models/experts.py); None where no step dispatched tokens."""
     updated: float | None = None
     """Unix time of the update."""
 
@@ -305,13 +308,17 @@ class ProgressRecord:
         eval_step, checkpoints = values.get("eval_step"), values.get("checkpoints")
         if eval_step is not None and not _count(eval_step):
             return None
+        dropped = values.get("expert_rows_dropped")
+        if dropped is not None and not _count(dropped):
+            return None
         if checkpoints is not None:
             records = [CheckpointRecord.from_json(c) for c in checkpoints] if isinstance(checkpoints, list) else [None]
             if None in records:
                 return None
             checkpoints = tuple(records)
         return cls(step=step, total_steps=total, state=state, message=message, eval_step=eval_step,
-                   checkpoints=checkpoints, updated=updated if _finite(updated) else None, **numbers)
+                   checkpoints=checkpoints, expert_rows_dropped=dropped, updated=updated if _finite(updated) else None,
+                   **numbers)
 
 
 def last_progress(log: str) -> ProgressRecord | None:
@@ -389,7 +396,7 @@ class PlanRecord:
     mfu: float | None = None
     """The roofline's MFU ceiling (0 to 1)."""
     bound: str | None = None
-    """What bounds the roofline's step time: compute, HBM bandwidth or ICI all-gathers."""
+    """What bounds the roofline's step time: compute, HBM bandwidth or ICI collectives (NVLink all-gathers for a GPU)."""
     compile_seconds: float | None = None
     suggestion: str | None = None
     """When it does not fit: the smallest change that fits, compiled."""

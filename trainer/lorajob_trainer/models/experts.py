@@ -9,8 +9,12 @@
   computes each expert's weight gradient from that expert's rows alone: the TPU compiler lowers the
   weight gradient of `ragged_dot` densely, every expert over every row (133x the adapters' forward FLOPs
   for qwen3-30b-a3b's 128 experts, a third of its whole step's).
-- `LoadBalanced` / `router_logits_recorded` / `load_balancing_loss`: transformers' MoE load-balancing
-  (auxiliary) loss, for the blocks whose family defines one (Qwen3 MoE does; Gemma 4 does not).
+- `mix_experts`: a block's tokens through their experts on a mesh: each device's tokens against every
+  expert's gathered weights (FSDP-style), or, with an expert axis, sent to the devices that hold their experts
+  and back (expert parallelism: two all-to-alls per pass, rows beyond a capacity dropped and counted).
+- `RoutedBlock` / `LoadBalanced` / `routing_recorded` / `load_balancing_loss`: the blocks' recorded dispatch
+  counts, and transformers' MoE load-balancing (auxiliary) loss, for the blocks whose family defines one
+  (Qwen3 MoE does; Gemma 4 does not).
 - `to_peft` / `from_peft`: that adapter in the layout PEFT 0.21 writes for LoRA on a 3-D expert
   parameter (`LoraConfig(target_parameters=[...])`, `lora.ParamWrapper`): lora_A [E*r, in] with
   expert-major rows, lora_B [out, r*E] with expert-minor columns (`lora_B.reshape(out, r, E)`).
@@ -26,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterator
 
 from typing import Any
@@ -60,7 +65,9 @@ def _grouped_matmul_tiles(rows: int, d_in: int, d_out: int) -> tuple[int, int, i
     return GROUPED_MATMUL_ROW_TILE, min(d_in, 128), min(d_out, 128)
 
 
-EXPERT_AXES = ("expert", "fsdp")
+EXPERT_AXIS = "expert"
+"""The mesh axis whose devices each hold a share of the experts and exchange tokens (`mix_experts`)."""
+EXPERT_AXES = (EXPERT_AXIS, "fsdp")
 """Mesh axes the experts' dimension of `ExpertsLinear` weights (and adapters) is split over (mesh.py)."""
 IN_EXPERT_SHARDING = (EXPERT_AXES, None, "tp")
 """`ExpertsLinear.sharding` of an input-side (gate/up) projection: [experts, model dim, expert hidden]."""
@@ -81,24 +88,86 @@ class RouterLogits(nnx.Intermediate):
     """The router logits [tokens, experts] of one forward of a `LoadBalanced` block, while recorded."""
 
 
-class LoadBalanced:
-    """A routed-experts block (an nnx.Module) whose family defines transformers' load-balancing loss: it calls
-    `record` with its router logits, which keeps them while `router_logits_recorded` is active."""
+class DispatchCounts(nnx.Intermediate):
+    """[rows dropped, slots padded] of one forward of an expert-parallel block (`mix_experts`), while recorded."""
 
+
+class RoutedBlock:
+    """A routed-experts block (an nnx.Module with `num_experts`, `top_k` and `experts`, whose "gate_up_proj" and
+    "down_proj" are `ExpertsLinear`) that mixes its tokens with `mix_experts` at
+    `capacity_factor` (set from the run's config: `configure_dispatch`); while `routing_recorded` is active it
+    keeps the dispatch counts of its forward."""
+
+    num_experts: int
     top_k: int
+    capacity_factor: float = 0.0
     recording: bool = False
+
+    @property
+    def forward_capacity_factor(self) -> float:
+        """The capacity factor of this forward: `capacity_factor` while its dispatch counts are recorded (the train
+        and eval steps), else 0 (dropless): a forward whose drops nobody counts (generation) drops nothing."""
+        return self.capacity_factor if self.recording else 0.0
+
+    def record_dispatch(self, counts: jax.Array | None) -> None:
+        if self.recording and counts is not None:
+            self.dispatch_counts = DispatchCounts(counts)
+
+
+class LoadBalanced(RoutedBlock):
+    """A routed-experts block whose family defines transformers' load-balancing loss: it calls `record` with its
+    router logits, which keeps them while `routing_recorded` is active."""
 
     def record(self, logits: jax.Array) -> None:
         if self.recording:
             self.router_logits = RouterLogits(logits)
 
 
+def configure_dispatch(model: nnx.Module, expert_axis: int, capacity_factor: float) -> None:
+    """Sets `capacity_factor` on the model's routed-experts blocks; MeshError when `expert_axis` (mesh.expert) does
+    not divide a block's experts: each device of the expert axis holds an equal share of them."""
+    from lorajob_trainer.mesh import MeshError
+
+    for _, block in nnx.iter_graph(model):
+        if not isinstance(block, RoutedBlock):
+            continue
+        if block.num_experts % expert_axis:
+            raise MeshError(
+                f"mesh.expert={expert_axis} does not divide the model's {block.num_experts} routed experts per "
+                "layer: each device of the expert axis holds an equal share of them"
+            )
+        block.capacity_factor = capacity_factor
+
+
+def expert_axis_for(model: nnx.Module, devices: int, tokens_per_device: int, capacity_factor: float) -> int:
+    """mesh.expert "auto": the largest number of `devices` that divides the experts of `model`'s routed-experts
+    blocks, where per pass its all-to-alls send fewer bytes per device (two exchanges per block of
+    `tokens_per_device` tokens' rows at `capacity_factor`, bf16) than gathering every expert's weights to every
+    device sends (FSDP-style, bf16); 1 otherwise, and for a model without routed experts. Both grow with the
+    passes alike, so the remat policy does not change the choice."""
+    blocks = [module for _, module in nnx.iter_graph(model) if isinstance(module, RoutedBlock)]
+    linears = [module for _, module in nnx.iter_graph(model) if isinstance(module, ExpertsLinear)]
+    if not blocks or devices == 1:
+        return 1
+    group = max(d for d in range(1, devices + 1) if devices % d == 0 and blocks[0].num_experts % d == 0)
+    if group == 1:
+        return 1
+    bf16 = 2
+    gathered = sum(math.prod(linear.w.get_value().shape) * bf16 for linear in linears) * (1 - 1 / devices)
+    width = blocks[0].experts["gate_up_proj"].w.get_value().shape[1]  # the model dimension: what a token sends
+    slots = group * expert_capacity(tokens_per_device * blocks[0].top_k, group, capacity_factor)
+    exchanged = len(blocks) * 2 * slots * width * bf16 * (1 - 1 / group)
+    return group if exchanged < gathered else 1
+
+
 @dataclasses.dataclass
 class RecordedRouting:
-    """What `router_logits_recorded` collected: one router-logits array [tokens, experts] per block."""
+    """What `routing_recorded` collected: one router-logits array [tokens, experts] per load-balanced block, the
+    dispatch counts of each expert-parallel block."""
 
     logits: list[jax.Array] = dataclasses.field(default_factory=list)
     top_k: int = 0
+    dispatch: list[jax.Array] = dataclasses.field(default_factory=list)
 
     def load_balancing_loss(self, token_mask: jax.Array) -> jax.Array:
         """`load_balancing_loss` of the recorded logits; 0 when nothing was recorded."""
@@ -106,15 +175,20 @@ class RecordedRouting:
             return jnp.zeros((), jnp.float32)
         return load_balancing_loss(self.logits, self.top_k, token_mask)
 
+    def dispatch_totals(self) -> jax.Array:
+        """int32 [rows dropped, slots padded] summed over the blocks' forwards; zeros when none dispatched."""
+        return sum((jnp.sum(c.reshape(-1, 2), axis=0) for c in self.dispatch), jnp.zeros(2, jnp.int32))
+
 
 @contextlib.contextmanager
-def router_logits_recorded(model: nnx.Module) -> Iterator[RecordedRouting]:
-    """While active, the model's `LoadBalanced` blocks keep their router logits; on exit they are in the
-    yielded record (nothing for a model without such blocks)."""
-    blocks = [module for _, module in nnx.iter_graph(model) if isinstance(module, LoadBalanced)]
-    if len({block.top_k for block in blocks}) > 1:
+def routing_recorded(model: nnx.Module) -> Iterator[RecordedRouting]:
+    """While active, the model's routed-experts blocks keep their router logits (`LoadBalanced` ones) and dispatch
+    counts; on exit they are in the yielded record (nothing for a model without such blocks)."""
+    blocks = [module for _, module in nnx.iter_graph(model) if isinstance(module, RoutedBlock)]
+    balanced = [block for block in blocks if isinstance(block, LoadBalanced)]
+    if len({block.top_k for block in balanced}) > 1:
         raise ValueError("MoE blocks with different top-k: one load-balancing loss does not cover them")
-    recorded = RecordedRouting(top_k=blocks[0].top_k if blocks else 0)
+    recorded = RecordedRouting(top_k=balanced[0].top_k if balanced else 0)
     for block in blocks:
         block.recording = True
     try:
@@ -127,6 +201,9 @@ def router_logits_recorded(model: nnx.Module) -> Iterator[RecordedRouting]:
                 # A scanned block (models/decoder.py) recorded one [tokens, experts] array per repeat.
                 recorded.logits.extend(logits.reshape(-1, *logits.shape[-2:]))
                 del block.router_logits
+            if isinstance(getattr(block, "dispatch_counts", None), DispatchCounts):
+                recorded.dispatch.append(block.dispatch_counts.get_value())
+                del block.dispatch_counts
 
 
 def aux_loss_coef(hf_config: dict) -> float:
@@ -167,30 +244,55 @@ def mix_experts(
     gate_up: ExpertsLinear,
     down: ExpertsLinear,
     activation: Callable[[jax.Array], jax.Array],
-) -> jax.Array:
-    """Each token's sum over its chosen experts `ids` [N, k] of weight · down(activation(gate) · up), as
-    transformers' MoE blocks compute it; tokens [N, D] -> [N, D] (only the chosen experts compute).
+    capacity_factor: float = 0.0,
+) -> tuple[jax.Array, jax.Array | None]:
+    """(each token's sum over its chosen experts `ids` [N, k] of weight · down(activation(gate) · up), as
+    transformers' MoE blocks compute it: tokens [N, D] -> [N, D], only the chosen experts computing; the dispatch
+    counts of `_mix_dispatched`, None where no tokens were dispatched).
 
-    Under a traced step on a mesh whose devices divide the tokens, each device mixes its own tokens with every
-    expert's weights gathered to it, one layer at a time (`jax.shard_map`): the weights are gathered as FSDP
-    gathers a dense layer's, and no device ever holds another device's tokens. Left to the partitioner,
-    `ragged_dot` over tokens split across devices gathers every device's rows (tokens x experts per token) to
-    each of them, and its temporaries grow with the global batch (qwen3-30b-a3b on v6e-16: 6.7 of its 7.5 GB)."""
+    Under a traced step on a mesh whose devices divide the tokens, each device mixes its own tokens
+    (`jax.shard_map`). Without an expert axis (mesh.expert = 1), with every expert's weights gathered to it, one
+    layer at a time, as FSDP gathers a dense layer's: no device ever holds another device's tokens. Left to the
+    partitioner, `ragged_dot` over tokens split across devices gathers every device's rows (tokens x experts per
+    token) to each of them, and its temporaries grow with the global batch (qwen3-30b-a3b on v6e-16: 6.7 of its
+    7.5 GB). With an expert axis, the tokens travel to the devices of that axis that hold their experts and back
+    (`_mix_dispatched`, at `capacity_factor`): the experts' weights are gathered over the other axes only."""
     local = functools.partial(_mix_local, gate_up=gate_up, down=down, activation=activation)
     axes = _token_axes(tokens)
     if axes is None:
-        return local(tokens, weights, ids, (gate_up.arrays(), down.arrays()))
+        return local(tokens, weights, ids, (gate_up.arrays(), down.arrays())), None
     mesh = jax.sharding.get_abstract_mesh()
     arrays = (gate_up.arrays(mesh), down.arrays(mesh))
-    split, whole = PartitionSpec(axes), PartitionSpec()
+    split = PartitionSpec(axes)
+    group = mesh.shape.get(EXPERT_AXIS, 1)
     # check_vma off: the Pallas grouped matmul's outputs carry no varying-axes type (JAX cannot infer one).
+    if group == 1:
+        whole = PartitionSpec()
+        mixed = jax.shard_map(
+            local, in_specs=(split, split, split, jax.tree.map(lambda _: whole, arrays)), out_specs=split,
+            check_vma=False,
+        )
+        return mixed(tokens, weights, ids, arrays), None
+    capacity = expert_capacity(ids.size // mesh.size, group, capacity_factor)
+    dispatched = functools.partial(
+        _mix_dispatched, gate_up=gate_up, down=down, activation=activation, capacity=capacity, group=group, axes=axes
+    )
+    by_expert = PartitionSpec(EXPERT_AXIS)
     mixed = jax.shard_map(
-        local,
-        in_specs=(split, split, split, jax.tree.map(lambda _: whole, arrays)),
-        out_specs=split,
-        check_vma=False,
+        dispatched, in_specs=(split, split, split, jax.tree.map(lambda _: by_expert, arrays)),
+        out_specs=(split, PartitionSpec()), check_vma=False,
     )
     return mixed(tokens, weights, ids, arrays)
+
+
+def expert_capacity(rows: int, group: int, capacity_factor: float) -> int:
+    """Rows one device sends each of the `group` devices of its expert axis at most, of its `rows` (token, expert)
+    pairs: `capacity_factor` times an even share, rounded up so that the rows a device receives fill whole tiles
+    of the Pallas grouped matmul; all of them (nothing dropped, whatever the routing) for 0 or where that is less."""
+    if capacity_factor == 0:
+        return rows
+    tile = max(1, GROUPED_MATMUL_ROW_TILE // group)
+    return min(rows, -(-math.ceil(capacity_factor * rows / group) // tile) * tile)
 
 
 def _token_axes(tokens: jax.Array) -> tuple[str, ...] | None:
@@ -201,6 +303,19 @@ def _token_axes(tokens: jax.Array) -> tuple[str, ...] | None:
     if not isinstance(tokens, jax.core.Tracer) or mesh.empty or mesh.size == 1 or tokens.shape[0] % mesh.size:
         return None
     return tuple(mesh.axis_names)
+
+
+def _expert_rows(
+    arrays: tuple[dict[str, jax.Array], dict[str, jax.Array]],
+    rows: jax.Array,
+    group_sizes: jax.Array,
+    gate_up: ExpertsLinear,
+    down: ExpertsLinear,
+    activation: Callable[[jax.Array], jax.Array],
+) -> jax.Array:
+    """down(activation(gate) · up) of `rows` [M, D] sorted by expert (`group_sizes` rows each of `arrays`' experts)."""
+    gate, up = jnp.split(gate_up.apply(arrays[0], rows, group_sizes), 2, axis=-1)
+    return down.apply(arrays[1], activation(gate) * up, group_sizes)
 
 
 def _mix_local(
@@ -216,10 +331,61 @@ def _mix_local(
     """`mix_experts` on tokens and expert weights all held here."""
     order, group_sizes = sort_by_expert(ids, gate_up.num_experts)
     token_of_row = order // ids.shape[-1]
-    gate, up = jnp.split(gate_up.apply(arrays[0], tokens[token_of_row], group_sizes), 2, axis=-1)
-    rows = down.apply(arrays[1], activation(gate) * up, group_sizes)
+    rows = _expert_rows(arrays, tokens[token_of_row], group_sizes, gate_up, down, activation)
     rows = rows * weights.reshape(-1)[order, None].astype(rows.dtype)
     return jnp.zeros_like(tokens, dtype=rows.dtype).at[token_of_row].add(rows)
+
+
+def _mix_dispatched(
+    tokens: jax.Array,
+    weights: jax.Array,
+    ids: jax.Array,
+    arrays: tuple[dict[str, jax.Array], dict[str, jax.Array]],
+    *,
+    gate_up: ExpertsLinear,
+    down: ExpertsLinear,
+    activation: Callable[[jax.Array], jax.Array],
+    capacity: int,
+    group: int,
+    axes: tuple[str, ...],
+) -> tuple[jax.Array, jax.Array]:
+    """`mix_experts` on this device's tokens with `arrays` holding its share of the experts (E / `group`, the
+    expert axis' size; device d of the axis holds experts d·E/group onwards). Each (token, expert) row goes to the
+    device of its expert in a block of `capacity` rows per device (an all-to-all over the expert axis); that device
+    runs its experts' grouped matmuls on what it received, and a second all-to-all returns the results. Rows past a
+    block's capacity are dropped (they add nothing to their token), in expert order. Returns the mixed tokens and
+    int32 [rows dropped, slots padded] summed over every device (`axes`)."""
+    local_experts = arrays[0]["w"].shape[0]
+    num_rows, k = ids.size, ids.shape[-1]
+    order = jnp.argsort(ids.reshape(-1), stable=True)
+    expert = ids.reshape(-1)[order]
+    device = expert // local_experts
+    per_device = jnp.bincount(device, length=group)
+    rank = jnp.arange(num_rows) - (jnp.cumsum(per_device) - per_device)[device]
+    kept = rank < capacity
+    slots = group * capacity
+    slot = jnp.where(kept, device * capacity + rank, slots)  # past the end: dropped by the scatters
+    token_of_row = order // k
+    sent = jnp.zeros((slots, tokens.shape[-1]), tokens.dtype).at[slot].set(tokens[token_of_row], mode="drop")
+    # Empty slots name expert `local_experts`, past the last: `sort_by_expert` puts them after every group.
+    sent_expert = jnp.full((slots,), local_experts, jnp.int32).at[slot].set(expert % local_experts, mode="drop")
+    received, received_expert = (_exchange(x, group) for x in (sent, sent_expert))
+    local_order, group_sizes = sort_by_expert(received_expert[:, None], local_experts)
+    computed = _expert_rows(arrays, received[local_order], group_sizes, gate_up, down, activation)
+    returned = _exchange(jnp.zeros_like(computed).at[local_order].set(computed), group)
+    row_weights = weights.reshape(-1)[order, None].astype(returned.dtype)
+    # `where`, not a product: an empty slot's result is never read (the Pallas kernel leaves rows past its groups).
+    rows = jnp.where(kept[:, None], returned[jnp.minimum(slot, slots - 1)] * row_weights, 0)
+    mixed = jnp.zeros(tokens.shape, rows.dtype).at[token_of_row].add(rows)
+    sent_rows = jnp.sum(kept, dtype=jnp.int32)
+    return mixed, jax.lax.psum(jnp.stack([num_rows - sent_rows, slots - sent_rows]), axes)
+
+
+def _exchange(x: jax.Array, group: int) -> jax.Array:
+    """x [group * capacity, ...] whose block d goes to device d of the expert axis -> the blocks received, block s
+    from device s."""
+    blocks = x.reshape(group, x.shape[0] // group, *x.shape[1:])
+    return jax.lax.all_to_all(blocks, EXPERT_AXIS, 0, 0).reshape(x.shape)
 
 
 class ExpertsLinear(nnx.Module):

@@ -56,13 +56,13 @@ class Identity(nnx.Module):
         return x
 
 
-class MoE(nnx.Module):
+class MoE(experts.RoutedBlock, nnx.Module):
     """Router and routed experts of a 26B-A4B layer, computed as transformers' Gemma4TextRouter and
     Gemma4TextExperts; called on the residual stream (it holds the experts' pre-norm itself)."""
 
     def __init__(self, config: gemma4_lib.ModelConfig, *, rngs: nnx.Rngs):
         dim, num_experts = config.embed_dim, config.num_experts
-        self.top_k = config.num_experts_per_tok
+        self.top_k, self.num_experts = config.num_experts_per_tok, num_experts
         dtypes = dict(dtype=config.dtype, param_dtype=config.param_dtype)
         self.pre_norm = gemma4_lib.RMSNorm(dim, rngs=rngs, sharding=config.shd_config, **dtypes)
         self.router = nnx.Linear(dim, num_experts, use_bias=False, rngs=rngs, **dtypes)
@@ -88,9 +88,11 @@ class MoE(nnx.Module):
         weights, ids = experts.route_top_k(logits, self.top_k, normalize=True)
         weights = weights * self.per_expert_scale.get_value()[ids]
         experts_in = self.pre_norm(tokens)
-        out = experts.mix_experts(
-            experts_in, weights, ids, self.experts["gate_up_proj"], self.experts["down_proj"], jax.nn.gelu
+        out, counts = experts.mix_experts(
+            experts_in, weights, ids, self.experts["gate_up_proj"], self.experts["down_proj"], jax.nn.gelu,
+            self.forward_capacity_factor,
         )
+        self.record_dispatch(counts)
         return out.reshape(batch, length, dim).astype(x.dtype)
 
 

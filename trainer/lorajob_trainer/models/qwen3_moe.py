@@ -83,9 +83,11 @@ class SparseMoeBlock(experts.LoadBalanced, nnx.Module):
         logits = self.router(tokens)
         self.record(logits)
         weights, ids = experts.route_top_k(logits, k, normalize=self.routing.norm_topk_prob)
-        out = experts.mix_experts(
-            tokens, weights, ids, self.experts["gate_up_proj"], self.experts["down_proj"], jax.nn.silu
+        out, counts = experts.mix_experts(
+            tokens, weights, ids, self.experts["gate_up_proj"], self.experts["down_proj"], jax.nn.silu,
+            self.forward_capacity_factor,
         )
+        self.record_dispatch(counts)
         return out.reshape(batch, length, dim).astype(x.dtype)
 
 
