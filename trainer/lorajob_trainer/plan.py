@@ -121,12 +121,17 @@ def bits(dtype: Any) -> int:
     return 8 * dtype.itemsize
 
 
+def array_bytes(shape: tuple[int, ...], dtype: Any, share: int = 1) -> int:
+    """Bytes of a `share`-th of an array of `shape` and `dtype`, as a TPU holds it (`bits`)."""
+    return math.ceil(math.prod(shape) * bits(dtype) / 8 / share)
+
+
 def per_chip_bytes(tree: Any) -> int:
     """Bytes one device holds of a tree of arrays or ShapeDtypeStructs with shardings."""
     total = 0
     for leaf in jax.tree.leaves(tree):
         shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-        total += math.ceil(math.prod(shape) * bits(leaf.dtype) / 8)
+        total += array_bytes(shape, leaf.dtype)
     return total
 
 
@@ -191,7 +196,7 @@ def weights_read_per_pass(base: nnx.State, mesh: jax.sharding.Mesh) -> int:
     for path, variable in nnx.to_flat_state(base):
         leaf = variable.get_value()
         share = mesh.shape[experts.EXPERT_AXIS] if "experts" in map(str, path) else 1
-        total += math.ceil(math.prod(leaf.shape) * bits(leaf.dtype) / 8 / share)
+        total += array_bytes(leaf.shape, leaf.dtype, share)
     return total
 
 
