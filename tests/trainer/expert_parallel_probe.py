@@ -24,6 +24,7 @@ from lorajob_trainer import loss as loss_lib
 from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import run as run_lib
 from lorajob_trainer.contract.config import TrainConfig
+from lorajob_trainer.optim import build_optimizer
 
 DISPATCH_ALL_TO_ALL = r" all-to-all(?:-start)?\(.*op_name=\"[^\"]*/all_to_all\""
 """An all-to-all of `jax.lax.all_to_all` (the experts' dispatch), not one the partitioner inserts to reshard."""
@@ -45,7 +46,7 @@ def build(train_config: TrainConfig, devices: list, router: str) -> run_lib.Run:
     mesh = mesh_lib.build_mesh(train_config.mesh, devices)
     with jax.set_mesh(mesh):
         model = run_lib.loaded_model(train_config, mesh, jnp.float32)
-    run = run_lib.build(train_config, model, mesh, jnp.float32, "none")
+    run = run_lib.build(train_config.step_shape, build_optimizer(train_config), model, mesh, jnp.float32, "none")
     if router == "zero":
         for path, variable in nnx.to_flat_state(run.base):
             if "router" in map(str, path) and path[-1] == "kernel":
