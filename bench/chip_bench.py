@@ -69,6 +69,25 @@ class Row:
     base_quantization: str = "none"
     feed: bool = False
     """Batches from the trainer's data loader, not a fixed one."""
+    layers: int | None = None
+    """The model's first `layers` decoder layers at its real widths (catalog.at_depth): a MoE that fits one chip."""
+    expert_adapter_kernel: str | None = None
+    """The routed experts' adapters in this grouped-matmul kernel (experts.use_adapter_kernel), not the platform's."""
+    plan_of: str | None = None
+    """The row whose plan this one runs with: the plan compiles the kernel the platform gets."""
+
+    @property
+    def hf_config(self) -> dict:
+        """The model's config.json: the catalogue's released facts, or a tiny test model's (lorajob_trainer.tiny),
+        cut to `layers`."""
+        from lorajob_trainer import tiny
+        from lorajob_trainer.contract import catalog
+
+        if self.model.startswith("tiny-"):
+            config = tiny.tiny_config(self.model.removeprefix("tiny-"))
+        else:
+            config = catalog.released_config(self.model)
+        return config if self.layers is None else catalog.at_depth(config, self.layers)
 
     def config_values(self, remat: str) -> dict:
         return {
@@ -89,15 +108,14 @@ ROWS = {
     "llama3.1-8b-int8/1x8192": Row("llama3.1-8b", 1, 8192, "int8"),
     "llama3.1-8b-int4/1x2048": Row("llama3.1-8b", 1, 2048, "int4"),
     "llama3.1-8b-int4/1x8192": Row("llama3.1-8b", 1, 8192, "int4"),
+    "qwen3-30b-a3b-6layers/4x2048": Row("qwen3-30b-a3b", 4, 2048, layers=6),
+    "qwen3-30b-a3b-6layers/4x2048/ragged-dot": Row("qwen3-30b-a3b", 4, 2048, layers=6, expert_adapter_kernel="xla",
+                                                   plan_of="qwen3-30b-a3b-6layers/4x2048"),
+    "gemma4-26b-6layers/2x2048": Row("gemma4-26b", 2, 2048, layers=6),
+    "gemma4-26b-6layers/2x2048/ragged-dot": Row("gemma4-26b", 2, 2048, layers=6, expert_adapter_kernel="xla",
+                                                plan_of="gemma4-26b-6layers/2x2048"),
 }
-
-
-def model_config(model: str) -> dict:
-    """The model's config.json: the catalogue's released facts, or a tiny test model's (lorajob_trainer.tiny)."""
-    from lorajob_trainer import tiny
-    from lorajob_trainer.contract import catalog
-
-    return tiny.tiny_config(model.removeprefix("tiny-")) if model.startswith("tiny-") else catalog.released_config(model)
+PLANNED_ROWS = [name for name, row in ROWS.items() if row.plan_of is None]
 
 
 def train_config(row: Row, remat: str):
@@ -136,7 +154,7 @@ def plan_row(name: str) -> dict:
 
     row = ROWS[name]
     chip, chips_per_host = v5e()
-    attempt = fit.compile_attempt(train_config(row, "auto"), model_config(row.model), chip, chips_per_host,
+    attempt = fit.compile_attempt(train_config(row, "auto"), row.hf_config, chip, chips_per_host,
                                   target(row, "auto"))
     for line in format_attempt(attempt):
         print(f"{name}: {line.strip()}", flush=True)
@@ -237,17 +255,19 @@ def measure(name: str, plan: dict, steps: int, profile_dir: str | None, work: Pa
     from lorajob_trainer import run as run_lib
 
     row = ROWS[name]
-    hf_config = model_config(row.model)
+    hf_config = row.hf_config
     began = time.perf_counter()
     stage(name, f"imported, on {jax.devices()[0].device_kind}", began)
     executable, compile_s = None, 0.0
+    if plan is None and row.plan_of:
+        raise RuntimeError(f"no plan for {row.plan_of}, whose plan this row runs with")
     if plan is None:  # as the train step without the fit check's record: remat auto compiled on this chip
         compile_started = time.perf_counter()
         plan, executable = plan_on_chip(row, hf_config)
         compile_s = time.perf_counter() - compile_started
     config = train_config(row, plan["remat"])
     started = time.perf_counter()
-    run = run_lib.abstract_run(config, hf_config, jax.devices())
+    run = run_lib.abstract_run(config, hf_config, jax.devices(), expert_adapter_kernel=row.expert_adapter_kernel)
     base = random_like(run.base, 0)
     adapters = random_like(run.adapters(), 1)
     opt_state = jax.jit(run.optimizer.init, out_shardings=run.shardings["optimizer"])(adapters)
@@ -319,6 +339,12 @@ def profiled_ops(compiled, arguments, profile_dir: str) -> dict:
     return op_breakdown(Path(profile_dir))
 
 
+GROUPED_MATMUL_MARKS = {"ragged_dot (XLA)": ("ragged-dot", "ragged_dot"), "gmm (Pallas megablox)": ("gmm",)}
+"""How an op of the trace shows it is a grouped matmul of the routed experts, per kernel: in its name, its HLO text
+or the JAX operation it came from (megablox' kernels are named gmm and tgmm)."""
+GROUPED_MATMUL_FIELDS = ("long_name", "tf_op", "source")
+
+
 def op_breakdown(profile_dir: Path, top: int = 25) -> dict:
     """Device time by op name from the newest Perfetto JSON trace under `profile_dir`: the events of the TPU's
     tracks ("/device:TPU:0" processes), summed by name, and the share of each."""
@@ -333,6 +359,7 @@ def op_breakdown(profile_dir: Path, top: int = 25) -> dict:
                if event.get("ph") == "M" and event.get("name") == "thread_name"}
     by_track: dict[str, Counter] = {}
     categories: dict[str, Counter] = {}
+    grouped: dict[str, Counter] = {}
     details: dict[str, dict] = {}
     for event in events:
         if event.get("ph") == "X" and event.get("pid") in device_pids:
@@ -342,6 +369,10 @@ def op_breakdown(profile_dir: Path, top: int = 25) -> dict:
             args = event.get("args") or {}
             category = args.get("hlo_category") or args.get("category") or "-"
             categories.setdefault(track, Counter())[str(category)] += duration
+            described = " ".join([event["name"], *(str(args.get(key, "")) for key in GROUPED_MATMUL_FIELDS)]).lower()
+            for kernel, marks in GROUPED_MATMUL_MARKS.items():
+                if any(mark in described for mark in marks):
+                    grouped.setdefault(track, Counter())[kernel] += duration
             details.setdefault(event["name"], {key: str(value)[:200] for key, value in args.items()})
     ops_track = next((track for track in by_track if "XLA Ops" in track), None)
     if ops_track is None:
@@ -351,6 +382,8 @@ def op_breakdown(profile_dir: Path, top: int = 25) -> dict:
     return {"track": ops_track, "device_us_per_step": total / PROFILED_STEPS,
             "top": [(name, us / PROFILED_STEPS, us / total) for name, us in ops.most_common(top)],
             "categories": [(name, us / PROFILED_STEPS, us / total) for name, us in categories[ops_track].most_common()],
+            "grouped_matmul": [(kernel, us / PROFILED_STEPS, us / total)
+                               for kernel, us in grouped.get(ops_track, Counter()).most_common()],
             "details": {name: details[name] for name, _ in ops.most_common(top)},
             "trace": str(traces[-1])}
 
@@ -470,13 +503,16 @@ def print_profiles(results: list[dict]) -> None:
         print("  by category:")
         for name, us, share in profile["categories"]:
             print(f"  {us / 1e3:9.2f} ms  {100 * share:5.1f} %  {name}")
+        print("  the routed experts' grouped matmuls:")
+        for kernel, us, share in profile.get("grouped_matmul") or [("none found", 0.0, 0.0)]:
+            print(f"  {us / 1e3:9.2f} ms  {100 * share:5.1f} %  {kernel}")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     plan_parser = sub.add_parser("plan", help="the fit check's prediction for each row (TPU compiler, no TPU)")
-    plan_parser.add_argument("--rows", nargs="+", choices=sorted(ROWS), default=list(ROWS))
+    plan_parser.add_argument("--rows", nargs="+", choices=PLANNED_ROWS, default=PLANNED_ROWS)
     plan_parser.add_argument("--out", default=str(REPO_ROOT / "bench" / "chip_plan.json"))
     plan_parser.add_argument("--jobs", type=int, default=1, help="rows compiled at once, each in a process of its own")
     run_parser = sub.add_parser("run", help="measure each row on the chip, one child process per row")
@@ -509,7 +545,8 @@ def main(argv: list[str] | None = None) -> None:
             Path(args.out).write_text(json.dumps(existing, indent=1) + "\n")
         print(f"wrote {args.out}")
     elif args.command == "child":
-        plan = json.loads(Path(args.plan).read_text()).get(args.row) if Path(args.plan).exists() else None
+        plans = json.loads(Path(args.plan).read_text()) if Path(args.plan).exists() else {}
+        plan = plans.get(ROWS[args.row].plan_of or args.row)
         work = Path(os.environ.get("TMPDIR", "/tmp")) / f"chip-bench-{os.getpid()}"
         work.mkdir(parents=True, exist_ok=True)
         print("RESULT " + json.dumps(measure(args.row, plan, args.steps, args.profile_dir, work)), flush=True)
@@ -518,7 +555,7 @@ def main(argv: list[str] | None = None) -> None:
         results = []
         for name in args.rows:
             result = run_row(name, args)
-            result.setdefault("plan", plans.get(name))
+            result.setdefault("plan", plans.get(ROWS[name].plan_of or name))
             results.append(result)
             print("\n".join(table([result])[2:]), flush=True)
             peer = run_peer(result, args) if args.peer else None
@@ -535,7 +572,8 @@ def main(argv: list[str] | None = None) -> None:
         results = [result for result in results if "error" not in result or result["row"] not in measured]
         if args.plan:
             plans, listed = json.loads(Path(args.plan).read_text()), {result["row"] for result in results}
-            results += [{"row": name, "error": "not measured", "plan": plans.get(name)} for name in ROWS
+            results += [{"row": name, "error": "not measured", "plan": plans.get(row.plan_of or name)}
+                        for name, row in ROWS.items()
                         if name not in listed]
         print("\n".join(table(results)))
         print_profiles(results)

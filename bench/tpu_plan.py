@@ -89,13 +89,6 @@ def _depths(model: str) -> tuple[dict, int, int, int]:
     return hf_config, hf_config["num_hidden_layers"], period, 2 * period
 
 
-def _at_depth(hf_config: dict, layers: int) -> dict:
-    shallower = dict(hf_config, num_hidden_layers=layers)
-    if "layer_types" in shallower:
-        shallower["layer_types"] = shallower["layer_types"][:layers]
-    return shallower
-
-
 def _extrapolate(shallow: float, deeper: float, depths: tuple[int, int], layers: int) -> float:
     """A step's count at `layers` from its counts at two depths: what the layers add grows with their number."""
     return shallow + (deeper - shallow) * (layers - depths[0]) / (depths[1] - depths[0])
@@ -109,12 +102,13 @@ def executed_flops(model: str, slice_name: str, seq: int, remat: str, maxtext: b
     FLOPs the cost analysis does not see. Ours runs its attention in that kernel on TPU (models/splash.py), so its
     count is the compiler's plus the kernel's from the plan's model (`CompiledStep.kernel_flops_per_token`)."""
     from lorajob_trainer import plan
+    from lorajob_trainer.contract import catalog
 
     hf_config, layers, *depths = _depths(model)
     config = _train_config(model, seq, remat, loss_chunk_length=seq)
     generation, topology = SLICES[slice_name]
     devices = plan.topology_devices(f"{TPU_CHIPS[generation].compiler_name}:{topology}")
-    steps = [plan.compile_train_step(config, _at_depth(hf_config, depth), devices, scan_layers=False)
+    steps = [plan.compile_train_step(config, catalog.at_depth(hf_config, depth), devices, scan_layers=False)
              for depth in depths]
     model_flops = [step.flops_per_token * step.tokens_per_device for step in steps]
     row = {"model_flops": _extrapolate(*model_flops, tuple(depths), layers),

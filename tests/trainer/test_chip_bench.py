@@ -49,6 +49,11 @@ def test_the_profile_breakdown_sums_the_chips_op_track(chip_bench, tmp_path):
            "args": {"hlo_category": "convolution fusion"}} for i in range(3)],
         *[{"ph": "X", "pid": 1, "tid": 7, "name": "splash_mha_fwd", "dur": 300.0, "ts": i,
            "args": {"hlo_category": "custom-call"}} for i in range(3)],
+        *[{"ph": "X", "pid": 1, "tid": 7, "name": "fusion.9", "dur": 150.0, "ts": i,
+           "args": {"hlo_category": "convolution fusion", "tf_op": "jit(step)/jvp(experts)/ragged_dot_general"}}
+          for i in range(3)],
+        *[{"ph": "X", "pid": 1, "tid": 7, "name": "tgmm", "dur": 50.0, "ts": i, "args": {"hlo_category": "custom-call"}}
+          for i in range(3)],
         {"ph": "X", "pid": 1, "tid": 8, "name": "jit_train_step", "dur": 5000.0, "ts": 0},
         {"ph": "X", "pid": 2, "tid": 7, "name": "host work", "dur": 9000.0, "ts": 0},
     ]
@@ -56,10 +61,41 @@ def test_the_profile_breakdown_sums_the_chips_op_track(chip_bench, tmp_path):
     trace.parent.mkdir(parents=True)
     trace.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
     breakdown = chip_bench.op_breakdown(tmp_path)
-    assert breakdown["track"] == "XLA Ops" and breakdown["device_us_per_step"] == pytest.approx(900.0)
-    assert [(name, us) for name, us, _ in breakdown["top"]] == [("fusion.1", 600.0), ("splash_mha_fwd", 300.0)]
-    assert [(name, us) for name, us, _ in breakdown["categories"]] == [("convolution fusion", 600.0),
-                                                                        ("custom-call", 300.0)]
+    assert breakdown["track"] == "XLA Ops" and breakdown["device_us_per_step"] == pytest.approx(1100.0)
+    assert [(name, us) for name, us, _ in breakdown["top"]] == [("fusion.1", 600.0), ("splash_mha_fwd", 300.0),
+                                                               ("fusion.9", 150.0), ("tgmm", 50.0)]
+    assert [(name, us) for name, us, _ in breakdown["categories"]] == [("convolution fusion", 750.0),
+                                                                        ("custom-call", 350.0)]
+    assert breakdown["grouped_matmul"] == [("ragged_dot (XLA)", 150.0, pytest.approx(150 / 1100)),
+                                           ("gmm (Pallas megablox)", 50.0, pytest.approx(50 / 1100))]
+
+
+def test_a_moe_row_is_the_real_model_cut_to_a_few_layers_with_its_adapters_kernel_chosen(chip_bench):
+    """The MoE rows keep the released widths at fewer layers (Gemma 4's attention kinds cut to match); a row that
+    measures the other grouped-matmul kernel runs with its twin's plan and builds its experts' adapters in it."""
+    import jax
+    from flax import nnx
+    from lorajob_trainer import run as run_lib
+    from lorajob_trainer.contract import catalog
+    from lorajob_trainer.models import experts
+
+    released = catalog.released_config("gemma4-26b")
+    cut = chip_bench.ROWS["gemma4-26b-6layers/2x2048"].hf_config
+    assert cut["num_hidden_layers"] == 6 and cut["layer_types"] == released["layer_types"][:6]
+    assert {key: value for key, value in cut.items() if key not in ("num_hidden_layers", "layer_types")} == {
+        key: value for key, value in released.items() if key not in ("num_hidden_layers", "layer_types")}
+    for name, row in chip_bench.ROWS.items():
+        if row.expert_adapter_kernel:
+            assert row.plan_of in chip_bench.PLANNED_ROWS and name not in chip_bench.PLANNED_ROWS
+
+    row = chip_bench.Row("tiny-qwen3-moe", 1, 64, layers=1)
+    for kernel in ("pallas", "xla"):
+        run = run_lib.abstract_run(chip_bench.train_config(row, "none"), row.hf_config, jax.devices()[:1],
+                                   expert_adapter_kernel=kernel)
+        linears = [module for _, module in nnx.iter_graph(run.model.model) if isinstance(module, experts.ExpertsLinear)]
+        assert linears and {module.adapter_kernel for module in linears} == {kernel}
+    with pytest.raises(ValueError, match="'megablox': pallas or xla"):
+        experts.use_adapter_kernel(run.model.model, "megablox")
 
 
 def test_the_table_of_several_calls_keeps_each_rows_success_and_lists_the_rows_not_measured(chip_bench, tmp_path,

@@ -283,11 +283,14 @@ def resolve_expert_axis(
 
 
 def abstract_run(config: TrainConfig, hf_config: dict[str, Any], devices: list[jax.Device],
-                 scan_layers: bool = True) -> Run:
-    """The run of `config` (a concrete remat policy) over `devices`, every array abstract: what the plan compiles."""
+                 scan_layers: bool = True, expert_adapter_kernel: str | None = None) -> Run:
+    """The run of `config` (a concrete remat policy) over `devices`, every array abstract: what the plan compiles.
+    `expert_adapter_kernel` overrides the routed experts' adapter kernel (experts.use_adapter_kernel)."""
     config = resolve_expert_axis(config, lambda: hf_config, devices)
     mesh = mesh_lib.build_mesh(config.mesh, devices)
     dtype = compute_dtype(config, devices[0].platform)
     model = abstract_model(hf_config, config.lora, mesh, dtype, config.router_aux_loss_coef,
                            config.expert_capacity_factor)
+    if expert_adapter_kernel is not None:
+        experts.use_adapter_kernel(model.model, expert_adapter_kernel)
     return build(config.step_shape, build_optimizer(config), model, mesh, dtype, config.remat_policy, scan_layers)

@@ -75,3 +75,12 @@ def released_config(model_name: str) -> dict[str, Any]:
     if model_name not in configs:
         raise KeyError(f"no released config.json facts for {model_name!r}; known: {', '.join(configs)}")
     return dict(configs[model_name])
+
+
+def at_depth(hf_config: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The config.json of the same model cut to its first `layers` decoder layers (its per-layer list of attention
+    kinds cut to match): the real widths at a depth a bench can compile or a chip can hold."""
+    shallower = dict(hf_config, num_hidden_layers=layers)
+    if "layer_types" in shallower:
+        shallower["layer_types"] = shallower["layer_types"][:layers]
+    return shallower

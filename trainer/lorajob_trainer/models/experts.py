@@ -139,6 +139,16 @@ def configure_dispatch(model: nnx.Module, expert_axis: int, capacity_factor: flo
         block.capacity_factor = capacity_factor
 
 
+def use_adapter_kernel(model: nnx.Module, kernel: str) -> None:
+    """Runs the adapters of the model's routed experts in `kernel` ("pallas" or "xla", see `grouped_matmul`) instead
+    of the one `lora.apply_lora` chose for the platform: the chip bench measures both on TPU."""
+    if kernel not in ("pallas", "xla"):
+        raise ValueError(f"grouped matmul kernel {kernel!r}: pallas or xla")
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, ExpertsLinear) and module.lora_scale is not None:
+            module.adapter_kernel = kernel
+
+
 def expert_axis_for(model: nnx.Module, devices: int, tokens_per_device: int, capacity_factor: float) -> int:
     """mesh.expert "auto": the largest number of `devices` that divides the experts of `model`'s routed-experts
     blocks, where per pass its all-to-alls send fewer bytes per device (two exchanges per block of
