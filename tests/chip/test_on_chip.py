@@ -66,7 +66,14 @@ from test_generate import _checkpoint as generation_checkpoint  # noqa: E402
 from test_generate import test_generation_equals_one_full_forward_per_token as check_generation  # noqa: E402
 from test_parity import jax_logits  # noqa: E402
 from test_splash_attention import kernel_forwards, outputs_and_gradients  # noqa: E402
-from trainer_testkit import arithmetic_rows, base_args, tiny_checkpoint, trainer_env, write_jsonl  # noqa: E402
+from trainer_testkit import (  # noqa: E402
+    arithmetic_rows,
+    base_args,
+    splash_in_interpreter,
+    tiny_checkpoint,
+    trainer_env,
+    write_jsonl,
+)
 
 from lorajob_trainer import evaluate, export, loading, lora, models  # noqa: E402
 from lorajob_trainer import run as run_lib  # noqa: E402
@@ -106,18 +113,7 @@ def chip_kernels():
     """On a TPU, nothing changes. With LORAJOB_CHIP_TESTS_ON_CPU, the splash kernel is used wherever it would be on a
     TPU (a training forward on a mesh, lengths the kernel's blocks divide; splash.applies' rule for one device less
     its platform), in Pallas' interpreter."""
-    if not INTERPRET:
-        yield
-        return
-    kernel = splash._kernel
-
-    def applies(batch, length, heads, kv_heads, cache, mask):
-        mesh = jax.sharding.get_abstract_mesh()
-        return cache is None and mask is not None and not mesh.empty and length % splash.BLOCK == 0
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(splash, "applies", applies)
-        patch.setattr(splash, "_kernel", lambda heads, length, window, interpret: kernel(heads, length, window, True))
+    with splash_in_interpreter() if INTERPRET else contextlib.nullcontext():
         yield
 
 

@@ -5,6 +5,8 @@ Everything is generated locally; nothing comes from the Hugging Face Hub.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +161,25 @@ def gemma4_checkpoint(
                 tensor.copy_(center + 0.1 * noise if tensor.ndim == 1 else 0.2 * noise)
     model.save_pretrained(directory)
     return directory
+
+
+@contextlib.contextmanager
+def splash_in_interpreter() -> Iterator[None]:
+    """The splash kernel wherever a TPU would run it (a training forward on a mesh, lengths its blocks divide:
+    `splash.applies`' rule without the platform), in Pallas' interpreter: the kernel's path through a model, on a
+    CPU."""
+    import jax
+    import pytest
+
+    from lorajob_trainer.models import splash
+
+    kernel = splash._kernel
+
+    def applies(batch, length, heads, kv_heads, cache, mask):
+        mesh = jax.sharding.get_abstract_mesh()
+        return cache is None and mask is not None and not mesh.empty and length % splash.BLOCK == 0
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(splash, "applies", applies)
+        patch.setattr(splash, "_kernel", lambda heads, length, window, interpret: kernel(heads, length, window, True))
+        yield

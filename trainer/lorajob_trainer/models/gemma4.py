@@ -10,6 +10,8 @@ What differs from the other families:
 - Tunix fuses key and value in one einsum: it is split (kv_split) so k and v get independent
   LoRA adapters as in PEFT; a k_eq_v layer's key einsum moves under the same path
   (`attn.kv_einsum.k_einsum`), so one LoRA target path serves every layer.
+- Training on TPU runs the attention in the splash kernel (`Gemma4Attention`): a sliding layer's within its
+  window, a global layer's causally at its own head size, a KV-shared layer on its origin's keys and values.
 - 26B-A4B: a dense MLP beside routed experts. Tunix's `MoERagged` is replaced by `MoE`: Tunix
   routes on the experts' already normalised input, transformers on the residual stream (its own
   RMS norm, no scale), and Tunix's expert weights are bare parameters that LoRA cannot reach;
@@ -25,17 +27,50 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from tunix.models.gemma4 import model as gemma4_lib
 
-from lorajob_trainer.models import experts
+from lorajob_trainer.models import experts, splash
 from lorajob_trainer.models.decoder import Decoder, StackedLayers, batch_sharded, call_layer
 from lorajob_trainer.models.families import GEMMA_MLP_AND_NORMS, Family, ModelConfigError, TensorMap, _expand, _head_dim, _reject, _required
 from lorajob_trainer.models.kv_split import KeyValueEinsums
+from lorajob_trainer.remat import PROJECTIONS
 
 LAYER_TYPES = {
     "sliding_attention": gemma4_lib.AttentionType.LOCAL_SLIDING,
     "full_attention": gemma4_lib.AttentionType.GLOBAL,
 }
+
+
+VALUE_NORM_EPS = 1e-6
+"""Gemma 4 scales each head's value to unit root mean square (no learned scale) with this epsilon, as Tunix does."""
+
+
+class Gemma4Attention(gemma4_lib.Attention):
+    """Tunix's Gemma 4 attention (its parameters, its decoding and dense paths) whose training forward on TPU runs in
+    the splash kernel (`splash.applies`); Tunix computes every score. Gemma 4 attends without 1/sqrt(head_dim): its
+    query and key norms set the scale."""
+
+    def block(self, x, segment_pos, cache, attn_mask, kv_shared_cache=None):
+        batch, length = x.shape[:2]
+        if not splash.applies(batch, length, self.config.num_heads, self.num_kv_heads, cache, attn_mask):
+            return super().block(x, segment_pos, cache, attn_mask, kv_shared_cache)
+        x = x.astype(self.config.dtype)
+        rope = {"base_frequency": self.rope_base_frequency, "scale_factor": self.rope_scale_factor,
+                "rope_proportion": self.rope_proportion}
+        query = self._query_norm(checkpoint_name(self.q_einsum(x), PROJECTIONS))
+        query = gemma4_lib.apply_rope(query, segment_pos, **rope)
+        if kv_shared_cache is not None:
+            key, value = kv_shared_cache["k"], kv_shared_cache["v"]
+        else:
+            key, value = checkpoint_name(self.kv_einsum(x), PROJECTIONS)
+            value = value * jax.lax.rsqrt(jnp.mean(jnp.square(value), axis=-1, keepdims=True) + VALUE_NORM_EPS)
+            key = gemma4_lib.apply_rope(self._key_norm(key), segment_pos, **rope)
+        sliding = self.attn_type == gemma4_lib.AttentionType.LOCAL_SLIDING
+        mixed = splash.causal_attention(
+            query, key, value, splash.segment_ids(attn_mask), window=self.config.sliding_window_size if sliding else None
+        )
+        return {"v": value, "k": key}, self.attn_vec_einsum(mixed), (key, value)
 
 
 class KeyAsValue(nnx.Module):
@@ -216,11 +251,12 @@ def _shares_kv(config: gemma4_lib.ModelConfig) -> list[bool]:
 
 
 def adapt(model: gemma4_lib.Gemma4, config: gemma4_lib.ModelConfig, rngs: nnx.Rngs) -> None:
-    """Split key/value and swap in our MoE (module docstring); drop the k/v weights KV-shared layers never use."""
+    """Our attention, key/value split, and our MoE (module docstring); drop the k/v weights KV-shared layers never
+    use."""
     for layer, shared in zip(model.layers, _shares_kv(config)):
         if config.enable_moe:
             layer.moe, layer.moe_pre_ffw_norm = MoE(config, rngs=rngs), Identity()
-        attn = layer.attn
+        layer.attn = attn = Gemma4Attention(config, layer.attn.attn_type, rngs)
         if shared:
             for name in ("kv_einsum", "k_einsum", "_key_norm"):
                 if hasattr(attn, name):

@@ -8,8 +8,8 @@ works in blocks, skips the blocks the causal mask empties, and keeps only the lo
 so its memory grows with the length, not its square.
 
 It runs where the step is traced on a mesh of TPU devices, without a KV cache, for lengths the kernel's
-128-wide blocks divide (`applies`), in the attention of Qwen3, Qwen3 MoE, Llama 3 and Gemma 3 (its sliding
-layers with the kernel's local mask); elsewhere (CPU, GPU, decoding, Gemma 4) the dense attention runs. Pallas' interpreter
+128-wide blocks divide (`applies`), in the attention of Qwen3, Qwen3 MoE, Llama 3, Gemma 3 and Gemma 4 (their
+sliding layers with the kernel's local mask); elsewhere (CPU, GPU, decoding) the dense attention runs. Pallas' interpreter
 runs the same kernel on any backend (`interpret`), which is how the tests compare the two.
 """
 
