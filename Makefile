@@ -1,5 +1,5 @@
 # The two entry points of the README: each does all set-up itself (idempotent, cached).
-.PHONY: setup demo test lint crds train-demo
+.PHONY: setup demo test test-large lint crds train-demo
 
 setup:
 	scripts/setup.sh
@@ -9,6 +9,9 @@ demo: setup
 
 test: setup lint
 	.venv/bin/python -m pytest
+
+test-large: setup
+	.venv/bin/python -m pytest -m large
 
 lint: setup
 	.venv/bin/ruff check

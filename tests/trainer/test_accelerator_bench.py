@@ -11,6 +11,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.large
 def test_accelerator_script_runs_every_piece_and_writes_its_table(tmp_path):
     out = tmp_path / "table.txt"
     completed = subprocess.run(["bash", str(REPO_ROOT / "bench" / "accelerator.sh"), "--smoke", "--out", str(out)],

@@ -67,6 +67,7 @@ def test_qwen3_moe_expert_parallel_equals_one_device_and_sends_tokens_not_weight
 
 @pytest.mark.slow
 @pytest.mark.torch
+@pytest.mark.large
 def test_gemma4_moe_expert_parallel_equals_one_device(tmp_path):
     checkpoint = gemma4_checkpoint(tmp_path / "model", "gemma4-26b", seed=3)
     check_cases(probe(checkpoint, "tiny-gemma4"), GEMMA4_SHAPES["gemma4-26b"]["num_hidden_layers"])

@@ -62,6 +62,7 @@ def test_a_step_that_does_not_fit_gets_the_smallest_change_that_does(two_layer_c
     assert record == result.record() and not record.fits and record.suggestion == target.describe()
 
 
+@pytest.mark.large
 def test_remat_auto_fits_the_same_lorajob_with_the_least_recompute_that_fits(two_layer_catalogue):
     doc = yaml.safe_load(LORAJOB)
     del doc["spec"]["training"]["remat"]
@@ -90,6 +91,7 @@ def test_a_gpu_lorajob_gets_the_analytic_estimate_saying_so(two_layer_catalogue)
     assert "analytic model" in "\n".join(fit.format_plan(result))
 
 
+@pytest.mark.large
 def test_a_tpu7x_plan_counts_each_tensorcore_as_a_device_with_half_the_chip(two_layer_catalogue):
     doc = yaml.safe_load(LORAJOB)
     doc["spec"]["training"] = {"steps": 10, "perDeviceBatchSize": 1, "maxTargetLength": 1024}

@@ -40,10 +40,7 @@ def config(remat: str, model: str = "llama3.1-8b") -> TrainConfig:
 
 def released_at_depth(model: str, layers: int) -> dict:
     """The catalogue's config.json facts of `model`, cut to its first `layers` layers."""
-    hf = dict(catalog.released_config(model), num_hidden_layers=layers)
-    if "layer_types" in hf:
-        hf["layer_types"] = hf["layer_types"][:layers]
-    return hf
+    return catalog.at_depth(catalog.released_config(model), layers)
 
 
 def one_layer_at_a_time_bytes(hf: dict, layers: int, seq: int) -> int:
@@ -67,7 +64,8 @@ def one_layer_at_a_time_bytes(hf: dict, layers: int, seq: int) -> int:
 
 
 @pytest.mark.parametrize(("model", "layers", "topology", "seq"), [
-    ("llama3.1-8b", 4, TOPOLOGY, SEQ), ("qwen3-30b-a3b", 2, "v6e:2x4", SEQ), ("qwen3-0.6b", 2, TOPOLOGY, 8192),
+    pytest.param("llama3.1-8b", 4, TOPOLOGY, SEQ, marks=pytest.mark.large), ("qwen3-30b-a3b", 2, "v6e:2x4", SEQ),
+    pytest.param("qwen3-0.6b", 2, TOPOLOGY, 8192, marks=pytest.mark.large),
 ])
 def test_step_needs_one_layer_at_a_time_on_v6e(model, layers, topology, seq):
     hf = released_at_depth(model, layers)
@@ -90,8 +88,9 @@ def test_argument_bytes_are_the_abstract_arrays():
 
 
 @pytest.mark.parametrize(("model", "layers", "remat", "seq", "attention_block"), [
-    ("qwen3-0.6b", 2, "none", 192, None), ("qwen3-0.6b", 2, "full", 192, None), ("qwen3-0.6b", 2, "full", 256, 256),
-    ("qwen3-30b-a3b", 1, "none", 256, 256), ("gemma3-1b", 2, "none", 256, 256),
+    ("qwen3-0.6b", 2, "none", 192, None), pytest.param("qwen3-0.6b", 2, "full", 192, None, marks=pytest.mark.large),
+    ("qwen3-0.6b", 2, "full", 256, 256), pytest.param("qwen3-30b-a3b", 1, "none", 256, 256, marks=pytest.mark.large),
+    pytest.param("gemma3-1b", 2, "none", 256, 256, marks=pytest.mark.large),
 ])
 def test_the_plans_executed_flops_are_the_compilers(model, layers, remat, seq, attention_block):
     """The roofline's FLOPs (metrics.LoraFlops.executed_per_token: the model's, remat's recompute, the masked
@@ -137,6 +136,7 @@ def test_adapters_are_split_over_fsdp_where_that_shrinks_their_shards(variable, 
     assert mesh_lib.variable_sharding(mesh, held).spec == PartitionSpec(*spec)
 
 
+@pytest.mark.large
 def test_expert_parallel_step_sends_tokens_not_weights_on_v6e():
     """Two layers of Qwen3 30B-A3B's width on v6e-8, one row of 1,024 tokens per chip: the FSDP-style step
     (mesh.expert=1) gathers every expert's weights for every pass; the expert-parallel one (mesh.expert=8) sends
