@@ -118,7 +118,7 @@ def test_the_flops_model_counts_the_blocks_the_kernel_computes(length):
     """metrics.causal_block_share against the kernel's own schedule: the blocks its forward and its fused backward
     pass (the query and key/value gradients together: no dq pass of its own) visit (the mask info's non-empty
     blocks)."""
-    kernel = splash._kernel(1, length, None, False)
+    kernel = splash._kernel(1, length, HEAD_DIM, None, False)
     blocks = length // splash.block_size(length)
     assert kernel.dq_mask_info is None
     for info in (kernel.fwd_mask_info, kernel.dkv_mask_info):
@@ -164,3 +164,12 @@ def test_segment_ids_name_each_sequence_and_keep_padding_apart():
         splash.segment_ids(models.attention_mask(segments)),
         [[0, 0, 2, 2, 2, splash.PADDING_SEGMENT, splash.PADDING_SEGMENT], [0] * 7],
     )
+
+
+@pytest.mark.parametrize(("length", "head_dim", "block"), [
+    (2048, 128, 1024), (2048, 256, 1024), (2048, 512, 512), (8192, 512, 512), (384, 512, 128), (256, 1024, 256),
+])
+def test_blocks_shrink_for_wide_heads_to_stay_in_the_kernels_scoped_vmem(length, head_dim, block):
+    """The largest block that divides the length and keeps positions x head size within BLOCK_AREA (Gemma 4's global
+    layers, 512 wide, overflowed the v5e kernel's 16 MiB at 1,024 positions), never under one 128-block."""
+    assert splash.block_size(length, head_dim) == block

@@ -181,5 +181,6 @@ def splash_in_interpreter() -> Iterator[None]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(splash, "applies", applies)
-        patch.setattr(splash, "_kernel", lambda heads, length, window, interpret: kernel(heads, length, window, True))
+        patch.setattr(splash, "_kernel", lambda heads, length, head_dim, window, interpret: kernel(
+            heads, length, head_dim, window, True))
         yield

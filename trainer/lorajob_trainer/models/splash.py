@@ -34,6 +34,10 @@ LARGEST_BLOCK = 1024
 fused backward kernel ran a causal forward + backward at 2,048 positions in 0.74-0.75 of the time of MaxText's
 default (512 everywhere, dq in a kernel of its own); 2,048-position query blocks overflow the kernel's VMEM
 (bench/splash_blocks.py, bench/results/v5e-splash-blocks-2026-12-06.json)."""
+BLOCK_AREA = LARGEST_BLOCK * 256
+"""Positions x head size of the largest block the kernel's scoped VMEM (16 MiB on v5e) holds: a head size of 512
+(Gemma 4's global layers) overflowed it at 1,024 positions (17.91 MB, the forward kernel on v5e), so its blocks
+are 512 positions."""
 COMPUTE_BLOCK = 512
 """The slice of a key block each inner step of the kernel computes."""
 FORWARD_KERNEL = "splash_mha_fwd"
@@ -90,17 +94,18 @@ def _attend(
     query: jax.Array, key: jax.Array, value: jax.Array, segments: jax.Array, *, window: int | None, interpret: bool
 ) -> jax.Array:
     """The kernel over sequences held here: query [B, N, T, H], key and value [B, K, T, H] -> [B, N, T, H]."""
-    heads, length = query.shape[1], query.shape[2]
-    kernel = _kernel(heads, length, window if window is not None and window < length else None, interpret)
+    heads, length, head_dim = query.shape[1:]
+    kernel = _kernel(heads, length, head_dim, window if window is not None and window < length else None, interpret)
     return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash_kernel.SegmentIds(s, s)))(
         query, key, value, segments
     )
 
 
-def block_size(length: int) -> int:
-    """The kernel's blocks (query and key, forward and backward) for `length` positions, a multiple of `BLOCK`:
-    the largest of 1,024, 512, 256 and 128 that divides it."""
-    return max(size for size in (LARGEST_BLOCK, 4 * BLOCK, 2 * BLOCK, BLOCK) if length % size == 0)
+def block_size(length: int, head_dim: int = BLOCK) -> int:
+    """The kernel's blocks (query and key, forward and backward) for `length` positions of `head_dim`, a multiple
+    of `BLOCK`: the largest of 1,024, 512, 256 and 128 that divides it and keeps within `BLOCK_AREA`."""
+    return max(size for size in (LARGEST_BLOCK, 4 * BLOCK, 2 * BLOCK, BLOCK)
+               if length % size == 0 and (size == BLOCK or size * head_dim <= BLOCK_AREA))
 
 
 def ran_in(compiled_text: str) -> bool:
@@ -108,12 +113,14 @@ def ran_in(compiled_text: str) -> bool:
     return FORWARD_KERNEL in compiled_text
 
 
-def _kernel(heads: int, length: int, window: int | None, interpret: bool) -> splash_kernel.SplashAttentionKernel:
-    """The kernel for `heads` heads of `length` positions, causal or within a sliding `window`, made anew in each
+def _kernel(
+    heads: int, length: int, head_dim: int, window: int | None, interpret: bool
+) -> splash_kernel.SplashAttentionKernel:
+    """The kernel for `heads` heads of `length` positions of `head_dim`, causal or within a sliding `window`, made anew in each
     trace: it holds its block masks as arrays, which inside a trace are that trace's values, so a kernel kept from
     one trace fails in the next (UnexpectedTracerError). The masks' block analysis, the costly part, is cached by
     JAX's own mask processing (splash_attention_mask_info's process_mask)."""
-    block = block_size(length)
+    block = block_size(length, head_dim)
     compute = min(block, COMPUTE_BLOCK)
     if window is None:
         head_mask = splash_mask.CausalMask((length, length))
