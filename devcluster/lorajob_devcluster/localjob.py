@@ -26,6 +26,8 @@ class Assets:
     model: Path
     data: Path
     outputs: Path
+    compilation_cache: Path | None = None
+    """The LoRAJobs' output.compilationCache (None: the default, under `outputs`)."""
 
     def layout(self, run: str) -> RunLayout:
         """Where the LoRAJob `run` writes under `outputs` (its `baseOutputDirectory`)."""
@@ -46,12 +48,13 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def write_assets(directory: Path, *, train_rows: int = 400, eval_rows: int = 40) -> Assets:
+def write_assets(directory: Path, *, train_rows: int = 400, eval_rows: int = 40,
+                 compilation_cache: Path | None = None) -> Assets:
     """The tiny model (generated once per directory), the dataset, and where runs write; absolute paths."""
     from lorajob_trainer import demo, tiny
 
     directory = directory.absolute()
-    assets = Assets(directory / "model", directory / "data", directory / "runs")
+    assets = Assets(directory / "model", directory / "data", directory / "runs", compilation_cache)
     if not (assets.model / "config.json").is_file():
         tiny.make_tiny_checkpoint("qwen3", assets.model)
     _write_jsonl(assets.data / "train.jsonl", demo.arithmetic_rows(train_rows))
@@ -78,7 +81,8 @@ def lorajob(name: str, assets: Assets, *, steps: int = 30, checkpoint_period: in
                 "backend": "mcjax", "cpuNodePool": topology.LOCAL_CPU_NP.name,
                 "tpu": {"machineType": MACHINE_TYPE, "topology": pool.tpu_topology},
             },
-            "output": {"baseOutputDirectory": str(assets.outputs)},
+            "output": {"baseOutputDirectory": str(assets.outputs),
+                       **({"compilationCache": str(assets.compilation_cache)} if assets.compilation_cache else {})},
             "scheduling": {"queueName": queue, "terminationGracePeriodSeconds": 30},
         },
     }

@@ -23,10 +23,12 @@ from lorajob_trainer.contract.records import (
     BOUNDS,
     CHECKPOINT_SELECTORS,
     COLUMN_LAYOUTS,
+    COMPILATION_CACHE_DIRECTORY,
     DEFAULTS,
     DORA_NEEDS_FULL_PRECISION,
     ExportGate,
     RematSetting,
+    join,
 )
 
 GROUP = "lorajob.dev"
@@ -37,9 +39,9 @@ SHORT_NAMES = ("lj",)
 
 DNS_LABEL_MAX = names.DNS_LABEL_MAX
 PATH_MAX = 1024
+"""Bound on every path/URI string: CEL cost estimation needs a maximum length on each string."""
 CHECKPOINTS_LISTED = 32
 """Bound on status.checkpoints (the trainer keeps max_num_checkpoints_to_keep newest, 3 by default, and the best)."""
-"""Bound on every path/URI string: CEL cost estimation needs a maximum length on each string."""
 
 # Value types a LoRAJob and a LoRAJobPolicy share.
 QueueName = Annotated[str, Field(max_length=DNS_LABEL_MAX, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
@@ -335,6 +337,12 @@ class OutputSpec(_Model):
 
     base_output_directory: StoragePath
     """baseOutputDirectory is a gs:// URI or an absolute path; the run writes under <baseOutputDirectory>/<runName>/."""
+    compilation_cache: StoragePath | None = Field(default=None, alias="compilationCache")
+    """compilationCache is where the train step keeps JAX's persistent compilation cache (a gs:// URI or an absolute path): a retry, a resume after a suspend or preemption, and any later run of the same model, shapes and slice load their compiled programs from it instead of compiling again. Defaults to <baseOutputDirectory>/_compilation-cache, shared by the runs under it. Whoever can write there can make the trainer run code: share it only among jobs that trust each other. Unused by the pathways backend, whose programs the Pathways server compiles."""
+
+    @property
+    def compilation_cache_path(self) -> str:
+        return self.compilation_cache or join(self.base_output_directory, COMPILATION_CACHE_DIRECTORY)
 
 
 class ExportSpec(_Model):

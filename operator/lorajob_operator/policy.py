@@ -97,8 +97,8 @@ class OutputPolicy(_Model):
     """Where runs may write."""
 
     allowed_prefixes: list[api.StoragePath] = Field(default_factory=list, max_length=32)
-    """allowedPrefixes (gs:// URIs or absolute paths) that spec.output.baseOutputDirectory and spec.export.path must be
-    under (equal to a prefix or below it at a '/' boundary); empty allows any."""
+    """allowedPrefixes (gs:// URIs or absolute paths) that spec.output.baseOutputDirectory, spec.output.compilationCache
+    and spec.export.path must be under (equal to a prefix or below it at a '/' boundary); empty allows any."""
 
 
 class PolicyDefaults(_Model):
@@ -271,9 +271,22 @@ def _tpu_allowance_text(allowance: TpuAllowance) -> str:
     return f"{allowance.machine_type} ({', '.join(allowance.topologies) or 'any topology'})"
 
 
+def _under_allowed_prefix(field: str, path: Callable[[api.LoRAJobSpec], str | None], present: str = "") -> PolicyRule:
+    """outputs.allowedPrefixes for the storage path at `field`, where the LoRAJob sets it (`present`: the CEL test
+    that it is set, for an optional field)."""
+    cel = "object." + field
+    return PolicyRule(
+        "outputs.allowedPrefixes",
+        Predicate(lambda c: bool(c.rules.outputs.allowed_prefixes) and path(c.spec) is not None,
+                  " && ".join(filter(None, ["size(params.spec.outputs.allowedPrefixes) > 0", present]))),
+        Predicate(lambda c: any(_under_prefix(path(c.spec), p) for p in c.rules.outputs.allowed_prefixes),
+                  _under_prefix_cel(cel)),
+        (f"{field} ", *_quoted(Value(lambda c: path(c.spec), cel)), " is not under an allowed prefix: ", _ALLOWED_PREFIXES),
+    )
+
+
 _HAS_TPU = "has(object.spec.compute.tpu)"
 _TPU = "object.spec.compute.tpu"
-_HAS_EXPORT_PATH = "has(object.spec.export) && has(object.spec.export.path)"
 
 _ALLOWED_QUEUES = Value(lambda c: ", ".join(c.rules.queues.allowed), "params.spec.queues.allowed.join(', ')")
 _ALLOWED_PREFIXES = Value(
@@ -346,37 +359,11 @@ RULES: tuple[PolicyRule, ...] = (
             " are allowed per LoRAJob in this namespace",
         ),
     ),
-    PolicyRule(
-        "outputs.allowedPrefixes",
-        Predicate(lambda c: bool(c.rules.outputs.allowed_prefixes), "size(params.spec.outputs.allowedPrefixes) > 0"),
-        Predicate(
-            lambda c: any(_under_prefix(c.spec.output.base_output_directory, p) for p in c.rules.outputs.allowed_prefixes),
-            _under_prefix_cel("object.spec.output.baseOutputDirectory"),
-        ),
-        (
-            "spec.output.baseOutputDirectory ",
-            *_quoted(Value(lambda c: c.spec.output.base_output_directory, "object.spec.output.baseOutputDirectory")),
-            " is not under an allowed prefix: ",
-            _ALLOWED_PREFIXES,
-        ),
-    ),
-    PolicyRule(
-        "outputs.allowedPrefixes",
-        Predicate(
-            lambda c: bool(c.rules.outputs.allowed_prefixes) and c.spec.export.path is not None,
-            f"size(params.spec.outputs.allowedPrefixes) > 0 && {_HAS_EXPORT_PATH}",
-        ),
-        Predicate(
-            lambda c: any(_under_prefix(c.spec.export.path, p) for p in c.rules.outputs.allowed_prefixes),
-            _under_prefix_cel("object.spec.export.path"),
-        ),
-        (
-            "spec.export.path ",
-            *_quoted(Value(lambda c: c.spec.export.path, "object.spec.export.path")),
-            " is not under an allowed prefix: ",
-            _ALLOWED_PREFIXES,
-        ),
-    ),
+    _under_allowed_prefix("spec.output.baseOutputDirectory", lambda spec: spec.output.base_output_directory),
+    _under_allowed_prefix("spec.export.path", lambda spec: spec.export.path,
+                          "has(object.spec.export) && has(object.spec.export.path)"),
+    _under_allowed_prefix("spec.output.compilationCache", lambda spec: spec.output.compilation_cache,
+                          "has(object.spec.output.compilationCache)"),
 )
 
 _ADMISSION_VARIABLES: tuple[tuple[str, str], ...] = (

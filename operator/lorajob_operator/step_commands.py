@@ -86,6 +86,7 @@ def train_config(spec: api.LoRAJobSpec, run: str) -> TrainConfig:
         "early_stopping_patience": training.early_stopping.patience if training.early_stopping else 0,
         "early_stopping_min_delta": training.early_stopping.min_delta if training.early_stopping else 0.0,
         "progress_lines": True,
+        "compilation_cache_dir": "" if spec.compute.backend == api.Backend.pathways else spec.output.compilation_cache_path,
         "checkpoint_storage_use_zarr3": spec.model.checkpoint_storage.use_zarr3,
         "checkpoint_storage_use_ocdbt": spec.model.checkpoint_storage.use_ocdbt,
         "generation_eval": _generation_eval(spec.evaluation),

@@ -10,6 +10,7 @@ exported)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -31,7 +32,9 @@ SLOW_STEPS = {"steps": 30, "perDeviceBatchSize": 8, "maxTargetLength": 256, "gra
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> localjob.Assets:
-    return localjob.write_assets(tmp_path_factory.mktemp("real-pods"), train_rows=200, eval_rows=8)
+    """The runs share the tests' JAX compilation cache (tests/conftest.py), as runs under one output directory do."""
+    return localjob.write_assets(tmp_path_factory.mktemp("real-pods"), train_rows=200, eval_rows=8,
+                                 compilation_cache=Path(os.environ["JAX_COMPILATION_CACHE_DIR"]))
 
 
 @pytest.fixture(scope="module")

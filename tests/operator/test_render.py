@@ -370,3 +370,17 @@ def test_evaluation_reaches_the_trainer_and_the_export_gate_the_export_step():
     assert gate == ["--evaluation", "/runs/r/evaluation.json", "--require-improvement", "--minimum-stop-rate", "0.95"]
     assert not step_commands.train_config(parsed(lorajob()), "r").generation_eval.enabled
     assert "--evaluation" not in step_commands.export_command(parsed(lorajob()), "r")
+
+
+@pytest.mark.parametrize("backend", ["mcjax", "gpu"])
+def test_the_train_step_keeps_compiled_programs_beside_the_runs_or_where_the_spec_says(backend):
+    default = parsed(lorajob(spec=spec_dict(compute=compute(backend))))
+    assert step_commands.train_config(default, "r").compilation_cache_dir == "gs://bucket/runs/_compilation-cache"
+    own = parsed(lorajob(spec=spec_dict(compute=compute(backend), output={
+        "baseOutputDirectory": "gs://bucket/runs", "compilationCache": "gs://shared/jax-cache"})))
+    assert step_commands.train_config(own, "r").compilation_cache_dir == "gs://shared/jax-cache"
+
+
+def test_a_pathways_train_step_leaves_compiling_to_the_pathways_server():
+    spec = parsed(lorajob(spec=spec_dict(compute=compute("pathways"))))
+    assert step_commands.train_config(spec, "r").compilation_cache_dir == ""

@@ -92,6 +92,8 @@ CASES = {
     "output-outside": {"output__baseOutputDirectory": "gs://my-bucket/lorajob-other"},
     "output-prefix-itself": {"output__baseOutputDirectory": "/mnt/team-a"},
     "export-outside": {"export": {"path": "gs://elsewhere/adapter"}},
+    "compilation-cache-outside": {"output__compilationCache": "gs://shared/jax-cache"},
+    "compilation-cache-inside": {"output__compilationCache": "gs://my-bucket/lorajob/jax-cache"},
     "gpu-ignores-tpu-rules": {"compute": {"backend": "gpu", "gpu": {"accelerator": "nvidia-h100-80gb", "nodes": 2}}},
 }
 

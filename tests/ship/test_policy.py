@@ -81,8 +81,15 @@ def test_the_example_satisfies_the_strict_policy():
             "outputs.allowedPrefixes",
             'spec.export.path "gs://elsewhere/adapter" is not under an allowed prefix: gs://my-bucket/lorajob, /mnt/team-a/',
         ),
+        (
+            {"output__compilationCache": "gs://shared/jax-cache"},
+            "outputs.allowedPrefixes",
+            'spec.output.compilationCache "gs://shared/jax-cache" is not under an allowed prefix: '
+            "gs://my-bucket/lorajob, /mnt/team-a/",
+        ),
     ],
-    ids=["queue-not-allowed", "queue-missing", "topology", "machine-type", "slices", "output-prefix-boundary", "export-path"],
+    ids=["queue-not-allowed", "queue-missing", "topology", "machine-type", "slices", "output-prefix-boundary", "export-path",
+         "compilation-cache"],
 )
 def test_each_rule_names_itself_and_says_what_is_allowed(changes, rule, message):
     found = policy.violations([STRICT], TEAM_A, lorajob_spec(**changes))

@@ -457,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     except distributed.DistributedConfigError as error:
         print(f"distributed config error: {error}", file=sys.stderr)
         return exit_codes.CONFIG
+    if config.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
     started = time.time()
     try:
         result = train(config)

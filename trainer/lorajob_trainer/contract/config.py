@@ -299,6 +299,9 @@ class TrainConfig(_Section):
     progress_lines: bool = False
     """Print each progress update as one `LORAJOB_PROGRESS {json}` line on stdout for the operator, which
     reads it from the pod log (the pods it renders turn this on); a person gets a progress bar instead."""
+    compilation_cache_dir: str = ""
+    """JAX's persistent compilation cache (a local path or gs:// URI): compiled programs are read from it instead of
+    compiled again, and written to it. Empty: JAX's own setting (JAX_COMPILATION_CACHE_DIR)."""
     peak_tflops_per_device: float | None = Field(None, gt=0)
     """Peak dense TFLOP/s of one device for MFU; None = look up the device kind."""
 

@@ -90,6 +90,11 @@ def join(base: str, *parts: str) -> str:
     return "/".join([base.rstrip("/"), *parts])
 
 
+COMPILATION_CACHE_DIRECTORY = "_compilation-cache"
+"""The default of a LoRAJob's output.compilationCache, under its base output directory beside the runs (no run name
+has an underscore)."""
+
+
 @dataclass(frozen=True)
 class RunLayout:
     """Where a run writes: everything under `<base_output_directory>/<run_name>/`."""
