@@ -69,10 +69,14 @@ def pytest_collection_modifyitems(config, items):
 
 def _slow_modules_first(items) -> None:
     """Under `--dist loadfile` a module runs whole on one worker, and xdist hands the modules out in collection
-    order (`--no-loadscope-reorder`). Modules holding a test marked `slow` go first, so the short ones fill in
-    beside them instead of one long module running alone at the end of the suite."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
+    order (`--no-loadscope-reorder`). Modules holding a test marked `slow` go first, the longest first by the
+    markers' `minutes` (a module's whole time; a slow test alone counts 1), so that the short ones fill in beside
+    them instead of one long module running alone at the end of the suite."""
+    minutes: dict[Path, float] = {}
+    for item in items:
+        for marker in item.iter_markers("slow"):
+            minutes[item.path] = max(minutes.get(item.path, 0), marker.kwargs.get("minutes", 1))
+    items.sort(key=lambda item: -minutes.get(item.path, 0))
 
 
 def _build_before_tests(config, components: tuple[str, ...]) -> None:

@@ -41,7 +41,7 @@ OFFLINE_CASES = 2000
 SERVER_CASES = 200
 NAMESPACE = "api-fuzz"
 # celpy's parser raises the recursion limit while hypothesis runs a case; hypothesis warns it cannot reset it.
-pytestmark = pytest.mark.filterwarnings("ignore:The recursion limit will not be reset")
+pytestmark = [pytest.mark.filterwarnings("ignore:The recursion limit will not be reset"), pytest.mark.slow(minutes=3)]
 
 
 def fuzz(cases: int) -> settings:

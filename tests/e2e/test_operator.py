@@ -15,7 +15,7 @@ from lorajob_devcluster import HANG_IMAGE, SLOW_IMAGE, failing_image
 from lorajob_operator import api, jobsets, names
 from lorajob_operator.settings import RenderSettings
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.slow(minutes=4)]
 PHASES = {"Pending", "Queued", "Converting", "Training", "Exporting", "Succeeded", "Failed", "Suspended"}
 CLUSTER_QUEUE = "lorajob-cluster-queue"
 

@@ -23,7 +23,7 @@ from lorajob_devcluster.topology import LOCAL_CPU_NP, LOCAL_V6E_2X4
 from lorajob_trainer import metrics
 from lorajob_trainer.contract import exit_codes
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow(minutes=10)]
 STEPS = 8
 TIMEOUT = 600
 """Bound on each wait for a chain's next state: minutes of compiles and pod start-ups, which take 2-3 times as long

@@ -16,6 +16,8 @@ from lorajob_trainer import loading, lora, models, remat
 from lorajob_trainer import step as step_lib
 from lorajob_trainer import loss as loss_lib
 
+pytestmark = pytest.mark.slow(minutes=4)
+
 LENGTH = 24
 
 

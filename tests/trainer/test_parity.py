@@ -18,7 +18,7 @@ from lorajob_trainer import convert, export, loading, lora, models, tiny
 from lorajob_trainer.checkpoint import CheckpointMetadata
 from trainer_testkit import GEMMA4_SHAPES, gemma4_checkpoint
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.slow(minutes=5)]
 FAMILIES = ["qwen3", "llama3", "gemma3", "qwen3-moe"]
 ATOL = 1e-4
 SEQ = 40  # longer than the tiny Gemma 3 sliding window (4) and Llama 3.1's original context (64 / 4)

@@ -17,6 +17,8 @@ import yaml
 from lorajob_operator import planning
 from lorajob_trainer.contract import catalog, fit, records
 
+pytestmark = pytest.mark.slow(minutes=4)
+
 LORAJOB = """
 apiVersion: lorajob.dev/v1alpha1
 kind: LoRAJob

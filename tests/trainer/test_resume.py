@@ -25,6 +25,8 @@ from lorajob_trainer.contract import exit_codes
 from lorajob_trainer import train as train_lib
 from lorajob_trainer.contract.config import TrainConfig
 
+pytestmark = pytest.mark.slow(minutes=3)
+
 STEPS = 40
 PERIOD = 5
 TIMEOUT_S = 600

@@ -23,6 +23,8 @@ from lorajob_trainer import plan
 from lorajob_trainer.contract import catalog
 from lorajob_trainer.contract.config import TrainConfig
 
+pytestmark = pytest.mark.slow(minutes=6)
+
 TOPOLOGY = "v6e:2x2"
 SEQ = 1024
 MARGIN = 1.5
