@@ -48,7 +48,7 @@ PROFILED_STEPS = 3
 CHILD_TIMEOUT_S = 420
 """Rows took 80-135 s on the chip machine (a compile of 45-75 s on its 13 cores), 200-300 s while random weights
 were still made one threefry kernel per weight."""
-ATTENTION_KERNEL = "splash 1024 blocks, fused backward"
+ATTENTION_KERNEL = "splash 1024 blocks (512 for heads over 128), fused backward"
 """How the step's splash kernel is configured (models/splash.py), recorded with each result: results measured
 before its change say "splash 512 blocks, dq kernel apart"."""
 COMPILATION_CACHE = "/tmp/chip-bench-compilation-cache"
@@ -71,15 +71,18 @@ class Row:
     """Batches from the trainer's data loader, not a fixed one."""
     layers: int | None = None
     """The model's first `layers` decoder layers at its real widths (catalog.at_depth): a MoE that fits one chip."""
+    experts: int | None = None
+    """The routed experts cut to this many, their widths and the experts per token kept: Gemma 4 26B's shortest
+    period (6 layers) holds 9.1 GB of experts, too many for one v5e chip beside its 1.5 GB embedding."""
     expert_adapter_kernel: str | None = None
-    """The routed experts' adapters in this grouped-matmul kernel (experts.use_adapter_kernel), not the platform's."""
+    """The routed experts' adapters in this grouped-matmul kernel (experts.use_adapter_kernel), not `ragged_dot`."""
     plan_of: str | None = None
-    """The row whose plan this one runs with: the plan compiles the kernel the platform gets."""
+    """The row whose plan this one runs with: the plan compiles the trainer's kernel."""
 
     @property
     def hf_config(self) -> dict:
         """The model's config.json: the catalogue's released facts, or a tiny test model's (lorajob_trainer.tiny),
-        cut to `layers`."""
+        cut to `layers` and `experts`."""
         from lorajob_trainer import tiny
         from lorajob_trainer.contract import catalog
 
@@ -87,7 +90,9 @@ class Row:
             config = tiny.tiny_config(self.model.removeprefix("tiny-"))
         else:
             config = catalog.released_config(self.model)
-        return config if self.layers is None else catalog.at_depth(config, self.layers)
+        if self.layers is not None:
+            config = catalog.at_depth(config, self.layers)
+        return config if self.experts is None else dict(config, num_experts=self.experts)
 
     def config_values(self, remat: str) -> dict:
         return {
@@ -109,11 +114,12 @@ ROWS = {
     "llama3.1-8b-int4/1x2048": Row("llama3.1-8b", 1, 2048, "int4"),
     "llama3.1-8b-int4/1x8192": Row("llama3.1-8b", 1, 8192, "int4"),
     "qwen3-30b-a3b-6layers/4x2048": Row("qwen3-30b-a3b", 4, 2048, layers=6),
-    "qwen3-30b-a3b-6layers/4x2048/ragged-dot": Row("qwen3-30b-a3b", 4, 2048, layers=6, expert_adapter_kernel="xla",
-                                                   plan_of="qwen3-30b-a3b-6layers/4x2048"),
-    "gemma4-26b-6layers/2x2048": Row("gemma4-26b", 2, 2048, layers=6),
-    "gemma4-26b-6layers/2x2048/ragged-dot": Row("gemma4-26b", 2, 2048, layers=6, expert_adapter_kernel="xla",
-                                                plan_of="gemma4-26b-6layers/2x2048"),
+    "qwen3-30b-a3b-6layers/4x2048/megablox": Row("qwen3-30b-a3b", 4, 2048, layers=6, expert_adapter_kernel="pallas",
+                                                 plan_of="qwen3-30b-a3b-6layers/4x2048"),
+    "gemma4-26b-6layers-64experts/2x2048": Row("gemma4-26b", 2, 2048, layers=6, experts=64),
+    "gemma4-26b-6layers-64experts/2x2048/megablox": Row(
+        "gemma4-26b", 2, 2048, layers=6, experts=64, expert_adapter_kernel="pallas",
+        plan_of="gemma4-26b-6layers-64experts/2x2048"),
 }
 PLANNED_ROWS = [name for name, row in ROWS.items() if row.plan_of is None]
 
@@ -345,9 +351,27 @@ or the JAX operation it came from (megablox' kernels are named gmm and tgmm)."""
 GROUPED_MATMUL_FIELDS = ("long_name", "tf_op", "source")
 
 
+def self_times(events: list[dict]) -> list[tuple[dict, float]]:
+    """Each complete event of one track with its own time: its duration less that of the events nested in it (a
+    while loop's or a conditional's event spans the ops of its body, which have events of their own)."""
+    ordered = sorted(events, key=lambda event: (float(event["ts"]), -float(event.get("dur", 0.0))))
+    durations = [float(event.get("dur", 0.0)) for event in ordered]
+    ends = [float(event["ts"]) + duration for event, duration in zip(ordered, durations)]
+    own = list(durations)
+    enclosing: list[int] = []
+    for index, event in enumerate(ordered):
+        while enclosing and ends[enclosing[-1]] <= float(event["ts"]):
+            enclosing.pop()
+        if enclosing:
+            own[enclosing[-1]] -= durations[index]
+        enclosing.append(index)
+    return list(zip(ordered, own))
+
+
 def op_breakdown(profile_dir: Path, top: int = 25) -> dict:
     """Device time by op name from the newest Perfetto JSON trace under `profile_dir`: the events of the TPU's
-    tracks ("/device:TPU:0" processes), summed by name, and the share of each."""
+    tracks ("/device:TPU:0" processes), each counted for its own time (`self_times`: a loop is not counted again
+    beside the ops of its body), summed by name, and the share of each."""
     traces = sorted(profile_dir.rglob("*trace.json.gz"), key=lambda p: p.stat().st_mtime)
     if not traces:
         return {"error": f"no Perfetto trace under {profile_dir}"}
@@ -357,14 +381,16 @@ def op_breakdown(profile_dir: Path, top: int = 25) -> dict:
                    and "TPU" in str(event.get("args", {}).get("name", ""))}
     threads = {(event["pid"], event["tid"]): event["args"]["name"] for event in events
                if event.get("ph") == "M" and event.get("name") == "thread_name"}
+    on_track: dict[str, list[dict]] = {}
+    for event in events:
+        if event.get("ph") == "X" and event.get("pid") in device_pids:
+            on_track.setdefault(threads.get((event["pid"], event.get("tid")), str(event.get("tid"))), []).append(event)
     by_track: dict[str, Counter] = {}
     categories: dict[str, Counter] = {}
     grouped: dict[str, Counter] = {}
     details: dict[str, dict] = {}
-    for event in events:
-        if event.get("ph") == "X" and event.get("pid") in device_pids:
-            track = threads.get((event["pid"], event.get("tid")), str(event.get("tid")))
-            duration = float(event.get("dur", 0.0))
+    for track, track_events in on_track.items():
+        for event, duration in self_times(track_events):
             by_track.setdefault(track, Counter())[event["name"]] += duration
             args = event.get("args") or {}
             category = args.get("hlo_category") or args.get("category") or "-"
@@ -379,7 +405,7 @@ def op_breakdown(profile_dir: Path, top: int = 25) -> dict:
         return {"error": "no 'XLA Ops' track in the trace", "tracks": sorted(by_track)}
     ops = by_track[ops_track]
     total = sum(ops.values())
-    return {"track": ops_track, "device_us_per_step": total / PROFILED_STEPS,
+    return {"track": ops_track, "device_us_per_step": total / PROFILED_STEPS, "counted": "self time",
             "top": [(name, us / PROFILED_STEPS, us / total) for name, us in ops.most_common(top)],
             "categories": [(name, us / PROFILED_STEPS, us / total) for name, us in categories[ops_track].most_common()],
             "grouped_matmul": [(kernel, us / PROFILED_STEPS, us / total)
@@ -498,6 +524,9 @@ def print_profiles(results: list[dict]) -> None:
             continue
         print(f"profile of {result['row']}: {profile['device_us_per_step'] / 1e3:.1f} ms of chip time per step "
               f"({profile['track']}), largest ops:")
+        if profile.get("counted") != "self time":
+            print("  (recorded before 2026-12-07: a loop counted whole beside the ops of its body, so the total and "
+                  "the shares are of a sum that counts the scanned layers twice)")
         for name, us, share in profile["top"]:
             print(f"  {us / 1e3:9.2f} ms  {100 * share:5.1f} %  {name[:40]}  {profile['details'].get(name, {})}"[:300])
         print("  by category:")

@@ -9,9 +9,10 @@ length, number of slices); `--expert N` compiles ours with mesh.expert=N (MoE ex
 as the trainer loads them on TPU. For each it compiles our step (`fit.compile_attempt`: the trainer's own jitted
 step, layers scanned, and the plan's roofline: predicted tokens/s per chip and MFU ceiling) and, in the same run,
 MaxText 0.2.5's LoRA step (`bench/maxtext/train_compile.py`, MaxText's venv from `bench/maxtext/setup.sh`; float32
-weights, MaxText's default, unless `--maxtext-weight-dtype`), and prints one row per case: arguments, temporaries
-and total per chip for both, the ratio, whether ours fits the chip's HBM less the plan's margin, and the compile
-times. Total = arguments + outputs not aliased to them + temporaries. `--smallest model:seq` compiles ours on
+weights, MaxText's default, unless `--maxtext-weight-dtype`; its full fine-tune where its LoRA step does not build),
+and prints one row per case: arguments, temporaries and total per chip for both, the ratio, whether ours fits the
+chip's HBM less the plan's margin, what each device sends per step by collective kind (both counted from the
+compiled HLO by lorajob_trainer.collectives), and the compile times. Total = arguments + outputs not aliased to them + temporaries. `--smallest model:seq` compiles ours on
 v6e slices from the smallest up and reports the first that fits (then MaxText on that slice).
 """
 
@@ -171,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = args.cases if args.cases is not None else ([] if args.smallest else DEFAULT_CASES)
     rows = []
     header = ("model", "slice", "seq", "base", "expert", "ours weights", "ours args", "ours temp", "ours total", "fits",
-              "tok/s/chip", "MFU", "sent GB/chip", "ours compile s", "MaxText total", "MaxText temp", "ratio",
-              "MaxText compile s")
+              "tok/s/chip", "MFU", "sent GB/chip", "ours compile s", "MaxText step", "MaxText total", "MaxText temp",
+              "ratio", "MaxText sent GB/chip", "MaxText compile s")
     print(" | ".join(header), flush=True)
 
     def report(model: str, slice_name: str, seq: int, slices: int, mine: dict) -> None:
@@ -181,8 +182,15 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_maxtext:
             import train_compile
 
-            row["maxtext"] = train_compile.run(model, slice_name, num_slices=slices, seq=seq,
-                                               weight_dtype=args.maxtext_weight_dtype)
+            theirs = train_compile.run(model, slice_name, num_slices=slices, seq=seq,
+                                       weight_dtype=args.maxtext_weight_dtype)
+            if not theirs["ok"] and "compile_s" not in theirs and "timeout" not in str(theirs.get("reason")):
+                # Its LoRA step did not build (nothing was compiled): its full fine-tune, the nearest step it has.
+                lora_reason = theirs.get("reason")
+                theirs = train_compile.run(model, slice_name, num_slices=slices, seq=seq,
+                                           weight_dtype=args.maxtext_weight_dtype, lora=False)
+                theirs["lora_reason"] = lora_reason
+            row["maxtext"] = theirs
         rows.append(row)
         print(_line(row), flush=True)
 
@@ -244,12 +252,14 @@ def _line(row: dict) -> str:
                 f"{ours_row['tokens_per_second_per_chip']:,.0f}", f"{ours_row['mfu']:.1%} ({ours_row['bound']})", sent,
                 f"{ours_row['compile_s']:.0f}"]
     their_total = theirs.get("total_per_chip_bytes")
+    mode = theirs.get("mode", "-") + (" (its LoRA step did not build)" if theirs.get("lora_reason") else "")
     if theirs.get("ok") and their_total:
-        theirs_cols = [f"{their_total / 1e9:.2f}", f"{theirs.get('temp_bytes', 0) / 1e9:.2f}",
-                       f"{ours_row.get('total_gb', float('nan')) / (their_total / 1e9):.2f}",
+        their_sent = ", ".join(f"{kind} {value / 1e9:.2f}" for kind, value in theirs.get("collective_bytes", {}).items())
+        theirs_cols = [mode, f"{their_total / 1e9:.2f}", f"{theirs.get('temp_bytes', 0) / 1e9:.2f}",
+                       f"{ours_row.get('total_gb', float('nan')) / (their_total / 1e9):.2f}", their_sent or "-",
                        f"{theirs.get('compile_s', float('nan')):.0f}"]
     else:
-        theirs_cols = [str(theirs.get("reason") or "-")[:80], "", "", ""]
+        theirs_cols = [mode, str(theirs.get("reason") or "-")[:80], "", "", "", ""]
     slice_name = row["slice"] + (f" x {row['slices']}" if row["slices"] > 1 else "")
     return " | ".join([row["model"], slice_name, str(row["seq"]), row["base_quantization"], *mine, *theirs_cols])
 

@@ -13,11 +13,14 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 MAXTEXT_HOME="${LORAJOB_MAXTEXT_HOME:-$HOME/.cache/lorajob-maxtext}"
 VENV="$MAXTEXT_HOME/venv"
 MAXTEXT_SPEC="maxtext[tpu]==0.2.5"
+# MaxText does not pin JAX. The figures in bench/maxtext/README.md were made with jax 0.12.0.1 (libtpu 0.0.50.1);
+# a newer jax can pin a libtpu the registry does not serve yet (jax 0.12.1: libtpu 0.0.53, on 2026-12-07).
+JAX_SPEC="jax==0.12.0.1"
 # PyPI's newest Tunix; MaxText 0.2.5 pins a newer GitHub commit that no registry serves, and Tunix 0.1.7
 # declares safetensors<0.8 while MaxText needs >=0.8, so Tunix goes in without its dependency resolution.
 TUNIX_SPEC="google-tunix==0.1.7"
 STAMP="$VENV/.lorajob-installed"
-WANTED="$MAXTEXT_SPEC $TUNIX_SPEC tunix-deps-but-safetensors cpu-jax"
+WANTED="$MAXTEXT_SPEC $JAX_SPEC $TUNIX_SPEC tunix-deps-but-safetensors cpu-jax"
 
 find_python() {
   local candidate
@@ -105,7 +108,7 @@ echo "Using $PYTHON ($("$PYTHON" -V))"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=(nice -n 19 "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off)
 "${PIP[@]}" --upgrade pip
-"${PIP[@]}" "$MAXTEXT_SPEC"
+"${PIP[@]}" "$MAXTEXT_SPEC" "$JAX_SPEC"
 "${PIP[@]}" --no-deps "$TUNIX_SPEC"
 # Tunix's other requirements (it imports perfetto, numba, kagglehub ... at `import tunix`), minus its
 # safetensors pin, which MaxText's transformers overrides.

@@ -6,8 +6,9 @@ runs `maxtext.trainers.pre_train.train_compile` (through `train_compile_wrapper.
 from `setup.sh`, with the libtpu that `setup.sh` installs apart from that venv on PYTHONPATH for this run
 only, and prints one JSON line: the compiler's per-chip argument / output / alias / temp bytes, their total
 (`argument + output - alias + temp`: donated inputs that the outputs reuse counted once), the cost
-analysis' flops (a scanned layer body counted once: MaxText scans its layers by default), the compile
-time, or, when it does not compile, the reason. Stdlib only, so any interpreter runs it; `run()` gives the
+analysis' flops (a scanned layer body counted once: MaxText scans its layers by default), what each device
+sends per step by collective kind (from the compiled HLO, by the trainer's own reader), the compile time, or, when
+it does not compile, the reason. Stdlib only, so any interpreter runs it; `run()` gives the
 same dict to another bench script.
 
 With `--lora` (the default) the wrapper adds MaxText's own LoRA adapters, which `train_compile` alone never
@@ -22,11 +23,26 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WRAPPER = os.path.join(HERE, "train_compile_wrapper.py")
 MARKER = "LORAJOB_TRAIN_COMPILE_RESULT "
+HLO_PATH_VARIABLE = "LORAJOB_TRAIN_COMPILE_HLO"
+"""The wrapper writes the compiled step's HLO text to the file this variable names."""
+COLLECTIVES = os.path.join(HERE, "..", "..", "trainer", "lorajob_trainer", "collectives.py")
+"""The trainer's reader of a compiled step's collectives (stdlib only), loaded by path: the same count as ours."""
+
+
+def collective_bytes(hlo_text):
+    """What one device sends per step, by collective kind, as the trainer's plan counts it for its own step."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lorajob_collectives", COLLECTIVES)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {kind: sent for kind, sent in module.collective_bytes(hlo_text).items() if sent}
 TOTAL_FORMULA = "argument + output - alias + temp"
 FLOPS_NOTE = "cost_analysis()['flops']; a scanned layer body is counted once"
 
@@ -128,23 +144,28 @@ def run(model, topology, num_slices=1, batch=1, seq=1024, rank=16, alpha=32.0, w
     env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     command = [os.path.join(home, "venv", "bin", "python"), WRAPPER, *args]
     result["maxtext_args"] = " ".join(args[1:])
-    started = time.perf_counter()
-    process = subprocess.Popen(
-        command, cwd=home, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, preexec_fn=(lambda: os.nice(niceness)) if niceness else None,
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # the session started above: the compile and its children
-        output, _ = process.communicate()
-        if log:
-            with open(log, "w") as handle:
-                handle.write(output)
+    with tempfile.TemporaryDirectory() as scratch:
+        env[HLO_PATH_VARIABLE] = hlo_path = os.path.join(scratch, "step.hlo")
+        started = time.perf_counter()
+        process = subprocess.Popen(
+            command, cwd=home, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True, preexec_fn=(lambda: os.nice(niceness)) if niceness else None,
+        )
+        try:
+            output, _ = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # the session started above: the compile and its children
+            output, _ = process.communicate()
+            if log:
+                with open(log, "w") as handle:
+                    handle.write(output)
+            result["wall_s"] = round(time.perf_counter() - started, 1)
+            result["reason"] = f"timeout after {timeout_s} s"
+            return result
         result["wall_s"] = round(time.perf_counter() - started, 1)
-        result["reason"] = f"timeout after {timeout_s} s"
-        return result
-    result["wall_s"] = round(time.perf_counter() - started, 1)
+        if os.path.isfile(hlo_path):
+            with open(hlo_path) as handle:
+                result["collective_bytes"] = collective_bytes(handle.read())
     if log:
         with open(log, "w") as handle:
             handle.write(output)

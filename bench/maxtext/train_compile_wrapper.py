@@ -13,14 +13,19 @@ pass, and the figures are a forward pass's (no adapter bytes in the arguments; t
 So with `lora.enable_lora=True` this wraps the model factory that `train_compile` traces to apply MaxText's
 own `apply_lora_to_model` (Qwix, the module paths of `configs/post_train/lora_module_path.yml`, adapters
 replicated as `train_sft` makes them), and reports the adapters it found.
+
+With `HLO_PATH_VARIABLE` set, the compiled step's HLO text is written to that file (train_compile.py counts its
+collectives' bytes with the trainer's own reader).
 """
 
 import json
+import os
 import re
 import sys
 import time
 
 MARKER = "LORAJOB_TRAIN_COMPILE_RESULT "
+HLO_PATH_VARIABLE = "LORAJOB_TRAIN_COMPILE_HLO"
 MEMORY_FIELDS = (
     "argument_size_in_bytes",
     "output_size_in_bytes",
@@ -112,6 +117,9 @@ def main():
         if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
             cost = cost[0] if cost else {}
         result["cost"] = {field: cost.get(field) for field in COST_FIELDS} if cost else {}
+        if os.environ.get(HLO_PATH_VARIABLE):  # the compiled step's HLO, for its collectives' bytes
+            with open(os.environ[HLO_PATH_VARIABLE], "w") as handle:
+                handle.write(compiled.as_text())
         _emit(result)
         return compiled
 

@@ -39,21 +39,28 @@ def test_a_row_is_planned_for_a_v5e_chip_then_measured_through_the_data_loader(c
     assert lines[2].startswith("| tiny/2x256/feed | none | ") and "RESOURCE_EXHAUSTED" in lines[3]
 
 
-def test_the_profile_breakdown_sums_the_chips_op_track(chip_bench, tmp_path):
+def test_the_profile_breakdown_counts_each_op_of_the_chips_op_track_for_its_own_time(chip_bench, tmp_path):
+    """Three steps, each a fusion and a loop whose body runs the kernel, a fusion of the experts' ragged_dot and
+    megablox' tgmm: the loop is counted for its own 20 us, not again for its body's 500."""
+    def step(start: float) -> list[dict]:
+        def op(name, offset, duration, **args):
+            return {"ph": "X", "pid": 1, "tid": 7, "name": name, "ts": start + offset, "dur": duration, "args": args}
+
+        return [
+            op("fusion.1", 0, 600.0, hlo_category="convolution fusion"),
+            op("while.3", 600, 520.0, hlo_category="while"),
+            op("splash_mha_fwd", 610, 300.0, hlo_category="custom-call"),
+            op("fusion.9", 910, 150.0, hlo_category="convolution fusion",
+               tf_op="jit(step)/jvp(experts)/ragged_dot_general"),
+            op("tgmm", 1060, 50.0, hlo_category="custom-call"),
+        ]
+
     events = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:TPU:0"}},
         {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
         {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "XLA Ops"}},
         {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "XLA Modules"}},
-        *[{"ph": "X", "pid": 1, "tid": 7, "name": "fusion.1", "dur": 600.0, "ts": i,
-           "args": {"hlo_category": "convolution fusion"}} for i in range(3)],
-        *[{"ph": "X", "pid": 1, "tid": 7, "name": "splash_mha_fwd", "dur": 300.0, "ts": i,
-           "args": {"hlo_category": "custom-call"}} for i in range(3)],
-        *[{"ph": "X", "pid": 1, "tid": 7, "name": "fusion.9", "dur": 150.0, "ts": i,
-           "args": {"hlo_category": "convolution fusion", "tf_op": "jit(step)/jvp(experts)/ragged_dot_general"}}
-          for i in range(3)],
-        *[{"ph": "X", "pid": 1, "tid": 7, "name": "tgmm", "dur": 50.0, "ts": i, "args": {"hlo_category": "custom-call"}}
-          for i in range(3)],
+        *[event for i in range(3) for event in step(10_000.0 * i)],
         {"ph": "X", "pid": 1, "tid": 8, "name": "jit_train_step", "dur": 5000.0, "ts": 0},
         {"ph": "X", "pid": 2, "tid": 7, "name": "host work", "dur": 9000.0, "ts": 0},
     ]
@@ -61,17 +68,18 @@ def test_the_profile_breakdown_sums_the_chips_op_track(chip_bench, tmp_path):
     trace.parent.mkdir(parents=True)
     trace.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
     breakdown = chip_bench.op_breakdown(tmp_path)
-    assert breakdown["track"] == "XLA Ops" and breakdown["device_us_per_step"] == pytest.approx(1100.0)
+    assert breakdown["track"] == "XLA Ops" and breakdown["device_us_per_step"] == pytest.approx(1120.0)
     assert [(name, us) for name, us, _ in breakdown["top"]] == [("fusion.1", 600.0), ("splash_mha_fwd", 300.0),
-                                                               ("fusion.9", 150.0), ("tgmm", 50.0)]
+                                                               ("fusion.9", 150.0), ("tgmm", 50.0), ("while.3", 20.0)]
     assert [(name, us) for name, us, _ in breakdown["categories"]] == [("convolution fusion", 750.0),
-                                                                        ("custom-call", 350.0)]
-    assert breakdown["grouped_matmul"] == [("ragged_dot (XLA)", 150.0, pytest.approx(150 / 1100)),
-                                           ("gmm (Pallas megablox)", 50.0, pytest.approx(50 / 1100))]
+                                                                        ("custom-call", 350.0), ("while", 20.0)]
+    assert breakdown["grouped_matmul"] == [("ragged_dot (XLA)", 150.0, pytest.approx(150 / 1120)),
+                                           ("gmm (Pallas megablox)", 50.0, pytest.approx(50 / 1120))]
 
 
 def test_a_moe_row_is_the_real_model_cut_to_a_few_layers_with_its_adapters_kernel_chosen(chip_bench):
-    """The MoE rows keep the released widths at fewer layers (Gemma 4's attention kinds cut to match); a row that
+    """The MoE rows keep the released widths at fewer layers (Gemma 4's attention kinds cut to match) and, for
+    Gemma 4, fewer experts (as many per token); a row that
     measures the other grouped-matmul kernel runs with its twin's plan and builds its experts' adapters in it."""
     import jax
     from flax import nnx
@@ -80,10 +88,12 @@ def test_a_moe_row_is_the_real_model_cut_to_a_few_layers_with_its_adapters_kerne
     from lorajob_trainer.models import experts
 
     released = catalog.released_config("gemma4-26b")
-    cut = chip_bench.ROWS["gemma4-26b-6layers/2x2048"].hf_config
+    cut = chip_bench.ROWS["gemma4-26b-6layers-64experts/2x2048"].hf_config
     assert cut["num_hidden_layers"] == 6 and cut["layer_types"] == released["layer_types"][:6]
-    assert {key: value for key, value in cut.items() if key not in ("num_hidden_layers", "layer_types")} == {
-        key: value for key, value in released.items() if key not in ("num_hidden_layers", "layer_types")}
+    assert cut["num_experts"] == 64 and cut["top_k_experts"] == released["top_k_experts"] == 8
+    kept = ("num_hidden_layers", "layer_types", "num_experts")
+    assert {key: value for key, value in cut.items() if key not in kept} == {
+        key: value for key, value in released.items() if key not in kept}
     for name, row in chip_bench.ROWS.items():
         if row.expert_adapter_kernel:
             assert row.plan_of in chip_bench.PLANNED_ROWS and name not in chip_bench.PLANNED_ROWS

@@ -167,9 +167,11 @@ def test_segment_ids_name_each_sequence_and_keep_padding_apart():
 
 
 @pytest.mark.parametrize(("length", "head_dim", "block"), [
-    (2048, 128, 1024), (2048, 256, 1024), (2048, 512, 512), (8192, 512, 512), (384, 512, 128), (256, 1024, 256),
+    (2048, 128, 1024), (2048, 256, 512), (2048, 512, 512), (8192, 512, 512), (384, 512, 128), (256, 1024, 256),
+    (4096, 2048, 128),
 ])
 def test_blocks_shrink_for_wide_heads_to_stay_in_the_kernels_scoped_vmem(length, head_dim, block):
-    """The largest block that divides the length and keeps positions x head size within BLOCK_AREA (Gemma 4's global
-    layers, 512 wide, overflowed the v5e kernel's 16 MiB at 1,024 positions), never under one 128-block."""
+    """The largest block that divides the length, at most 512 positions for heads wider than 128 (Gemma 4's 256-wide
+    heads overflowed the v5e kernel's 16 MiB at 1,024 positions in one step, its 512-wide ones in every step) and
+    within BLOCK_AREA beyond, never under one 128-block."""
     assert splash.block_size(length, head_dim) == block

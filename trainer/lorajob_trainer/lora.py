@@ -303,10 +303,9 @@ def apply_lora(
     # came to join them in different orders (a deadlock). The adapters are then made by jitted initialisers.
     lora_model = nnx.eval_shape(adapted, base)
     _fill(lora_model, base, mesh, rngs)
-    kernel = "pallas" if mesh.devices.flat[0].platform == "tpu" else "xla"
     for path, module in nnx.iter_graph(lora_model):
         if isinstance(module, experts.ExpertsLinear) and re.fullmatch(target_regex, "/".join(map(str, path))):
-            module.add_lora(rank, alpha, rngs, kernel)
+            module.add_lora(rank, alpha, rngs)
     if qtype is not None:
         for _, module in nnx.iter_graph(lora_model):
             if isinstance(module, experts.ExpertsLinear):

@@ -4,11 +4,15 @@
 - `ExpertsLinear`: one linear map per expert, applied with `jax.lax.ragged_dot` to tokens sorted by
   expert (only the chosen experts compute), with its own per-expert LoRA: A [E, in, r],
   B [E, r, out], one independent rank-r adapter per expert. Qwix does not intercept `ragged_dot`,
-  so `lora.apply_lora` adds these adapters itself (`add_lora`). On TPU the adapters' grouped matmuls run in
-  the Pallas grouped-matmul kernel that ships with JAX (`grouped_matmul`, megablox), whose backward pass
-  computes each expert's weight gradient from that expert's rows alone: the TPU compiler lowers the
-  weight gradient of `ragged_dot` densely, every expert over every row (133x the adapters' forward FLOPs
-  for qwen3-30b-a3b's 128 experts, a third of its whole step's).
+  so `lora.apply_lora` adds these adapters itself (`add_lora`). The adapters' grouped matmuls run in
+  `ragged_dot` too, on every platform. The Pallas grouped-matmul kernel that ships with JAX (megablox) is the
+  other choice (`grouped_matmul`, `use_adapter_kernel`); on a v5e chip it was the slower by far at rank 16: its
+  tiles are 128 wide and an adapter's rank is 16. Measured (bench/chip_bench.py, 2026-12-07), with the adapters in
+  megablox against `ragged_dot`: qwen3-30b-a3b cut to 6 layers, 4 x 2,048 tokens, 10,996 against 14,179
+  tokens/s; gemma4-26b 6 layers (64 experts), 2 x 2,048, 8,975 against 12,048. The adapters took 252 ms of the
+  step in megablox against about 29 ms in `ragged_dot` (Qwen3), 162 against about 19 (Gemma 4). The TPU
+  compiler's cost analysis counts `ragged_dot`'s weight gradient densely, every expert over every row, but the
+  chip's time says it does not run it so.
 - `mix_experts`: a block's tokens through their experts on a mesh: each device's tokens against every
   expert's gathered weights (FSDP-style), or, with an expert axis, sent to the devices that hold their experts
   and back (expert parallelism: two all-to-alls per pass, rows beyond a capacity dropped and counted).
@@ -141,7 +145,7 @@ def configure_dispatch(model: nnx.Module, expert_axis: int, capacity_factor: flo
 
 def use_adapter_kernel(model: nnx.Module, kernel: str) -> None:
     """Runs the adapters of the model's routed experts in `kernel` ("pallas" or "xla", see `grouped_matmul`) instead
-    of the one `lora.apply_lora` chose for the platform: the chip bench measures both on TPU."""
+    of `ragged_dot` ("xla"): the chip bench measures both on TPU."""
     if kernel not in ("pallas", "xla"):
         raise ValueError(f"grouped matmul kernel {kernel!r}: pallas or xla")
     for _, module in nnx.iter_graph(model):
@@ -422,7 +426,7 @@ class ExpertsLinear(nnx.Module):
         self.sharding = sharding
         self.lora_scale: float | None = None
         self.adapter_kernel = "xla"
-        """`grouped_matmul`'s kernel for the adapters (`add_lora`)."""
+        """`grouped_matmul`'s kernel for the adapters (`use_adapter_kernel`)."""
         self.quantized_type: Any = None
         """QLoRA: `w` holds the quantised values of this type and `w_scale` one scale per matrix and output."""
 
@@ -482,9 +486,9 @@ class ExpertsLinear(nnx.Module):
             return held
         return jax.lax.with_sharding_constraint(held, named_sharding(mesh, (self.sharding[0], None, None), held.shape))
 
-    def add_lora(self, rank: int, alpha: float, rngs: nnx.Rngs, kernel: str = "xla") -> None:
-        """One rank-`rank` adapter per expert: A random (He uniform, as Qwix), B zero; `kernel`: see
-        `grouped_matmul` ("pallas" on TPU)."""
+    def add_lora(self, rank: int, alpha: float, rngs: nnx.Rngs) -> None:
+        """One rank-`rank` adapter per expert: A random (He uniform, as Qwix), B zero, in `ragged_dot` (see
+        `use_adapter_kernel`)."""
         _, d_in, d_out = self.w.get_value().shape
         expert_axis, in_axis, out_axis = self.sharding
         dtype = self.w.get_value().dtype
@@ -496,7 +500,6 @@ class ExpertsLinear(nnx.Module):
             jnp.zeros((self.num_experts, rank, self.parts * d_out), dtype), sharding=(expert_axis, None, out_axis)
         )
         self.lora_scale = alpha / rank
-        self.adapter_kernel = kernel
 
     def lora_delta(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """A·B per expert in the layout of `w` [E*parts, in, out] (unscaled)."""

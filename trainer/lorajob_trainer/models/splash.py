@@ -30,14 +30,17 @@ from lorajob_trainer.remat import KERNEL_OUTPUT
 BLOCK = 128
 """The kernel's block granularity (a TPU vector register's lanes): lengths must be a multiple of it."""
 LARGEST_BLOCK = 1024
-"""The largest query and key block: on a v5e chip, 1,024-position blocks (computed in 512-wide slices) with the
-fused backward kernel ran a causal forward + backward at 2,048 positions in 0.74-0.75 of the time of MaxText's
-default (512 everywhere, dq in a kernel of its own); 2,048-position query blocks overflow the kernel's VMEM
-(bench/splash_blocks.py, bench/results/v5e-splash-blocks-2026-12-06.json)."""
-BLOCK_AREA = LARGEST_BLOCK * 256
-"""Positions x head size of the largest block the kernel's scoped VMEM (16 MiB on v5e) holds: a head size of 512
-(Gemma 4's global layers) overflowed it at 1,024 positions (17.91 MB, the forward kernel on v5e), so its blocks
-are 512 positions."""
+"""The largest query and key block, for heads of up to 128: on a v5e chip, 1,024-position blocks (computed in
+512-wide slices) with the fused backward kernel ran a causal forward + backward at 2,048 positions in 0.74-0.75 of
+the time of MaxText's default (512 everywhere, dq in a kernel of its own); 2,048-position query blocks overflow the
+kernel's VMEM (bench/splash_blocks.py, bench/results/v5e-splash-blocks-2026-12-06.json)."""
+WIDE_HEAD_BLOCK = 512
+"""The largest block for heads wider than 128 (Gemma 3's and Gemma 4's 256, Gemma 4's global 512): the kernel's
+scoped VMEM is 16 MiB on v5e, and at 1,024 positions its key/value-gradient kernel for a head of 256 needed 16.42 MB
+in Gemma 4 26B's step under remat full (the compiler's own buffers share that VMEM, so the same kernel had compiled
+in other steps), its forward for a head of 512 17.91 MB."""
+BLOCK_AREA = WIDE_HEAD_BLOCK * 512
+"""Positions x head size of the largest block: heads wider than 512 shrink their blocks further."""
 COMPUTE_BLOCK = 512
 """The slice of a key block each inner step of the kernel computes."""
 FORWARD_KERNEL = "splash_mha_fwd"
@@ -103,9 +106,11 @@ def _attend(
 
 def block_size(length: int, head_dim: int = BLOCK) -> int:
     """The kernel's blocks (query and key, forward and backward) for `length` positions of `head_dim`, a multiple
-    of `BLOCK`: the largest of 1,024, 512, 256 and 128 that divides it and keeps within `BLOCK_AREA`."""
+    of `BLOCK`: the largest of 1,024, 512, 256 and 128 that divides it, at most `WIDE_HEAD_BLOCK` for heads wider
+    than `BLOCK`, and keeps within `BLOCK_AREA`."""
+    largest = LARGEST_BLOCK if head_dim <= BLOCK else WIDE_HEAD_BLOCK
     return max(size for size in (LARGEST_BLOCK, 4 * BLOCK, 2 * BLOCK, BLOCK)
-               if length % size == 0 and (size == BLOCK or size * head_dim <= BLOCK_AREA))
+               if length % size == 0 and (size == BLOCK or (size <= largest and size * head_dim <= BLOCK_AREA)))
 
 
 def ran_in(compiled_text: str) -> bool:
