@@ -317,8 +317,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 def test_the_training_forward_on_the_chip_gives_the_cpus_logits_and_gradients(family):
     """The logits, and every adapter's gradient, of the training forward on the chip (the splash kernel) against the
     chip's dense attention (the kernel alone) and the chip machine's CPU (dense attention) for the same weights and
-    packed rows. Gemma 4: its sliding layers in their
-    window, its global layer at head size 512 (the kernel's blocks shrunk to fit the chip's scoped VMEM) with k = v."""
+    packed rows. Gemma 4: its sliding layers in their window, its global layer at head size 512 with k = v."""
     hf_config = REAL_WIDTHS[family]
     chip_mesh = mesh_lib.build_mesh(MeshConfig(), [CHIP])
     host_mesh = mesh_lib.build_mesh(MeshConfig(), [HOST])
