@@ -53,3 +53,32 @@ def test_without_a_record_a_cpu_runs_minimal(model_dir, tmp_path):
                                   remat_policy="full")
     (tmp_path / "run" / "plan.json").write_text(refused.line() + "\n")
     assert train_lib.remat_for_run(config(model_dir, tmp_path), {}, jax.devices()) == "minimal"
+
+
+HBM_REFUSAL = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (27.56G) "
+               "exceeds available HBM (15.75G).")
+SCOPED_VMEM_REFUSAL = (
+    "RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:\nRan out of memory in memory space vmem while allocating on "
+    "stack for %splash_mha_dkv_segmented_no_residuals.13 ... Scoped allocation with size 16.42M and limit 16.00M "
+    "exceeded scoped vmem limit by 428.0K."
+)
+"""The TPU compiler's two refusals of 2026-12-07 (qwen3-30b-a3b without remat on one v5e chip; Gemma 4's step under
+remat full, before its 256-wide heads got smaller kernel blocks), shortened."""
+
+
+@pytest.mark.parametrize(("refusal", "too_large"), [(HBM_REFUSAL, True), (SCOPED_VMEM_REFUSAL, False)])
+def test_only_the_devices_memory_makes_a_step_too_large(refusal, too_large, model_dir, tmp_path, monkeypatch):
+    """auto steps past a policy whose step the device's memory cannot hold; a kernel's scoped VMEM overflow (also
+    RESOURCE_EXHAUSTED) is no such verdict, since no policy or slice mends it: it reaches the caller as it is."""
+    from lorajob_trainer import plan
+
+    def refuse(config, hf_config, devices):
+        raise RuntimeError(refusal)
+
+    monkeypatch.setattr(plan, "compile_train_step", refuse)
+    if too_large:
+        choice = plan.choose_remat(config(model_dir, tmp_path), {}, [], capacity_bytes=2**30)
+        assert not choice.fits and choice.step is None and choice.error == HBM_REFUSAL
+    else:
+        with pytest.raises(RuntimeError, match="CompileTimeScopedVmemOom"):
+            plan.choose_remat(config(model_dir, tmp_path), {}, [], capacity_bytes=2**30)

@@ -58,7 +58,7 @@ def compile_attempt(
         try:
             step = plan.compile_train_step(config, hf_config, devices)
         except Exception as refusal:
-            if plan.OUT_OF_MEMORY not in str(refusal):
+            if not plan.too_large(refusal):
                 raise
             error = str(refusal).strip().splitlines()[0]
     if step is None:

@@ -202,6 +202,16 @@ def weights_read_per_pass(base: nnx.State, mesh: jax.sharding.Mesh) -> int:
 
 OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"
 """How the TPU compiler's refusal of a step too large for the device's memory begins."""
+SCOPED_VMEM_OVERFLOW = "ScopedVmemOom"
+"""The compiler's name for a kernel whose working set overflows its scoped VMEM (also RESOURCE_EXHAUSTED): set by the
+kernel's blocks, not by the step's size, so no smaller batch, other remat policy or larger slice mends it."""
+
+
+def too_large(refusal: Exception) -> bool:
+    """Whether the compiler refused a step for the device's memory, the refusal a plan answers with another policy
+    or more chips; any other refusal is a fault of the step's own, reported as it is."""
+    text = str(refusal)
+    return OUT_OF_MEMORY in text and SCOPED_VMEM_OVERFLOW not in text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +239,7 @@ def choose_remat(
         try:
             return compile_train_step(config.model_copy(update={"remat_policy": policy}), hf_config, devices), None
         except Exception as refusal:  # the compiler's RESOURCE_EXHAUSTED says by how much; anything else is a fault
-            if OUT_OF_MEMORY not in str(refusal):
+            if not too_large(refusal):
                 raise
             return None, str(refusal).strip().splitlines()[0]
 
