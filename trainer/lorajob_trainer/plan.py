@@ -152,7 +152,8 @@ def compile_train_step(
 def describe_compiled(compiled: Any, run: run_lib.Run, arguments: tuple[Any, ...], started: float) -> CompiledStep:
     """The figures of a compiled train step (`jax.stages.Compiled`) of `run` for `arguments` (`Run.arguments`:
     adapters, optimizer state, base, batch); `started`: when building began."""
-    attention_block = splash.block_size(run.shape.length) if splash.ran_in(compiled.as_text()) else None
+    head_dim = run.model.tunix_config.head_dim  # the kernel's blocks shrink for wide heads (Gemma's 256)
+    attention_block = splash.block_size(run.shape.length, head_dim) if splash.ran_in(compiled.as_text()) else None
     analysis = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):
