@@ -70,13 +70,14 @@ class LoraFlops:
         return per_score * self.seq_len * self.attention_width
 
 
-EXECUTED_MATMUL_FACTOR = {"none": 1.0, "minimal": 1.0, "attention": 1.30, "full": 1.369}
+EXECUTED_MATMUL_FACTOR = {"none": 1.0, "minimal": 1.0, "attention": 1.308, "full": 1.369}
 """The decoder layers' matmul FLOPs the step runs per model FLOP, by remat policy: "full" recomputes each
 layer's forward except the matmuls whose outputs only feed the residual stream (the compiler drops those);
 measured with the TPU compiler's cost analysis of the step unrolled (llama3.1-8b, v6e-8, 1,024 tokens:
 4.383e13 FLOPs per chip against 3.182e13 model FLOPs; `bench/tpu_plan.py --executed-flops`). "attention" recomputes
-the MLP's gate and up projections only: "full"'s recompute less the query, key and value projections' share
-(llama3.1-8b's widths: 117 of 143 million weights per layer)."""
+the MLP's gate and up projections only; measured the same way (2026-12-07: 4.234e13 FLOPs per chip, the splash
+kernel's from SPLASH_ATTENTION_FLOPS included, so 1.308 on the layers' matmuls; estimated 1.30 before, "full"'s
+recompute less the query, key and value projections' share, 117 of 143 million weights per layer)."""
 DENSE_ATTENTION_FLOPS = {"none": 12, "minimal": 16, "attention": 16, "full": 16}
 """Attention FLOPs per token per (seq_len x attention width): every score of the causal mask is computed, 4 in
 the forward, 8 in the backward, 4 more where remat recomputes the scores; MFU counts 6 (the causal half)."""
