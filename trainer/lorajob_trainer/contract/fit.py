@@ -52,10 +52,12 @@ class TpuChip(Chip):
                     self.interconnect_bandwidth / n)
 
 
-ACTIVATION_BYTES = {"full": 16, "minimal": 76}
+ACTIVATION_BYTES = {"full": 16, "attention": 26, "minimal": 46}
 """Activation bytes a step keeps per token, per unit of model width, per layer, by remat policy: the TPU
-compiler's temporaries for llama3.1-8b on v6e (1 row of 1,024 tokens per chip: 2.09 GB over 32 layers with
-"full", 0.32 GB per layer with "minimal"), which the analytic plan for GPUs takes as its calibration."""
+compiler's temporaries for llama3.1-8b on v6e-8 (1 row of 1,024 tokens per chip, 32 layers of width 4,096: 2.09 GB
+with "full"; 3.45 GB with "attention" and 6.12 GB with "minimal", 2026-12-07, `bench/tpu_plan.py --no-maxtext
+--remat POLICY --cases llama3.1-8b:v6e-8:1024`), which the analytic plan for GPUs takes as its calibration. The
+GPU step's dense attention has no kernel output for "minimal" and "attention" to keep, so these err high there."""
 
 
 @dataclasses.dataclass(frozen=True)
