@@ -349,6 +349,8 @@ GROUPED_MATMUL_MARKS = {"ragged_dot (XLA)": ("ragged-dot", "ragged_dot"), "gmm (
 """How an op of the trace shows it is a grouped matmul of the routed experts, per kernel: in its name, its HLO text
 or the JAX operation it came from (megablox' kernels are named gmm and tgmm)."""
 GROUPED_MATMUL_FIELDS = ("long_name", "tf_op", "source")
+SELF_TIME = "self time"
+"""How a profile's ops are counted (`self_times`); profiles recorded before 2026-12-07 lack the mark."""
 
 
 def self_times(events: list[dict]) -> list[tuple[dict, float]]:
@@ -405,7 +407,7 @@ def op_breakdown(profile_dir: Path, top: int = 25) -> dict:
         return {"error": "no 'XLA Ops' track in the trace", "tracks": sorted(by_track)}
     ops = by_track[ops_track]
     total = sum(ops.values())
-    return {"track": ops_track, "device_us_per_step": total / PROFILED_STEPS, "counted": "self time",
+    return {"track": ops_track, "device_us_per_step": total / PROFILED_STEPS, "counted": SELF_TIME,
             "top": [(name, us / PROFILED_STEPS, us / total) for name, us in ops.most_common(top)],
             "categories": [(name, us / PROFILED_STEPS, us / total) for name, us in categories[ops_track].most_common()],
             "grouped_matmul": [(kernel, us / PROFILED_STEPS, us / total)
@@ -524,7 +526,7 @@ def print_profiles(results: list[dict]) -> None:
             continue
         print(f"profile of {result['row']}: {profile['device_us_per_step'] / 1e3:.1f} ms of chip time per step "
               f"({profile['track']}), largest ops:")
-        if profile.get("counted") != "self time":
+        if profile.get("counted") != SELF_TIME:
             print("  (recorded before 2026-12-07: a loop counted whole beside the ops of its body, so the total and "
                   "the shares are of a sum that counts the scanned layers twice)")
         for name, us, share in profile["top"]:

@@ -12,8 +12,9 @@ MaxText 0.2.5's LoRA step (`bench/maxtext/train_compile.py`, MaxText's venv from
 weights, MaxText's default, unless `--maxtext-weight-dtype`; its full fine-tune where its LoRA step does not build),
 and prints one row per case: arguments, temporaries and total per chip for both, the ratio, whether ours fits the
 chip's HBM less the plan's margin, what each device sends per step by collective kind (both counted from the
-compiled HLO by lorajob_trainer.collectives), and the compile times. Total = arguments + outputs not aliased to them + temporaries. `--smallest model:seq` compiles ours on
-v6e slices from the smallest up and reports the first that fits (then MaxText on that slice).
+compiled HLO by lorajob_trainer.collectives), and the compile times. Total = arguments + outputs not aliased to
+them + temporaries. `--smallest model:seq` compiles ours on v6e slices from the smallest up and reports the first
+that fits (then MaxText on that slice).
 """
 
 from __future__ import annotations

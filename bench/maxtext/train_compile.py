@@ -33,6 +33,8 @@ HLO_PATH_VARIABLE = "LORAJOB_TRAIN_COMPILE_HLO"
 """The wrapper writes the compiled step's HLO text to the file this variable names."""
 COLLECTIVES = os.path.join(HERE, "..", "..", "trainer", "lorajob_trainer", "collectives.py")
 """The trainer's reader of a compiled step's collectives (stdlib only), loaded by path: the same count as ours."""
+TOTAL_FORMULA = "argument + output - alias + temp"
+FLOPS_NOTE = "cost_analysis()['flops']; a scanned layer body is counted once"
 
 
 def collective_bytes(hlo_text):
@@ -43,8 +45,6 @@ def collective_bytes(hlo_text):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return {kind: sent for kind, sent in module.collective_bytes(hlo_text).items() if sent}
-TOTAL_FORMULA = "argument + output - alias + temp"
-FLOPS_NOTE = "cost_analysis()['flops']; a scanned layer body is counted once"
 
 
 def maxtext_home():
