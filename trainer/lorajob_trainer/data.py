@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from lorajob_trainer.contract.records import PREFERENCE_COLUMN_LAYOUTS
+
 if TYPE_CHECKING:
     from lorajob_trainer.contract.config import TrainConfig
 
@@ -81,6 +83,24 @@ class EncodedExample:
     """[n] int32 token ids of the whole conversation."""
     loss_mask: np.ndarray
     """[n] bool, true on tokens the model is trained to produce."""
+
+    @property
+    def size(self) -> int:
+        """Tokens held (the encoded-example cache's budget counts them)."""
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class EncodedPair:
+    """A preference example: the prompt with the chosen answer and with the rejected one, each loss mask true on
+    its answer's tokens only."""
+
+    chosen: EncodedExample
+    rejected: EncodedExample
+
+    @property
+    def size(self) -> int:
+        return self.chosen.size + self.rejected.size
 
 
 # ---------------------------------------------------------------- loading
@@ -195,6 +215,31 @@ def to_messages(row: dict[str, Any], columns: Sequence[str]) -> list[dict[str, s
     ]
 
 
+def _turns(value: Any, role: str, column: str) -> list[dict[str, str]]:
+    """A column's value as messages: a string is one message of `role`; a list must hold {role, content} dicts."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        raise DataError(f"column {column!r} must hold a string or a list of {{role, content}} messages")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def to_preference_messages(
+    row: dict[str, Any], columns: Sequence[str]
+) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]:
+    """(prompt messages, chosen answer messages, rejected answer messages) of one preference row, in either layout of
+    contract.records.PREFERENCE_COLUMN_LAYOUTS: [prompt, chosen, rejected] (each a string or messages), or [chosen,
+    rejected] as whole conversations that share every message but the last."""
+    if tuple(columns) == ("prompt", "chosen", "rejected"):
+        return (_turns(row["prompt"], "user", "prompt"), _turns(row["chosen"], "assistant", "chosen"),
+                _turns(row["rejected"], "assistant", "rejected"))
+    chosen, rejected = (_turns(row[column], "assistant", column) for column in ("chosen", "rejected"))
+    if len(chosen) < 2 or chosen[:-1] != rejected[:-1]:
+        raise DataError("columns 'chosen' and 'rejected' must be conversations that differ only in their last "
+                        "message (the answer)")
+    return chosen[:-1], chosen[-1:], rejected[-1:]
+
+
 def text_encoder(tokenizer) -> Callable[[str], list[int]]:
     """text -> token ids, no special tokens added (the chat template writes those).
 
@@ -209,10 +254,12 @@ def text_encoder(tokenizer) -> Callable[[str], list[int]]:
 
 
 def encode_conversation(
-    tokenizer, messages: list[dict[str, str]], encode_text: Callable[[str], list[int]] | None = None
+    tokenizer, messages: list[dict[str, str]], encode_text: Callable[[str], list[int]] | None = None,
+    first_trained_turn: int = 0,
 ) -> EncodedExample:
-    """Token ids of the conversation and a mask that is true on assistant tokens only."""
-    if not any(m["role"] == "assistant" for m in messages):
+    """Token ids of the conversation and a mask that is true on the tokens of its assistant messages from
+    `first_trained_turn` on."""
+    if not any(m["role"] == "assistant" for m in messages[first_trained_turn:]):
         raise DataError("a conversation has no assistant message to train on")
     encode_text = encode_text or text_encoder(tokenizer)
 
@@ -225,13 +272,23 @@ def encode_conversation(
     full = token_ids(messages, add_generation_prompt=False)
     loss_mask = np.zeros(len(full), dtype=bool)
     for turn, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or turn < first_trained_turn:
             continue
         start = _common_prefix_length(token_ids(messages[:turn], add_generation_prompt=True), full)
         last = turn == len(messages) - 1
         end = len(full) if last else _common_prefix_length(token_ids(messages[: turn + 1], False), full)
         loss_mask[start:end] = True
     return EncodedExample(np.asarray(full, dtype=np.int32), loss_mask)
+
+
+def encode_pair(tokenizer, row: dict[str, Any], columns: Sequence[str],
+                encode_text: Callable[[str], list[int]] | None = None) -> EncodedPair:
+    """Both conversations of a preference row, each trained on its answer only."""
+    prompt, chosen, rejected = to_preference_messages(row, columns)
+    if not any(m["role"] == "assistant" for m in chosen + rejected):
+        raise DataError("the chosen and rejected answers must be assistant messages")
+    return EncodedPair(*(encode_conversation(tokenizer, prompt + answer, encode_text, first_trained_turn=len(prompt))
+                         for answer in (chosen, rejected)))
 
 
 def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -313,14 +370,9 @@ class PackedRows:
         used = 0
         segment = 0
         while used < seq_len:
-            stream_position = int(self.positions[index]) * self.total_rows + int(self.row_ids[index])
+            stream_position = self._stream_position(index)
             epoch = stream_position // self.num_examples
-            if epoch > 0 and self.options.on_end != "continue":
-                if self.options.on_end == "fail" and segment == 0:
-                    raise DataExhausted(
-                        f"training data exhausted at step {step}: all {self.num_examples} examples were used "
-                        f"and epoch_policy=fail"
-                    )
+            if self._data_ended(epoch, step, first=segment == 0):
                 return
             example = self.encode(self._example_index(stream_position))
             length = min(len(example.tokens) - 1, seq_len)
@@ -331,16 +383,26 @@ class PackedRows:
                 return
             self._note_epoch(epoch, step)
             segment += 1
-            span = slice(used, used + length)
-            batch["inputs"][index, span] = example.tokens[:length]
-            batch["targets"][index, span] = example.tokens[1 : length + 1]
-            batch["weights"][index, span] = example.loss_mask[1 : length + 1]
-            batch["segment_ids"][index, span] = segment
-            batch["positions"][index, span] = np.arange(length)
+            place(batch, index, used, example, length, segment)
             used += length
             self.positions[index] += 1
             if not self.options.packing:
                 return
+
+    def _stream_position(self, index: int) -> int:
+        return int(self.positions[index]) * self.total_rows + int(self.row_ids[index])
+
+    def _data_ended(self, epoch: int, step: int, first: bool) -> bool:
+        """Whether reading stops at `epoch` (on_end other than continue); DataExhausted for on_end fail when the row
+        holds nothing yet (`first`)."""
+        if epoch == 0 or self.options.on_end == "continue":
+            return False
+        if self.options.on_end == "fail" and first:
+            raise DataExhausted(
+                f"training data exhausted at step {step}: all {self.num_examples} examples were used and "
+                f"epoch_policy=fail"
+            )
+        return True
 
     def _example_index(self, stream_position: int) -> int:
         epoch, offset = divmod(stream_position, self.num_examples)
@@ -359,6 +421,65 @@ class PackedRows:
         if epoch > self._epoch_seen:
             self._epoch_seen = epoch
             log.info("data: starting epoch %d at step %d (%d examples per epoch)", epoch + 1, step, self.num_examples)
+
+
+def place(batch: dict[str, np.ndarray], row: int, start: int, example: EncodedExample, length: int,
+          segment: int) -> None:
+    """Write the first `length` positions of `example` into `batch`'s `row` from `start`, as segment `segment`."""
+    span = slice(start, start + length)
+    batch["inputs"][row, span] = example.tokens[:length]
+    batch["targets"][row, span] = example.tokens[1 : length + 1]
+    batch["weights"][row, span] = example.loss_mask[1 : length + 1]
+    batch["segment_ids"][row, span] = segment
+    batch["positions"][row, span] = np.arange(length)
+
+
+class PairedRows(PackedRows):
+    """Preference pairs (`EncodedPair`s) in this process's rows of the global batch, resumably: the pair in slot p
+    fills rows 2p (chosen) and 2p+1 (rejected), one conversation per row, never packed, truncated to seq_len from
+    the end (the start is kept, as TRL's keep_start). Slot p reads the examples at positions p, p+P, p+2P, ... of the
+    epochs' sequence (P pair slots in all), as a `PackedRows` row does; `state()` gives each row its slot's count, so
+    the data feed keeps one integer per row."""
+
+    def __init__(
+        self,
+        num_examples: int,
+        encode: Callable[[int], EncodedPair],
+        row_ids: Sequence[int],
+        total_rows: int,
+        options: PackingOptions,
+    ):
+        rows = np.asarray(row_ids, dtype=np.int64)
+        if len(rows) % 2 or np.any(rows[0::2] % 2) or np.any(rows[1::2] != rows[0::2] + 1):
+            raise ValueError("a preference pair's two rows must be read together: give each process whole pairs")
+        super().__init__(num_examples, encode, rows[0::2] // 2, total_rows // 2, options)
+
+    def state(self) -> np.ndarray:
+        return np.repeat(self.positions, 2)
+
+    def restore(self, positions: np.ndarray) -> None:
+        super().restore(np.asarray(positions, dtype=np.int64).reshape(-1)[0::2])
+
+    def next_rows(self, step: int) -> dict[str, np.ndarray]:
+        batch = empty_rows(2 * len(self.row_ids), self.options.seq_len)
+        for index in range(len(self.row_ids)):
+            self._fill_pair(index, batch, step)
+        return batch
+
+    def _fill_pair(self, index: int, batch: dict[str, np.ndarray], step: int) -> None:
+        while True:
+            stream_position = self._stream_position(index)
+            epoch = stream_position // self.num_examples
+            if self._data_ended(epoch, step, first=True):
+                return
+            pair = self.encode(self._example_index(stream_position))
+            self.positions[index] += 1
+            lengths = [min(len(example.tokens) - 1, self.options.seq_len) for example in (pair.chosen, pair.rejected)]
+            if min(lengths) > 0:
+                break
+        self._note_epoch(epoch, step)
+        for offset, (example, length) in enumerate(zip((pair.chosen, pair.rejected), lengths, strict=True)):
+            place(batch, 2 * index + offset, 0, example, length, segment=1)
 
 
 class PrefetchedRows:
@@ -441,29 +562,35 @@ class PrefetchedRows:
 
 def make_encoder(
     dataset, tokenizer, columns: Sequence[str], cache_tokens: int = ENCODED_CACHE_TOKENS
-) -> Callable[[int], EncodedExample]:
-    """Example index -> encoded example, reading the dataset row on demand.
+) -> Callable[[int], EncodedExample | EncodedPair]:
+    """Example index -> encoded example (an `EncodedPair` for a preference layout), reading the dataset row on demand.
 
     Encoded examples are kept (least recently used first out) up to `cache_tokens` tokens, so a
     later epoch or a repeated evaluation does not render and tokenize them again.
     """
     encode_text = text_encoder(tokenizer)
-    cache: OrderedDict[int, EncodedExample] = OrderedDict()
+    preference = tuple(columns) in PREFERENCE_COLUMN_LAYOUTS
+    cache: OrderedDict[int, EncodedExample | EncodedPair] = OrderedDict()
     cached_tokens = 0
 
-    def encode(index: int) -> EncodedExample:
+    def encode_row(row: dict[str, Any]) -> EncodedExample | EncodedPair:
+        if preference:
+            return encode_pair(tokenizer, row, columns, encode_text)
+        return encode_conversation(tokenizer, to_messages(row, columns), encode_text)
+
+    def encode(index: int) -> EncodedExample | EncodedPair:
         nonlocal cached_tokens
         if index in cache:
             cache.move_to_end(index)
             return cache[index]
         try:
-            example = encode_conversation(tokenizer, to_messages(dataset[index], columns), encode_text)
+            example = encode_row(dataset[index])
         except DataError as error:
             raise DataError(f"example {index}: {error}") from None
         cache[index] = example
-        cached_tokens += len(example.tokens)
+        cached_tokens += example.size
         while cached_tokens > cache_tokens:
-            cached_tokens -= len(cache.popitem(last=False)[1].tokens)
+            cached_tokens -= cache.popitem(last=False)[1].size
         return example
 
     return encode

@@ -31,6 +31,18 @@ def arithmetic_rows(count: int, seed: int = 0) -> list[dict[str, str]]:
     return rows
 
 
+def preference_rows(count: int, seed: int = 0) -> list[dict[str, str]]:
+    """Prompt/chosen/rejected rows of the same additions: the chosen answer right, the rejected one off by 1 to 9 and
+    worded differently (a preference a tiny model can learn)."""
+    rng = random.Random(seed)
+    rows = []
+    for row in arithmetic_rows(count, seed):
+        a, b = (int(word.rstrip("?")) for word in row["question"].split()[2::2])
+        wrong = a + b + rng.choice([-1, 1]) * rng.randrange(1, 10)
+        rows.append({"prompt": row["question"], "chosen": row["answer"], "rejected": f"i think it is {wrong}"})
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))

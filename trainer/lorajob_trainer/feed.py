@@ -25,7 +25,7 @@ PREFETCH_BATCHES = 2
 class DataFeed:
     """This process's rows of `[accumulation, global_batch, seq_len]` batches, as global arrays."""
 
-    packer: data_lib.PackedRows | data_lib.PrefetchedRows
+    packer: data_lib.PackedRows | data_lib.PairedRows | data_lib.PrefetchedRows
     sharding: NamedSharding
     """Rows split over the mesh's batch axes: of the batch's arrays and of the packer's positions alike."""
     global_shape: tuple[int, int, int]
@@ -67,13 +67,16 @@ def make_feed(
     rows_per_micro_batch: int,
     options: data_lib.PackingOptions,
     prefetch: int = 0,
+    pairs: bool = False,
 ) -> DataFeed:
-    """`prefetch` > 0: that many batches are prepared ahead by a background thread."""
+    """`prefetch` > 0: that many batches are prepared ahead by a background thread; `pairs`: the rows hold
+    preference pairs (data.PairedRows)."""
     global_shape = (accumulation, rows_per_micro_batch, options.seq_len)
     sharding = mesh_lib.batch_sharding(mesh, leading_dims=1)
     local_rows = mesh_lib.local_batch_rows(sharding, global_shape, batch_dim=1)
     row_ids = [a * rows_per_micro_batch + row for a in range(accumulation) for row in local_rows]
-    packer = data_lib.PackedRows(len(dataset), encode, row_ids, accumulation * rows_per_micro_batch, options)
+    rows_type = data_lib.PairedRows if pairs else data_lib.PackedRows
+    packer = rows_type(len(dataset), encode, row_ids, accumulation * rows_per_micro_batch, options)
     if prefetch:
         packer = data_lib.PrefetchedRows(packer, depth=prefetch)
     return DataFeed(packer, sharding, global_shape, local_rows)
@@ -98,5 +101,6 @@ def data_feed(config: TrainConfig, mesh: Mesh, loaded, accumulation: int, on_end
         on_end=on_end,
     )
     prefetch = PREFETCH_BATCHES if training else 0
-    rows_per_micro_batch = mesh_lib.global_batch_rows(config.per_device_batch_size, mesh)
-    return make_feed(dataset, encode, mesh, accumulation, rows_per_micro_batch, options, prefetch)
+    rows_per_micro_batch = mesh_lib.global_batch_rows(config.rows_per_device, mesh)
+    return make_feed(dataset, encode, mesh, accumulation, rows_per_micro_batch, options, prefetch,
+                     pairs=config.preference_method)

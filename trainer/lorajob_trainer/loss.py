@@ -44,9 +44,29 @@ def losses_with_load_balancing(
     """`token_losses`, the load-balancing loss of the same forward over the micro-batch's real tokens
     (transformers' `load_balancing_loss_func`; 0 for a model without load-balanced MoE blocks) and its
     expert-parallel blocks' dispatch counts, int32 [rows dropped, slots padded] (`RecordedRouting.dispatch_totals`)."""
+    (loss_sum, weight_sum), aux, dispatch = with_load_balancing(
+        model, micro_batch, lambda: token_losses(model, micro_batch, chunk_length, remat)
+    )
+    return loss_sum, weight_sum, aux, dispatch
+
+
+def with_load_balancing(model: nnx.Module, micro_batch: dict[str, jax.Array], forward) -> tuple:
+    """(what `forward()` returns, the load-balancing loss of the model's forward in it over the micro-batch's real
+    tokens, its expert-parallel blocks' dispatch counts): see `losses_with_load_balancing`."""
     with experts.routing_recorded(model) as routing:
-        loss_sum, weight_sum = token_losses(model, micro_batch, chunk_length, remat)
-    return loss_sum, weight_sum, routing.load_balancing_loss(micro_batch["segment_ids"] != 0), routing.dispatch_totals()
+        result = forward()
+    return result, routing.load_balancing_loss(micro_batch["segment_ids"] != 0), routing.dispatch_totals()
+
+
+def token_nll(
+    model: nnx.Module, micro_batch: dict[str, jax.Array], needed: jax.Array, chunk_length: int,
+    remat: RematPolicy = "none",
+) -> jax.Array:
+    """The float32 NLL [B, L] of the micro-batch's targets where `needed` is true (0 elsewhere): `chunked_token_nll`
+    over the model's forward."""
+    hidden = hidden_states(model, micro_batch["inputs"], micro_batch["positions"], micro_batch["segment_ids"], remat)
+    return chunked_token_nll(hidden, output_head(model), micro_batch["targets"], needed, chunk_length,
+                             model.final_logit_softcap)
 
 
 def hidden_states(
@@ -77,94 +97,108 @@ def chunked_cross_entropy(
 
     The matmuls run in the head's dtype (the compute dtype) and accumulate in float32. The head must not be
     differentiated."""
+    nll = chunked_token_nll(hidden, head, targets, weights != 0, chunk_length, softcap)
+    return jnp.sum(nll * weights), jnp.sum(weights)
+
+
+def chunked_token_nll(
+    hidden: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    needed: jax.Array,
+    chunk_length: int,
+    softcap: float | None = None,
+) -> jax.Array:
+    """The float32 NLL of each target [B, L] where `needed` [B, L] is true, 0 elsewhere: `chunked_cross_entropy`'s
+    chunks, per position (a preference loss sums each answer's log-probabilities; preference.py)."""
     length = hidden.shape[1]
     chunk = min(chunk_length, length)
     chunks = -(-length // chunk)
-    order = jnp.argsort(weights == 0, axis=1, stable=True)
-    hidden = jnp.take_along_axis(hidden, order[..., None], axis=1)
-    targets = jnp.take_along_axis(targets, order, axis=1)
-    ordered_weights = jnp.take_along_axis(weights, order, axis=1)
+    order = jnp.argsort(~needed, axis=1, stable=True)
     pad = chunks * chunk - length
 
     def split(x: jax.Array) -> jax.Array:
+        x = jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1)
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         return jnp.moveaxis(x.reshape(x.shape[0], chunks, chunk, *x.shape[2:]), 1, 0)
 
-    total = _trained_chunks_nll(softcap, split(hidden), head, split(targets), split(ordered_weights))
-    return total, jnp.sum(weights)
+    nll = _needed_chunks_nll(softcap, split(hidden), head, split(targets), split(needed.astype(jnp.float32)))
+    ordered = jnp.moveaxis(nll, 0, 1).reshape(nll.shape[1], chunks * chunk)[:, :length]
+    return jnp.take_along_axis(ordered, jnp.argsort(order, axis=1), axis=1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _trained_chunks_nll(
-    softcap: float | None, hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array
+def _needed_chunks_nll(
+    softcap: float | None, hidden: jax.Array, head: jax.Array, targets: jax.Array, needed: jax.Array
 ) -> jax.Array:
-    """Sum of weights * NLL over chunks [C, B, chunk, D] / [C, B, chunk], skipping chunks without a trained token."""
+    """NLL [C, B, chunk] of chunks [C, B, chunk, D] / [C, B, chunk] where `needed` (1.0) marks a position, 0
+    elsewhere; chunks without a needed position are skipped."""
     chunk_nll = functools.partial(_chunk_nll, softcap)
-    total, _ = _over_trained_chunks(chunk_nll, lambda *_: (jnp.zeros((), jnp.float32),), hidden, head, targets, weights)
-    return total
+    return _over_needed_chunks(chunk_nll, lambda h, *_: (jnp.zeros(h.shape[:-1], jnp.float32),), hidden, head,
+                               targets, needed)[0]
 
 
-def _trained_chunks_nll_forward(softcap, hidden, head, targets, weights):
+def _needed_chunks_nll_forward(softcap, hidden, head, targets, needed):
     if head.perturbed:
         raise ValueError("the chunked loss does not differentiate the LM head (LoRA keeps it frozen)")
 
     def skipped(h, *_):
-        return jnp.zeros((), jnp.float32), jnp.zeros_like(h)
+        return jnp.zeros(h.shape[:-1], jnp.float32), jnp.zeros_like(h)
 
-    total, (hidden_grads,) = _over_trained_chunks(
+    nll, hidden_grads = _over_needed_chunks(
         functools.partial(_chunk_nll_and_hidden_grad, softcap), skipped, hidden.value, head.value, targets.value,
-        weights.value,
+        needed.value,
     )
-    return total, hidden_grads
+    return nll, hidden_grads
 
 
-def _trained_chunks_nll_backward(softcap, hidden_grads, cotangent):
-    return (hidden_grads * cotangent.astype(hidden_grads.dtype), None, None, None)
+def _needed_chunks_nll_backward(softcap, hidden_grads, cotangent):
+    return (hidden_grads * cotangent[..., None].astype(hidden_grads.dtype), None, None, None)
 
 
-_trained_chunks_nll.defvjp(_trained_chunks_nll_forward, _trained_chunks_nll_backward, symbolic_zeros=True)
+_needed_chunks_nll.defvjp(_needed_chunks_nll_forward, _needed_chunks_nll_backward, symbolic_zeros=True)
 
 
-def _over_trained_chunks(chunk_fn, skipped_fn, hidden, head, targets, weights) -> tuple[jax.Array, tuple]:
-    """Scans the chunks: `chunk_fn(h, head, t, w)` -> (NLL sum, *per-chunk outputs) where a chunk has a trained
-    token, else `skipped_fn` (same shapes); the summed NLL and the stacked per-chunk outputs."""
+def _over_needed_chunks(chunk_fn, skipped_fn, hidden, head, targets, needed) -> tuple:
+    """Maps the chunks: `chunk_fn(h, head, t, n)` -> (NLL [B, chunk], *per-chunk outputs) where a chunk has a needed
+    position, else `skipped_fn` (same shapes); each output stacked over the chunks."""
 
-    def body(total: jax.Array, xs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, tuple]:
-        h, t, w = xs
-        nll, *outputs = jax.lax.cond(jnp.any(w != 0), chunk_fn, skipped_fn, h, head, t, w)
-        return total + nll, tuple(outputs)
+    def body(_, xs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[None, tuple]:
+        h, t, n = xs
+        return None, jax.lax.cond(jnp.any(n != 0), chunk_fn, skipped_fn, h, head, t, n)
 
-    return jax.lax.scan(body, jnp.zeros((), jnp.float32), (hidden, targets, weights))
+    return jax.lax.scan(body, None, (hidden, targets, needed))[1]
 
 
 def _chunk_nll_terms(
-    softcap: float | None, h: jax.Array, head: jax.Array, t: jax.Array, w: jax.Array
+    softcap: float | None, h: jax.Array, head: jax.Array, t: jax.Array, n: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(the chunk's weighted NLL sum, its float32 logits, their log-normaliser)."""
+    """(the chunk's NLL per position [B, chunk], 0 where not needed; its float32 logits; their log-normaliser)."""
     logits = jnp.dot(h.astype(head.dtype), head, preferred_element_type=jnp.float32)
     if softcap is not None:
         logits = jnp.tanh(logits / softcap) * softcap
     log_normaliser = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
-    return jnp.sum((log_normaliser - picked) * w), logits, log_normaliser
+    return (log_normaliser - picked) * n, logits, log_normaliser
 
 
-def _chunk_nll(softcap: float | None, h: jax.Array, head: jax.Array, t: jax.Array, w: jax.Array) -> tuple[jax.Array]:
-    return (_chunk_nll_terms(softcap, h, head, t, w)[0],)
+def _chunk_nll(softcap: float | None, h: jax.Array, head: jax.Array, t: jax.Array, n: jax.Array) -> tuple[jax.Array]:
+    return (_chunk_nll_terms(softcap, h, head, t, n)[0],)
 
 
 def _chunk_nll_and_hidden_grad(
-    softcap: float | None, h: jax.Array, head: jax.Array, t: jax.Array, w: jax.Array
+    softcap: float | None, h: jax.Array, head: jax.Array, t: jax.Array, n: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """The chunk's NLL sum and its gradient w.r.t. h: (w * (softmax - onehot(t)) * capping') @ head.T, where
-    capping' = 1 - (logits / softcap)^2 is the derivative of the capping (1 without one)."""
-    nll, logits, log_normaliser = _chunk_nll_terms(softcap, h, head, t, w)
-    logit_grads = jnp.exp(logits - log_normaliser[..., None]) * w[..., None]
-    target_scale = w
+    """The chunk's NLL per position and each needed position's gradient w.r.t. its h: (softmax - onehot(t)) *
+    capping' @ head.T, where capping' = 1 - (logits / softcap)^2 is the derivative of the capping (1 without
+    one); 0 where not needed."""
+    nll, logits, log_normaliser = _chunk_nll_terms(softcap, h, head, t, n)
+    logit_grads = jnp.exp(logits - log_normaliser[..., None]) * n[..., None]
+    target_scale = n
     if softcap is not None:
         capping_slope = 1.0 - jnp.square(logits / softcap)
         logit_grads = logit_grads * capping_slope
-        target_scale = w * jnp.take_along_axis(capping_slope, t[..., None], axis=-1)[..., 0]
+        target_scale = n * jnp.take_along_axis(capping_slope, t[..., None], axis=-1)[..., 0]
     spread = jnp.dot(logit_grads.astype(head.dtype), head.T, preferred_element_type=jnp.float32)
     target_rows = jnp.moveaxis(jnp.take(head, t, axis=1), 0, -1).astype(jnp.float32)
     return nll, (spread - target_scale[..., None] * target_rows).astype(h.dtype)

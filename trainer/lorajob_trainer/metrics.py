@@ -244,15 +244,16 @@ class MetricsWriter:
     def progress(
         self, step: int, *, loss: float | None, tokens_per_second: float, eta_seconds: float, state: str, message: str = "",
         eval_loss: float | None = None, eval_step: int | None = None, checkpoints: tuple[CheckpointRecord, ...] = (),
-        expert_rows_dropped: int | None = None,
+        expert_rows_dropped: int | None = None, **preference: float,
     ) -> None:
-        """Atomically replace the progress file and, with `progress_lines`, print it as one line on stdout."""
+        """Atomically replace the progress file and, with `progress_lines`, print it as one line on stdout;
+        `preference`: a preference method's figures (contract.records.PREFERENCE_PROGRESS)."""
         if not self.enabled:
             return
         record = ProgressRecord(step=step, total_steps=self.total_steps, loss=loss, tokens_per_second=tokens_per_second,
                                 eta_seconds=eta_seconds, state=state, message=message, eval_loss=eval_loss,
                                 eval_step=eval_step, checkpoints=checkpoints, expert_rows_dropped=expert_rows_dropped,
-                                updated=time.time())
+                                updated=time.time(), **preference)
         partial = self.progress_path.with_suffix(".json.tmp")
         partial.write_text(record.to_json())
         os.replace(partial, self.progress_path)

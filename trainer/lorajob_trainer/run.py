@@ -225,9 +225,11 @@ class Run:
         return jax.jit(self.optimizer.init, out_shardings=self.shardings["optimizer"])(adapters)
 
     def arguments(self) -> tuple[Any, ...]:
-        """(adapters, optimizer state, base, batch): what the train step takes, to lower or compile it."""
+        """(adapters, optimizer state, base, batch[, reference adapters]): what the train step takes, to lower or
+        compile it."""
         adapters = self.adapters()
-        return adapters, self.optimizer_state(adapters), self.base, self.batch
+        reference = (self.adapters(),) if self.steps.takes_reference else ()
+        return adapters, self.optimizer_state(adapters), self.base, self.batch, *reference
 
     def generator(self, max_new_tokens: int, stop_ids: list[int]) -> generate_lib.Generator:
         """Greedy generation with this run's model, adapters and shardings (generate.py)."""
@@ -245,9 +247,10 @@ def batch_spec(shape: StepShape, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def build(shape: StepShape, optimizer: optax.GradientTransformation, model: LoraModel, mesh: Mesh,
-          dtype: jnp.dtype, remat_policy: str, scan_layers: bool = True) -> Run:
-    """The step over `model` on `mesh` for batches of `shape`, updating the adapters with `optimizer`
-    (optim.build_optimizer), with a concrete `remat_policy` (train.remat_for_run resolves auto).
+          dtype: jnp.dtype, remat_policy: str, scan_layers: bool = True,
+          objective: step_lib.Objective = step_lib.SUPERVISED) -> Run:
+    """The step over `model` on `mesh` for batches of `shape`, minimising `objective`, updating the adapters with
+    `optimizer` (optim.build_optimizer), with a concrete `remat_policy` (train.remat_for_run resolves auto).
     `scan_layers=False` leaves the layers unrolled, as the trainer never does, so that the compiler's cost
     analysis counts every layer (bench/tpu_plan.py --executed-flops). The model's layers are stacked in place."""
     flops = model.flops(shape.length)
@@ -255,7 +258,7 @@ def build(shape: StepShape, optimizer: optax.GradientTransformation, model: Lora
     shardings = step_lib.step_shardings(_float32_shapes(layout.flat(lora)), optimizer, base, mesh)
     steps = step_lib.build_step_functions(
         graphdef, layout, optimizer, dtype, shardings, shape.loss_chunk, remat_policy, model.aux_loss_coef,
-        expert_parallel=bool(model.active) and mesh.shape[experts.EXPERT_AXIS] > 1,
+        expert_parallel=bool(model.active) and mesh.shape[experts.EXPERT_AXIS] > 1, objective=objective,
     )
     return Run(mesh, dtype, shape, remat_policy, model, graphdef, layout, lora, base, optimizer, shardings, steps,
                flops, batch_spec(shape, mesh))
@@ -293,4 +296,10 @@ def abstract_run(config: TrainConfig, hf_config: dict[str, Any], devices: list[j
                            config.expert_capacity_factor)
     if expert_adapter_kernel is not None:
         experts.use_adapter_kernel(model.model, expert_adapter_kernel)
-    return build(config.step_shape, build_optimizer(config), model, mesh, dtype, config.remat_policy, scan_layers)
+    return build(config.step_shape, build_optimizer(config), model, mesh, dtype, config.remat_policy, scan_layers,
+                 objective_of(config))
+
+
+def objective_of(config: TrainConfig) -> step_lib.Objective:
+    """The step's objective of `config` (its method and preference settings)."""
+    return step_lib.Objective(config.method, config.preference)

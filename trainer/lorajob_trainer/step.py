@@ -22,8 +22,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lorajob_trainer import loss as loss_lib
 from lorajob_trainer import mesh as mesh_lib
+from lorajob_trainer import preference as preference_lib
 from lorajob_trainer import remat as remat_lib
 from lorajob_trainer import weights
+from lorajob_trainer.contract.config import PreferenceConfig
 from lorajob_trainer.models import decoder
 
 Batch = dict[str, jax.Array]
@@ -78,8 +80,47 @@ def split_for_step(model: nnx.Module, layer_period: int | None) -> tuple[nnx.Gra
 @dataclass
 class StepFunctions:
     train: Callable[..., Any]
+    """(adapters, optimizer state, base, batch[, reference adapters]) -> (adapters, optimizer state, metrics)."""
     evaluate: Callable[..., Any]
+    """(adapters, base, batch[, reference adapters]) -> sums (`evaluation_result` reads them)."""
     traces: dict[str, int] = field(default_factory=lambda: {"train": 0, "eval": 0})
+    takes_reference: bool = False
+    """Both steps take the reference adapters as their last argument (DPO)."""
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What the step minimises: `method` (contract.records.TRAINING_METHODS), with a preference method's settings."""
+
+    method: str = "sft"
+    preference: PreferenceConfig = PreferenceConfig()
+
+    @property
+    def is_preference(self) -> bool:
+        return self.method != "sft"
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.method in preference_lib.REFERENCE_METHODS
+
+
+SUPERVISED = Objective()
+"""Supervised fine-tuning: the answers' next-token loss."""
+
+
+def evaluation_result(objective: Objective, sums: dict[str, float]) -> dict[str, float] | None:
+    """The eval loss (and a preference method's preference accuracy) from the eval step's sums over an evaluation's
+    batches; None when they hold nothing to evaluate."""
+    if not objective.is_preference:
+        if not sums["weight_sum"]:
+            return None
+        return {"eval_loss": sums["loss_sum"] / sums["weight_sum"], "eval_tokens": sums["weight_sum"]}
+    if not sums["pairs"]:
+        return None
+    counts = preference_lib.StepCounts(sums["pairs"], sums["chosen_tokens"])
+    metrics = preference_lib.step_metrics(objective.method, sums, counts)
+    return {"eval_loss": float(metrics["loss"]), "eval_preference_accuracy": float(metrics["reward_accuracy"]),
+            "eval_pairs": sums["pairs"]}
 
 
 def build_step_functions(
@@ -92,6 +133,7 @@ def build_step_functions(
     remat_policy: remat_lib.RematPolicy,
     aux_loss_coef: float | None = None,
     expert_parallel: bool = False,
+    objective: Objective = SUPERVISED,
 ) -> StepFunctions:
     """Jitted train and eval steps with fixed in/out shardings, so each compiles once.
 
@@ -99,7 +141,11 @@ def build_step_functions(
     the latter the mean over micro-batches of each one's (as transformers computes it per forward), and
     reports it as `aux_loss`; None: the model has none. `expert_parallel` (routed experts split over the mesh's
     expert axis): the step also reports the (token, expert) rows its all-to-alls dropped and the empty slots they
-    carried, summed over micro-batches, layers and devices (`expert_rows_dropped`, `expert_slots_padded`)."""
+    carried, summed over micro-batches, layers and devices (`expert_rows_dropped`, `expert_slots_padded`).
+    `objective`: a preference method's steps come from `build_preference_steps`."""
+    if objective.is_preference:
+        return build_preference_steps(graphdef, layout, optimizer, dtype, shardings, loss_chunk_length, remat_policy,
+                                      objective, aux_loss_coef, expert_parallel)
     traces = {"train": 0, "eval": 0}
 
     def losses(lora, base, micro_batch, aux_weight=0.0):
@@ -169,6 +215,107 @@ def build_step_functions(
         out_shardings=replicated,
     )
     return StepFunctions(train, evaluate, traces)
+
+
+def build_preference_steps(
+    graphdef: nnx.GraphDef,
+    layout: LoraLayout,
+    optimizer: optax.GradientTransformation,
+    dtype: jnp.dtype,
+    shardings: dict[str, Any],
+    loss_chunk_length: int,
+    remat_policy: remat_lib.RematPolicy,
+    objective: Objective,
+    aux_loss_coef: float | None = None,
+    expert_parallel: bool = False,
+) -> StepFunctions:
+    """`build_step_functions` for a preference method (preference.py): the micro-batches' rows are pairs; the loss is
+    averaged over the step's kept pairs. DPO's steps take the reference adapters as their last argument: the
+    reference's forward runs in the same step, on the same base, undifferentiated. A model with a load-balancing loss
+    adds coef times its mean over micro-batches, as transformers computes it per forward."""
+    traces = {"train": 0, "eval": 0}
+    method = objective.method
+
+    def model_with(adapters, base):
+        return nnx.merge(graphdef, layout.state({name: value.astype(dtype) for name, value in adapters.items()}), base)
+
+    def micro_objective(lora, base, reference, micro_batch, counts, aux_weight):
+        needed = preference_lib.needed_positions(method, micro_batch)
+        model = model_with(lora, base)
+        policy_nll, aux, dispatch = loss_lib.with_load_balancing(
+            model, micro_batch, lambda: loss_lib.token_nll(model, micro_batch, needed, loss_chunk_length, remat_policy)
+        )
+        reference_nll = None
+        if reference is not None:
+            reference_nll = jax.lax.stop_gradient(
+                loss_lib.token_nll(model_with(reference, base), micro_batch, needed, loss_chunk_length)
+            )
+        value, sums = preference_lib.micro_objective(method, objective.preference, micro_batch, policy_nll,
+                                                     reference_nll, counts)
+        trained_aux = aux if aux_loss_coef else jax.lax.stop_gradient(aux)
+        return value + aux_weight * trained_aux, (sums, aux, dispatch)
+
+    grad_fn = jax.value_and_grad(micro_objective, has_aux=True)
+
+    def accumulated(fn, initial, batch):
+        def accumulate(carry, micro_batch):
+            return jax.tree.map(jnp.add, carry, fn(micro_batch)), None
+
+        return jax.lax.scan(accumulate, initial, batch)[0]
+
+    def sums_like(lora, base, reference, batch, counts):
+        return jax.eval_shape(lambda: micro_objective(lora, base, reference, jax.tree.map(lambda x: x[0], batch),
+                                                      counts, 0.0)[1])
+
+    def train_step(lora, opt_state, base, batch, reference=None):
+        traces["train"] += 1
+        counts = preference_lib.step_counts(method, batch)
+        accumulation = batch["weights"].shape[0]
+        aux_weight = (aux_loss_coef or 0.0) / accumulation
+
+        def micro(micro_batch):
+            (_, aux_sums), grads = grad_fn(lora, base, reference, micro_batch, counts, aux_weight)
+            return grads, aux_sums
+
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                             (jax.eval_shape(lambda: lora), sums_like(lora, base, reference, batch, counts)))
+        grads, (sums, aux_sum, dispatch_sum) = accumulated(micro, zeros, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, lora)
+        step_metrics = {
+            **preference_lib.step_metrics(method, sums, counts),
+            "trained_tokens": jnp.sum(batch["weights"]),
+            "real_tokens": jnp.sum(batch["segment_ids"] != 0),
+            "grad_norm": optax.global_norm(grads),
+        }
+        if aux_loss_coef is not None:
+            step_metrics["aux_loss"] = aux_sum / accumulation
+        if expert_parallel:
+            step_metrics["expert_rows_dropped"], step_metrics["expert_slots_padded"] = dispatch_sum
+        return optax.apply_updates(lora, updates), opt_state, step_metrics
+
+    def eval_step(lora, base, batch, reference=None):
+        traces["eval"] += 1
+        counts = preference_lib.step_counts(method, batch)
+        initial = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), sums_like(lora, base, reference, batch, counts)[0])
+        sums = accumulated(lambda micro_batch: micro_objective(lora, base, reference, micro_batch, counts, 0.0)[1][0],
+                           initial, batch)
+        # micro_objective divides by the step's counts: the sums are not; the counts go out for the whole evaluation.
+        return {**sums, "pairs": counts.pairs, "chosen_tokens": counts.chosen_tokens}
+
+    replicated = shardings["replicated"]
+    reference = (shardings["lora"],) if objective.needs_reference else ()
+    train = jax.jit(
+        train_step,
+        in_shardings=(shardings["lora"], shardings["optimizer"], shardings["base"], shardings["batch"], *reference),
+        out_shardings=(shardings["lora"], shardings["optimizer"], replicated),
+        donate_argnums=(0, 1),
+    )
+    evaluate = jax.jit(
+        eval_step,
+        in_shardings=(shardings["lora"], shardings["base"], shardings["batch"], *reference),
+        out_shardings=replicated,
+    )
+    return StepFunctions(train, evaluate, traces, takes_reference=objective.needs_reference)
 
 
 def optimizer_state_shardings(optimizer: optax.GradientTransformation, lora: dict[str, Any], mesh: Mesh) -> Any:

@@ -36,10 +36,12 @@ from lorajob_trainer import plan as plan_lib
 from lorajob_trainer.contract.config import TrainConfig, describe_keys, parse_or_report
 from lorajob_trainer.console import ConsoleProgress, configure_logging
 from lorajob_trainer.contract.records import (
-    COMPILING, EVALUATING, REMAT_AUTO, REMAT_POLICIES, STOPPED_EARLY, CheckpointRecord, last_plan,
+    COMPILING, EVALUATING, PREFERENCE_PROGRESS, REMAT_AUTO, REMAT_POLICIES, STOPPED_EARLY, CheckpointRecord,
+    last_plan,
 )
 from lorajob_trainer.contract.fit import SAFETY_MARGIN
 from lorajob_trainer.optim import build_optimizer, learning_rate_per_step
+from lorajob_trainer import step as step_lib
 from lorajob_trainer.step import Batch
 
 log = logging.getLogger("lorajob_trainer.train")
@@ -99,6 +101,12 @@ class Trainer:
         self.opt_state = run.optimizer_state(self.lora)
         self.base_adapters = run.adapters() if config.generation_eval.enabled else None
         """The adapters as they start: the base model, for evaluate.py."""
+        self.reference: tuple[dict[str, jax.Array], ...] = ()
+        """DPO's reference adapters, the last argument of its steps: the adapters as training starts (the restored
+        adapter with lora.lora_restore_path, else as initialised), also after a resume."""
+        if run.steps.takes_reference:
+            restore_path = config.lora.lora_restore_path
+            self.reference = (self._adapter_from(restore_path) if restore_path else run.adapters(),)
         self.learning_rates = learning_rate_per_step(config)
         self.tokenizer = data_lib.load_tokenizer(
             str(loading.local_config_directory(config.tokenizer_directory)), config.chat_template_path
@@ -124,7 +132,8 @@ class Trainer:
         self.last_eval: tuple[int | None, float | None] = (None, None)
         self.expert_rows_dropped: int | None = None
         """Rows the expert-parallel steps dropped since the start (ProgressRecord.expert_rows_dropped)."""
-        """(step, loss) of the latest evaluation."""
+        self.preference_progress: dict[str, float] = {}
+        """A preference method's latest figures (contract.records.PREFERENCE_PROGRESS), for the progress record."""
         self.kept_checkpoints: tuple[CheckpointRecord, ...] = ()
         """The complete checkpoints the run keeps, reported in every progress record."""
         self.plateau = Plateau(config.early_stopping_patience, config.early_stopping_min_delta)
@@ -213,7 +222,7 @@ class Trainer:
                         self._report(*pending, timer)
                     raise
                 self.lora, self.opt_state, step_metrics = self.run.steps.train(
-                    self.lora, self.opt_state, self.run.base, batch)
+                    self.lora, self.opt_state, self.run.base, batch, *self.reference)
                 if pending is not None:
                     result.final_loss = self._report(*pending, timer)
                 pending = (step, step_metrics)
@@ -283,7 +292,7 @@ class Trainer:
     def report_progress(self, step: int, **values) -> None:
         eval_step, eval_loss = self.last_eval
         self.writer.progress(step, eval_loss=eval_loss, eval_step=eval_step, checkpoints=self.kept_checkpoints,
-                             expert_rows_dropped=self.expert_rows_dropped, **values)
+                             expert_rows_dropped=self.expert_rows_dropped, **self.preference_progress, **values)
 
     def _stop_preempted(self, step: int) -> None:
         """SIGTERM: a complete checkpoint at `step`, the last step run, before exiting."""
@@ -303,6 +312,7 @@ class Trainer:
         step_time = timer.lap()
         if "expert_rows_dropped" in values:
             self.expert_rows_dropped = (self.expert_rows_dropped or 0) + int(values["expert_rows_dropped"])
+        self.preference_progress.update({name: values[name] for name in PREFERENCE_PROGRESS if name in values})
         tokens_per_second = self.last_tokens_per_second = values["real_tokens"] / step_time
         eta = timer.eta_seconds(self.config.steps - step)
         if step % self.config.log_period == 0 or step == self.config.steps:
@@ -317,6 +327,8 @@ class Trainer:
             }
             self.writer.write(step, record)
             aux = f" aux_loss {values['aux_loss']:.4f}" if "aux_loss" in values else ""
+            if "reward_accuracy" in values:
+                aux += f" reward accuracy {values['reward_accuracy']:.3f} margin {values['reward_margin']:.4f}"
             log.info("step %d/%d loss %.4f%s  %.0f tok/s  %.3f s/step", step, self.config.steps, values["loss"], aux,
                      tokens_per_second, step_time)
             if values.get("expert_rows_dropped"):
@@ -331,19 +343,24 @@ class Trainer:
 
     def _evaluate(self, step: int) -> float | None:
         feed = feed_lib.data_feed(self.config, self.mesh, self.eval_data, accumulation=1, on_end="pad")
-        loss_sum = weight_sum = 0.0
+        sums: dict[str, float] = {}
         for _ in range(self.config.eval_steps):
-            totals = jax.device_get(self.run.steps.evaluate(self.lora, self.run.base, feed.next_batch(step)))
-            loss_sum += float(totals["loss_sum"])
-            weight_sum += float(totals["weight_sum"])
-        if weight_sum == 0:
-            log.warning("evaluation at step %d saw no trained tokens", step)
+            totals = jax.device_get(self.run.steps.evaluate(self.lora, self.run.base, feed.next_batch(step),
+                                                            *self.reference))
+            for name, value in totals.items():
+                sums[name] = sums.get(name, 0.0) + float(value)
+        result = step_lib.evaluation_result(run_lib.objective_of(self.config), sums)
+        if result is None:
+            log.warning("evaluation at step %d saw nothing to evaluate (no trained tokens or pairs)", step)
             return None
-        eval_loss = loss_sum / weight_sum
-        self.writer.write(step, {"eval_loss": eval_loss, "eval_tokens": weight_sum})
-        self.last_eval = (step, eval_loss)
-        log.info("step %d eval loss %.4f", step, eval_loss)
-        return eval_loss
+        self.writer.write(step, result)
+        self.last_eval = (step, result["eval_loss"])
+        if "eval_preference_accuracy" in result:
+            self.preference_progress["eval_preference_accuracy"] = result["eval_preference_accuracy"]
+        log.info("step %d eval loss %.4f%s", step, result["eval_loss"],
+                 f" preference accuracy {result['eval_preference_accuracy']:.3f}"
+                 if "eval_preference_accuracy" in result else "")
+        return result["eval_loss"]
 
     def _evaluate_generations(self, step: int, loss: float | None) -> None:
         self.report_progress(step, loss=loss, tokens_per_second=0.0, eta_seconds=0.0, state=EVALUATING,
@@ -420,7 +437,8 @@ def build_trainer(
     with jax.set_mesh(mesh):
         model = load_model(config, mesh, dtype)
     policy = remat_for_run(config, model.hf_config, list(mesh.devices.flat))
-    return Trainer(config, run_lib.build(config.step_shape, build_optimizer(config), model, mesh, dtype, policy))
+    return Trainer(config, run_lib.build(config.step_shape, build_optimizer(config), model, mesh, dtype, policy,
+                                         objective=run_lib.objective_of(config)))
 
 
 def train(config: TrainConfig) -> RunResult:

@@ -23,8 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from lorajob_trainer.contract import catalog
 from lorajob_trainer.contract.records import (
-    BASE_QUANTIZATIONS, BOUNDS, COLUMN_LAYOUTS, DEFAULTS, DORA_NEEDS_FULL_PRECISION, EVAL_SCORERS, RematSetting,
-    RunLayout,
+    BASE_QUANTIZATIONS, BOUNDS, COLUMN_LAYOUTS, DEFAULTS, DORA_NEEDS_FULL_PRECISION, DPO_LOSS_TYPES, EVAL_SCORERS,
+    METHOD_NEEDS_MATCHING_LAYOUT, PREFERENCE_COLUMN_LAYOUTS, PREFERENCE_DEFAULTS, PREFERENCE_METHODS, TRAINING_METHODS,
+    RematSetting, RunLayout,
 )
 
 
@@ -134,6 +135,25 @@ class GenerationEvalConfig(_Section):
         return self
 
 
+class PreferenceConfig(_Section):
+    beta: float = Field(PREFERENCE_DEFAULTS.beta, gt=0)
+    """DPO's beta: the rewards are beta times the log-ratio of the trained model to the reference; higher keeps
+    the trained model closer to the reference (IPO: its tau)."""
+    loss_type: Literal[DPO_LOSS_TYPES] = PREFERENCE_DEFAULTS.loss_type
+    """DPO's loss (contract.records.DPO_LOSS_TYPES)."""
+    label_smoothing: float = Field(PREFERENCE_DEFAULTS.label_smoothing, ge=0, lt=0.5)
+    """loss_type=robust: the assumed share of pairs whose preference label is flipped."""
+    orpo_lambda: float = Field(PREFERENCE_DEFAULTS.orpo_lambda, gt=0)
+    """ORPO's lambda: the weight of the odds-ratio term beside the chosen answers' NLL (TRL's ORPOConfig.beta)."""
+
+    @model_validator(mode="after")
+    def _smoothing_is_robust(self) -> PreferenceConfig:
+        if self.label_smoothing and self.loss_type != "robust":
+            raise ValueError("preference.label_smoothing applies to loss_type=robust only (the share of flipped "
+                             f"labels); loss_type is {self.loss_type}")
+        return self
+
+
 LOSS_CHUNK_TOKENS = 512
 """Positions per device in one chunk of the loss by default: the chunk's LM-head matmuls read the whole head
 [hidden, vocab] for that many positions, and on a TPU below about 240 positions per read (v5e: 197 TFLOP/s over
@@ -196,7 +216,8 @@ class TrainConfig(_Section):
     hf_eval_split: str = ""
     """Split used for evaluation (hub datasets); empty = no evaluation split."""
     train_data_columns: list[str] = list(COLUMN_LAYOUTS[0])
-    """Column layout: ['messages'], ['prompt','completion'] or ['question','answer']."""
+    """Column layout: ['messages'], ['prompt','completion'] or ['question','answer']; for a preference method
+    ['prompt','chosen','rejected'] or ['chosen','rejected'] (contract.records.PREFERENCE_COLUMN_LAYOUTS)."""
     chat_template_path: str = ""
     """Chat template file (.jinja/.j2/.txt, or .json with a chat_template key); empty = tokenizer's."""
     max_target_length: int = Field(
@@ -212,10 +233,15 @@ class TrainConfig(_Section):
     epoch_policy: Literal["continue", "fail"] = "continue"
     """At the end of the data: continue into the next epoch (logged), or fail the run."""
 
+    method: Literal[TRAINING_METHODS] = "sft"
+    """What the adapters are trained to do (contract.records.TRAINING_METHODS)."""
+    preference: PreferenceConfig = PreferenceConfig()
+    """The preference methods' settings (method dpo or orpo)."""
     steps: int = Field(gt=0)
     """Optimizer steps to run."""
     per_device_batch_size: int = Field(DEFAULTS.per_device_batch_size, gt=0)
-    """Rows per device per micro-batch."""
+    """Rows per device per micro-batch; for a preference method, pairs (each a row for the chosen answer and one
+    for the rejected, on the same device)."""
     gradient_accumulation_steps: int = Field(DEFAULTS.gradient_accumulation_steps, gt=0)
     """Micro-batches accumulated into one optimizer step."""
     learning_rate: float = Field(DEFAULTS.learning_rate, gt=0)
@@ -308,9 +334,10 @@ class TrainConfig(_Section):
     @model_validator(mode="after")
     def _cross_field_rules(self) -> TrainConfig:
         catalog.family_of(self.model_name)
-        if tuple(self.train_data_columns) not in COLUMN_LAYOUTS:
-            layouts = ", ".join(str(list(layout)) for layout in COLUMN_LAYOUTS)
-            raise ValueError(f"train_data_columns={self.train_data_columns} is not one of {layouts}")
+        layouts = PREFERENCE_COLUMN_LAYOUTS if self.preference_method else COLUMN_LAYOUTS
+        if tuple(self.train_data_columns) not in layouts:
+            raise ValueError(f"train_data_columns={self.train_data_columns} with method={self.method}: "
+                             f"{METHOD_NEEDS_MATCHING_LAYOUT}")
         if not self.hf_path and not self.hf_train_files:
             raise ValueError("no training data: set hf_path or hf_train_files")
         if self.eval_interval and not (self.hf_eval_files or self.hf_eval_split):
@@ -321,17 +348,27 @@ class TrainConfig(_Section):
             raise ValueError("generation_eval.enabled needs evaluation data: set hf_eval_files or hf_eval_split")
         return self
 
+    @property
+    def preference_method(self) -> bool:
+        """The method trains on preference pairs (dpo, orpo)."""
+        return self.method in PREFERENCE_METHODS
+
+    @property
+    def rows_per_device(self) -> int:
+        """Rows per device per micro-batch: per_device_batch_size, twice that for a preference method's pairs."""
+        return self.per_device_batch_size * (2 if self.preference_method else 1)
+
     # Derived paths.
     @property
     def loss_chunk_per_row(self) -> int:
         """`loss_chunk_length`, or by default `LOSS_CHUNK_TOKENS` over the rows of a micro-batch, at least 64."""
         if self.loss_chunk_length is not None:
             return self.loss_chunk_length
-        return default_loss_chunk(self.per_device_batch_size)
+        return default_loss_chunk(self.rows_per_device)
 
     @property
     def step_shape(self) -> StepShape:
-        return StepShape(self.per_device_batch_size, self.max_target_length, self.gradient_accumulation_steps,
+        return StepShape(self.rows_per_device, self.max_target_length, self.gradient_accumulation_steps,
                          self.loss_chunk_per_row)
 
     @property

@@ -84,6 +84,41 @@ COLUMN_LAYOUTS: tuple[tuple[str, ...], ...] = (
 )
 """The dataset column layouts the trainer understands (the same three MaxText accepts); the first is the default."""
 
+TRAINING_METHODS = ("sft", "dpo", "orpo")
+"""What the adapters are trained to do: sft (supervised fine-tuning: the answers' next-token loss), dpo (Direct
+Preference Optimization against the model as training starts) or orpo (Odds Ratio Preference Optimization: the
+chosen answers' loss plus an odds-ratio term, no reference)."""
+PREFERENCE_METHODS = ("dpo", "orpo")
+"""The methods that train on preference pairs (a prompt, a chosen and a rejected answer)."""
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "robust")
+"""DPO's loss on the pair's log-ratio margin, as TRL's DPOTrainer computes it: sigmoid (the DPO paper), ipo (IPO,
+on the answers' per-token mean log-ratios) or robust (Robust DPO: labelSmoothing is the share of flipped labels)."""
+PREFERENCE_COLUMN_LAYOUTS: tuple[tuple[str, ...], ...] = (
+    ("prompt", "chosen", "rejected"),
+    ("chosen", "rejected"),
+)
+"""The preference dataset layouts: a prompt and two answers (each a string or a list of {role, content} messages),
+or two whole conversations (message lists) that share every turn but the last, which is the answer."""
+METHOD_NEEDS_MATCHING_LAYOUT = (
+    "a preference method (dpo, orpo) reads dataset.columns " + " or ".join(str(list(layout)) for layout in
+    PREFERENCE_COLUMN_LAYOUTS) + "; sft reads " + ", ".join(str(list(layout)) for layout in COLUMN_LAYOUTS)
+)
+
+
+@dataclass(frozen=True)
+class PreferenceDefaults:
+    """The preference settings a LoRAJob and the trainer share by default (TRL's defaults)."""
+
+    beta: float = 0.1
+    """DPO's beta: how far the trained model may move from the reference (higher: less)."""
+    orpo_lambda: float = 0.1
+    """ORPO's lambda, the odds-ratio term's weight (TRL's ORPOConfig.beta)."""
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+
+
+PREFERENCE_DEFAULTS = PreferenceDefaults()
+
 
 def join(base: str, *parts: str) -> str:
     """`base/part/...` for local paths and gs:// URIs alike (pathlib would fold gs:// to gs:/)."""
@@ -201,6 +236,11 @@ def _json_after(prefix: str, line: str) -> dict | None:
     return values if isinstance(values, dict) else None
 
 
+PREFERENCE_PROGRESS = ("reward_accuracy", "reward_margin", "chosen_logps", "rejected_logps",
+                       "eval_preference_accuracy")
+"""The progress record's figures of a preference method."""
+
+
 @dataclass(frozen=True)
 class CheckpointRecord:
     """A complete checkpoint the run keeps."""
@@ -279,11 +319,23 @@ class ProgressRecord:
     expert_rows_dropped: int | None = None
     """(token, expert) rows the experts' all-to-alls dropped past their capacity since the train step started
     (expert parallelism: models/experts.py); None where no step dispatched tokens."""
+    reward_accuracy: float | None = None
+    """Preference methods: the share of the step's pairs whose chosen answer earned the higher reward."""
+    reward_margin: float | None = None
+    """Preference methods: the mean of chosen minus rejected reward over the step's pairs."""
+    chosen_logps: float | None = None
+    """Preference methods: the mean log-probability of the chosen answers (DPO: summed over each answer's tokens;
+    ORPO: its per-token mean)."""
+    rejected_logps: float | None = None
+    """Preference methods: the same for the rejected answers."""
+    eval_preference_accuracy: float | None = None
+    """Preference methods: the share of the eval split's pairs the adapter ranks right (its chosen answer more
+    likely than the rejected, relative to the reference for DPO), measured at `eval_step`."""
     updated: float | None = None
     """Unix time of the update."""
 
     def __post_init__(self):
-        for name in ("loss", "tokens_per_second", "eta_seconds", "eval_loss"):  # NaN and inf become unknown
+        for name in ("loss", "tokens_per_second", "eta_seconds", "eval_loss", *PREFERENCE_PROGRESS):  # NaN, inf: unknown
             object.__setattr__(self, name, _finite_or_none(getattr(self, name)))
         if self.checkpoints is not None:
             object.__setattr__(self, "checkpoints", tuple(self.checkpoints))
@@ -304,7 +356,8 @@ class ProgressRecord:
         step, total = values.get("step"), values.get("total_steps")
         if not _count(step) or not (total is None or (_count(total) and total > 0)):
             return None
-        numbers = {name: values.get(name) for name in ("loss", "tokens_per_second", "eta_seconds", "eval_loss")}
+        numbers = {name: values.get(name)
+                   for name in ("loss", "tokens_per_second", "eta_seconds", "eval_loss", *PREFERENCE_PROGRESS)}
         if any(value is not None and not _finite(value) for value in numbers.values()):
             return None
         state, message, updated = values.get("state"), values.get("message", ""), values.get("updated")
