@@ -26,6 +26,12 @@ from lorajob_trainer.contract.records import (
     COMPILATION_CACHE_DIRECTORY,
     DEFAULTS,
     DORA_NEEDS_FULL_PRECISION,
+    DPO_LOSS_TYPES,
+    METHOD_NEEDS_MATCHING_LAYOUT,
+    PREFERENCE_COLUMN_LAYOUTS,
+    PREFERENCE_DEFAULTS,
+    PREFERENCE_METHODS,
+    TRAINING_METHODS,
     ExportGate,
     RematSetting,
     join,
@@ -149,18 +155,24 @@ class Credentials(_Model):
     """huggingFaceToken is the Secret key holding a Hugging Face token, passed to the pods as HF_TOKEN through secretKeyRef."""
 
 
+def _is_layout(columns: str, layouts: tuple[tuple[str, ...], ...]) -> str:
+    """CEL: the list `columns` is one of `layouts`."""
+    return "(" + " || ".join(f"{columns} == {list(layout)}" for layout in layouts) + ")"
+
+
+def _layout_list(layouts: tuple[tuple[str, ...], ...]) -> str:
+    return "; ".join(str(list(layout)) for layout in layouts)
+
+
 class DatasetSpec(_Model):
-    """The supervised fine-tuning data, read with Hugging Face `datasets`."""
+    """The training data, read with Hugging Face `datasets`: supervised examples (spec.method sft) or preference pairs (dpo, orpo)."""
 
     model_config = ConfigDict(
         json_schema_extra=_cel(
             {
-                "rule": " || ".join(
-                    f"self.columns == {list(layout)}" for layout in COLUMN_LAYOUTS
-                ),
-                "message": "dataset.columns must be one of " + "; ".join(
-                    str(list(layout)) for layout in COLUMN_LAYOUTS
-                ),
+                "rule": _is_layout("self.columns", COLUMN_LAYOUTS + PREFERENCE_COLUMN_LAYOUTS),
+                "message": "dataset.columns must be one of " + _layout_list(COLUMN_LAYOUTS) + " (method sft), or "
+                + _layout_list(PREFERENCE_COLUMN_LAYOUTS) + " (methods dpo, orpo)",
                 "fieldPath": ".columns",
             }
         )
@@ -171,11 +183,13 @@ class DatasetSpec(_Model):
     split: str = Field(default=DEFAULTS.train_split, max_length=128)
     """split to train on."""
     eval_split: str | None = Field(default=None, max_length=128)
-    """evalSplit, when set, is evaluated periodically and reported as eval loss."""
+    """evalSplit, when set, is evaluated periodically and reported as eval loss (and, for a preference method, as the share of its pairs the adapter ranks right)."""
     data_dir: str | None = Field(default=None, max_length=PATH_MAX)
     """dataDir is the dataset configuration/subset or data directory (MaxText's hf_data_dir, e.g. main for gsm8k)."""
-    columns: list[Annotated[str, Field(max_length=64)]] = Field(default=list(COLUMN_LAYOUTS[0]), min_length=1, max_length=2)
-    """columns to read: [messages] (chat turns), [prompt, completion], or [question, answer]. Loss is computed only on the answer tokens."""
+    columns: list[Annotated[str, Field(max_length=64)]] = Field(
+        default=list(COLUMN_LAYOUTS[0]), min_length=1, max_length=max(map(len, COLUMN_LAYOUTS + PREFERENCE_COLUMN_LAYOUTS))
+    )
+    """columns to read. Method sft: [messages] (chat turns), [prompt, completion], or [question, answer]; the loss is computed only on the answer tokens. Methods dpo and orpo: [prompt, chosen, rejected] (a prompt and two answers, each a string or a list of {role, content} messages) or [chosen, rejected] (two conversations, message lists that share every turn but the last, which is the answer, as Hugging Face preference sets store them)."""
     chat_template_path: str | None = Field(default=None, max_length=PATH_MAX)
     """chatTemplatePath is a Jinja (or JSON with a chat_template key) chat template. Defaults to the tokenizer's template."""
 
@@ -195,11 +209,11 @@ class TrainingSpec(_Model):
     steps: int = Field(ge=1, le=10_000_000)
     """steps is the number of optimizer steps to run."""
     per_device_batch_size: int = Field(default=DEFAULTS.per_device_batch_size, ge=1, le=4096)
-    """perDeviceBatchSize is the number of (packed) sequences per device per step."""
+    """perDeviceBatchSize is the number of (packed) sequences per device per micro-batch; for a preference method (dpo, orpo), the number of pairs, each a row for the chosen answer and one for the rejected on the same device."""
     max_target_length: int = Field(
         default=DEFAULTS.max_target_length, ge=BOUNDS.max_target_length[0], le=BOUNDS.max_target_length[1]
     )
-    """maxTargetLength is the sequence length in tokens; examples are packed up to it."""
+    """maxTargetLength is the sequence length in tokens; examples are packed up to it. A preference method packs nothing: each answer with its prompt fills its own row, cut to this length from the end (the start is kept)."""
     learning_rate: float = Field(default=DEFAULTS.learning_rate, gt=0, le=1)
     """learningRate is the peak AdamW learning rate (2e-4 by default, the usual LoRA rate)."""
     warmup_steps_fraction: float = Field(
@@ -218,6 +232,104 @@ class TrainingSpec(_Model):
     """evalInterval evaluates dataset.evalSplit every this many steps (needs evalSplit). Defaults to checkpointPeriod."""
     early_stopping: EarlyStopping | None = None
     """earlyStopping ends training when the eval loss stops improving (needs dataset.evalSplit); the LoRAJob then succeeds with reason EarlyStopped and exports the best checkpoint."""
+
+
+def _method_cel() -> str:
+    """CEL on the spec: spec.method, sft when absent (an object stored before the field existed)."""
+    return f"(has(self.method) ? self.method : '{TRAINING_METHODS[0]}')"
+
+
+def _preference_method_cel() -> str:
+    return f"({_method_cel()} in {list(PREFERENCE_METHODS)})"
+
+
+LABEL_SMOOTHING_BELOW = 0.5
+"""preference.labelSmoothing is below this (contract.config.PreferenceConfig's bound)."""
+
+
+class PreferenceSpec(_Model):
+    """The preference methods' settings (spec.method dpo or orpo). beta, lossType and labelSmoothing are DPO's, orpoLambda is ORPO's; a field left unset takes TRL's default."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            {
+                # Not a schema maximum: the API server compares an integer (`labelSmoothing: 0`) with a fractional bound
+                # cut to an integer (0 < 0.5 would read 0 < 0); CEL sees every number field as a double.
+                "rule": f"!has(self.labelSmoothing) || self.labelSmoothing < {LABEL_SMOOTHING_BELOW}",
+                "message": f"preference.labelSmoothing must be below {LABEL_SMOOTHING_BELOW}: it is the share of pairs "
+                "whose label is flipped, and from one half on the flipped would be the majority",
+                "fieldPath": ".labelSmoothing",
+            },
+            {
+                "rule": "!has(self.labelSmoothing) || self.labelSmoothing == 0.0 "
+                "|| (has(self.lossType) && self.lossType == 'robust')",
+                "message": "preference.labelSmoothing needs preference.lossType robust: it is Robust DPO's assumed "
+                "share of pairs whose preference label is flipped",
+                "fieldPath": ".labelSmoothing",
+            }
+        )
+    )
+
+    # No schema defaults: the API server would fill them in, and a DPO field set under method orpo (or the reverse)
+    # could not be told from one left unset. trainer_settings() applies the contract's defaults.
+    beta: float | None = Field(default=None, gt=0, description=(
+        "beta is DPO's beta: the rewards are beta times the log-ratio of the trained model to the reference (the "
+        "model as training starts); a higher beta keeps the adapter closer to the reference (for lossType ipo, "
+        f"IPO's tau). Defaults to {PREFERENCE_DEFAULTS.beta}."))
+    loss_type: Literal[DPO_LOSS_TYPES] | None = Field(default=None, alias="lossType", description=(
+        "lossType is DPO's loss on each pair's reward margin, as TRL's DPOTrainer computes it: sigmoid (the DPO "
+        "paper), ipo (IPO, on the answers' per-token mean log-ratios) or robust (Robust DPO, with labelSmoothing). "
+        f"Defaults to {PREFERENCE_DEFAULTS.loss_type}."))
+    label_smoothing: float | None = Field(default=None, ge=0, description=(
+        f"labelSmoothing (0 to below {LABEL_SMOOTHING_BELOW}; lossType robust only) is the assumed share of pairs whose preference label "
+        f"is flipped. Defaults to {PREFERENCE_DEFAULTS.label_smoothing}."))
+    orpo_lambda: float | None = Field(default=None, gt=0, alias="orpoLambda", description=(
+        "orpoLambda is ORPO's lambda: the weight of the odds-ratio term beside the chosen answers' loss (TRL's "
+        f"ORPOConfig.beta). Defaults to {PREFERENCE_DEFAULTS.orpo_lambda}."))
+
+    @field_validator("label_smoothing")
+    @classmethod
+    def _below_one_half(cls, value: float | None) -> float | None:
+        if value is not None and value >= LABEL_SMOOTHING_BELOW:
+            raise ValueError(f"must be below {LABEL_SMOOTHING_BELOW}")
+        return value
+
+    def trainer_settings(self) -> dict:
+        """The trainer's preference section (contract.config.PreferenceConfig), TRL's defaults where unset."""
+        return {
+            "beta": PREFERENCE_DEFAULTS.beta if self.beta is None else self.beta,
+            "loss_type": self.loss_type or PREFERENCE_DEFAULTS.loss_type,
+            "label_smoothing": PREFERENCE_DEFAULTS.label_smoothing if self.label_smoothing is None else self.label_smoothing,
+            "orpo_lambda": PREFERENCE_DEFAULTS.orpo_lambda if self.orpo_lambda is None else self.orpo_lambda,
+        }
+
+
+PREFERENCE_RULES = (
+    {
+        "rule": f"{_preference_method_cel()} == "
+        + _is_layout("self.dataset.columns", PREFERENCE_COLUMN_LAYOUTS),
+        "message": f"spec.method and dataset.columns do not match: {METHOD_NEEDS_MATCHING_LAYOUT}",
+        "fieldPath": ".dataset.columns",
+    },
+    {
+        "rule": f"!has(self.preference) || {_preference_method_cel()}",
+        "message": "spec.preference applies to method dpo or orpo only: set spec.method, or remove spec.preference",
+        "fieldPath": ".preference",
+    },
+    {
+        "rule": f"!has(self.preference) || {_method_cel()} != 'orpo' || (!has(self.preference.beta) "
+        "&& !has(self.preference.lossType) && !has(self.preference.labelSmoothing))",
+        "message": "preference.beta, lossType and labelSmoothing are DPO's and spec.method is orpo: ORPO has no "
+        "reference model; the weight of its odds-ratio term is preference.orpoLambda",
+        "fieldPath": ".preference",
+    },
+    {
+        "rule": f"!has(self.preference) || {_method_cel()} != 'dpo' || !has(self.preference.orpoLambda)",
+        "message": "preference.orpoLambda is ORPO's and spec.method is dpo: DPO's strength is preference.beta",
+        "fieldPath": ".preference.orpoLambda",
+    },
+)
+"""The rules on spec.method, spec.preference and the dataset layout (on LoRAJobSpec, where all three are visible)."""
 
 
 class LoRARestore(_Model):
@@ -490,6 +602,7 @@ class LoRAJobSpec(_Model):
                 "handler reads neither OCDBT nor Zarr v3, so its checkpoints are written without them",
                 "fieldPath": ".model.checkpointStorage",
             },
+            *PREFERENCE_RULES,
         )
     )
 
@@ -503,6 +616,10 @@ class LoRAJobSpec(_Model):
     """credentials for Hugging Face."""
     dataset: DatasetSpec
     """dataset to fine-tune on."""
+    method: Literal[TRAINING_METHODS] = TRAINING_METHODS[0]
+    """method is what the adapters are trained to do: sft (supervised fine-tuning: the next-token loss of the answers), dpo (Direct Preference Optimization: prefer each pair's chosen answer to its rejected one more than the reference does, the reference being the model as training starts) or orpo (Odds Ratio Preference Optimization: the chosen answers' loss plus an odds-ratio term; no reference). dpo and orpo read a preference layout in dataset.columns and take their settings from spec.preference."""
+    preference: PreferenceSpec | None = None
+    """preference holds the settings of method dpo or orpo (TRL's defaults where unset)."""
     training: TrainingSpec
     """training schedule."""
     lora: LoRASpec = Field(default_factory=LoRASpec)
@@ -598,6 +715,16 @@ class Progress(_Model):
     """evalLoss is the latest loss on dataset.evalSplit."""
     eval_step: int | None = None
     """evalStep is the step evalLoss was measured at."""
+    reward_accuracy: float | None = None
+    """rewardAccuracy (preference methods) is the share (0 to 1) of the last reported step's pairs whose chosen answer earned the higher reward."""
+    reward_margin: float | None = None
+    """rewardMargin (preference methods) is the mean of the chosen minus the rejected reward over the last reported step's pairs."""
+    chosen_logps: float | None = None
+    """chosenLogps (preference methods) is the mean log-probability of the step's chosen answers (dpo: summed over each answer's tokens; orpo: its per-token mean)."""
+    rejected_logps: float | None = None
+    """rejectedLogps (preference methods) is the same for the rejected answers."""
+    eval_preference_accuracy: float | None = None
+    """evalPreferenceAccuracy (preference methods) is the share (0 to 1) of dataset.evalSplit's pairs the adapter ranks right (its chosen answer more likely than the rejected one; for dpo, relative to the reference), measured at evalStep."""
     expert_rows_dropped: int | None = None
     """expertRowsDropped counts the (token, expert) rows a mixture-of-experts model's expert-parallel step dropped past the experts' capacity since the train step started (the trainer's expert_capacity_factor; absent without expert parallelism)."""
     state: str | None = None
@@ -756,6 +883,7 @@ PRINTER_COLUMNS = [
     {"name": "Backend", "type": "string", "jsonPath": ".spec.compute.backend", "priority": 1},
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss", "priority": 1},
     {"name": "Eval Loss", "type": "number", "jsonPath": ".status.progress.evalLoss", "priority": 1},
+    {"name": "Reward Acc", "type": "number", "jsonPath": ".status.progress.rewardAccuracy", "priority": 1},
     {"name": "Score", "type": "number", "jsonPath": ".status.evaluation.adapter.score"},
     {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

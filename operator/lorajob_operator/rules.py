@@ -183,7 +183,8 @@ MUTABLE_FIELDS = ("suspend", "scheduling.ttlSecondsAfterFinished", "scheduling.a
 """What may change on a created LoRAJob: pausing, and lifetime policy that does not change what runs."""
 
 _IMMUTABLE_SPEC_FIELDS = (
-    "runName", "model", "credentials", "dataset", "training", "lora", "compute", "output", "export", "images",
+    "runName", "model", "credentials", "dataset", "method", "preference", "training", "lora", "compute", "output",
+    "export", "images",
 )
 _IMMUTABLE_SCHEDULING_FIELDS = ("queueName", "priorityClass", "retryLimit")
 

@@ -39,6 +39,10 @@ class LossPoint:
     step: int
     loss: float | None
     eval_loss: float | None = None
+    reward_accuracy: float | None = None
+    """A preference method's share of the step's pairs ranked right (None for sft)."""
+    eval_preference_accuracy: float | None = None
+    """A preference method's share of the eval split's pairs the adapter ranks right, at the step it was measured."""
 
 
 @dataclass(frozen=True)
@@ -50,17 +54,25 @@ class RunView:
 
 def loss_history(log: str) -> list[LossPoint]:
     """One point per step from the trainer's progress lines (the last line of a step wins), in step order;
-    each eval loss at the step it was measured at."""
+    each eval loss (and a preference method's eval preference accuracy) at the step it was measured at."""
     losses: dict[int, float | None] = {}
+    accuracies: dict[int, float | None] = {}
     evals: dict[int, float] = {}
+    eval_accuracies: dict[int, float] = {}
     for line in log.splitlines():
         record = ProgressRecord.from_line(line)
         if record is None:
             continue
         losses[record.step] = record.loss
+        accuracies[record.step] = record.reward_accuracy
+        measured = record.step if record.eval_step is None else record.eval_step
         if record.eval_loss is not None:
-            evals[record.step if record.eval_step is None else record.eval_step] = record.eval_loss
-    return [LossPoint(step, losses.get(step), evals.get(step)) for step in sorted(losses.keys() | evals.keys())]
+            evals[measured] = record.eval_loss
+        if record.eval_preference_accuracy is not None:
+            eval_accuracies[measured] = record.eval_preference_accuracy
+    steps = sorted(losses.keys() | evals.keys() | eval_accuracies.keys())
+    return [LossPoint(step, losses.get(step), evals.get(step), accuracies.get(step), eval_accuracies.get(step))
+            for step in steps]
 
 
 def sparkline(values: list[float], width: int = 60) -> str:
@@ -163,6 +175,9 @@ def format_status(view: RunView, now: datetime | None = None, samples: int = 0) 
         if progress.get("etaSeconds") is not None and status.get("phase") == api.Phase.Training.value:
             extras.append(f"ETA {duration(progress['etaSeconds'])}")
         lines.append(f"progress  {bar}{text}  " + "  ".join(extras))
+        preference = _preference_line(progress)
+        if preference:
+            lines.append(preference)
 
     losses = [p for p in view.history if p.loss is not None]
     if losses:
@@ -174,6 +189,15 @@ def format_status(view: RunView, now: datetime | None = None, samples: int = 0) 
     evaluated = [p for p in view.history if p.eval_loss is not None]
     if evaluated:
         lines.append(f"eval loss {sparkline([p.eval_loss for p in evaluated])}  last {evaluated[-1].eval_loss:.4f} at step {evaluated[-1].step}")
+    ranked = [p for p in view.history if p.reward_accuracy is not None]
+    if ranked:
+        values = [p.reward_accuracy for p in ranked]
+        lines.append(f"reward acc {sparkline(values)}  step {ranked[0].step}..{ranked[-1].step}: "
+                     f"{values[0]:.1%} -> {values[-1]:.1%} (max {max(values):.1%})")
+    ranked = [p for p in view.history if p.eval_preference_accuracy is not None]
+    if ranked:
+        lines.append(f"eval acc  {sparkline([p.eval_preference_accuracy for p in ranked])}  "
+                     f"last {ranked[-1].eval_preference_accuracy:.1%} at step {ranked[-1].step}")
 
     lines += _evaluation_lines(status.get("evaluation"), samples)
 
@@ -200,6 +224,21 @@ def format_status(view: RunView, now: datetime | None = None, samples: int = 0) 
             text = f"  {age:>10}  {event.get('type', ''):8} {event.get('reason', ''):16} {event.get('message', '')}"
             lines.append(text if len(text) <= EVENT_WIDTH else text[:EVENT_WIDTH - 1] + "…")
     return "\n".join(lines)
+
+
+def _preference_line(progress: dict) -> str:
+    """A preference method's figures at the last reported step (status.progress), or "" for sft."""
+    figures = []
+    if progress.get("rewardAccuracy") is not None:
+        figures.append(f"reward accuracy {progress['rewardAccuracy']:.1%}")
+    if progress.get("rewardMargin") is not None:
+        figures.append(f"margin {progress['rewardMargin']:.4g}")
+    if progress.get("chosenLogps") is not None and progress.get("rejectedLogps") is not None:
+        figures.append(f"log-probs chosen {progress['chosenLogps']:.4g}, rejected {progress['rejectedLogps']:.4g}")
+    if progress.get("evalPreferenceAccuracy") is not None:
+        at = f" at step {progress['evalStep']}" if progress.get("evalStep") is not None else ""
+        figures.append(f"eval preference accuracy {progress['evalPreferenceAccuracy']:.1%}{at}")
+    return "pairs     " + "  ".join(figures) if figures else ""
 
 
 def _evaluation_lines(evaluation: dict | None, samples: int) -> list[str]:
@@ -309,7 +348,8 @@ class Client:
 
 
 def plot(view: RunView, path: Path) -> Path:
-    """Draw the loss (and eval loss) curve of the run to a PNG."""
+    """Draw the loss (and eval loss) curve of the run to a PNG; for a preference method, its reward accuracy (and eval
+    preference accuracy) on a second axis."""
     losses = [p for p in view.history if p.loss is not None]
     if not losses:
         raise RunViewError(f"LoRAJob {view.lorajob['metadata']['name']!r} has no loss to plot yet (no progress lines in the trainer log)")
@@ -325,7 +365,21 @@ def plot(view: RunView, path: Path) -> Path:
         axes.plot([p.step for p in evaluated], [p.eval_loss for p in evaluated], "o-", label="eval loss")
     axes.set(xlabel="step", ylabel="loss", title=f"LoRAJob {view.lorajob['metadata']['name']}")
     axes.grid(alpha=0.3)
-    axes.legend()
+    handles, labels = axes.get_legend_handles_labels()
+    ranked = [p for p in view.history if p.reward_accuracy is not None]
+    evaluated = [p for p in view.history if p.eval_preference_accuracy is not None]
+    if ranked or evaluated:
+        accuracy = axes.twinx()
+        if ranked:
+            accuracy.plot([p.step for p in ranked], [p.reward_accuracy for p in ranked], color="tab:green",
+                          alpha=0.8, label="reward accuracy")
+        if evaluated:
+            accuracy.plot([p.step for p in evaluated], [p.eval_preference_accuracy for p in evaluated], "s-",
+                          color="tab:red", label="eval preference accuracy")
+        accuracy.set(ylabel="share of pairs ranked right", ylim=(0, 1))
+        more_handles, more_labels = accuracy.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    axes.legend(handles, labels)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     pyplot.close(figure)
@@ -341,7 +395,8 @@ def add_commands(commands) -> None:
     for command, text, needs in (
         ("status", "show a LoRAJob's phase, steps, progress, loss, checkpoints, outputs and recent events", NEEDS),
         ("logs", "print (or follow with -f) the lead trainer's log of a LoRAJob", NEEDS),
-        ("plot", "draw a LoRAJob's loss curve (and eval loss) to a PNG", NEEDS + " Also needs matplotlib."),
+        ("plot", "draw a LoRAJob's loss curve (and eval loss; a preference run's reward accuracy) to a PNG",
+         NEEDS + " Also needs matplotlib."),
     ):
         sub = commands.add_parser(command, help=text, description=f"{text[0].upper()}{text[1:]}. {needs}")
         sub.add_argument("name", help="name of the LoRAJob")

@@ -13,7 +13,7 @@ import shlex
 from lorajob_operator import accelerators, api
 from lorajob_trainer.contract import catalog, fit
 from lorajob_trainer.contract.config import ConfigError, TrainConfig
-from lorajob_trainer.contract.records import REMAT_AUTO, RunLayout
+from lorajob_trainer.contract.records import PREFERENCE_METHODS, REMAT_AUTO, RunLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +73,8 @@ def train_config(spec: api.LoRAJobSpec, run: str) -> TrainConfig:
         "hf_eval_split": dataset.eval_split or "",
         "eval_interval": (training.eval_interval or training.checkpoint_period) if dataset.eval_split else 0,
         "train_data_columns": list(dataset.columns),
+        "method": spec.method,
+        "preference": _preference(spec),
         "chat_template_path": dataset.chat_template_path or "",
         "max_target_length": training.max_target_length,
         "steps": training.steps,
@@ -111,6 +113,14 @@ def train_config_errors(spec: api.LoRAJobSpec, run: str) -> list[str]:
     except ConfigError as error:  # a combination the trainer refuses: fail now, not in the pod
         return [str(error)]
     return []
+
+
+def _preference(spec: api.LoRAJobSpec) -> dict:
+    """The trainer's preference section: spec.preference for a preference method (the trainer's defaults where
+    unset), the trainer's defaults for sft (the CRD refuses spec.preference there)."""
+    if spec.method not in PREFERENCE_METHODS:
+        return {}
+    return (spec.preference or api.PreferenceSpec()).trainer_settings()
 
 
 def _generation_eval(evaluation: api.EvaluationSpec | None) -> dict:

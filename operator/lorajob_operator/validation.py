@@ -89,6 +89,13 @@ def _go_anchors(pattern: str) -> str:
     return re.sub(r"(?<!\\)\$", r"\\Z", pattern)
 
 
+def _bound_for(value: int | float, bound: int | float) -> int | float:
+    """The bound the server compares `value` with: an integer value meets a fractional bound cut to an integer (Go's
+    int64(), toward zero), so `0` is not below a maximum of 0.5 there. The CRD keeps fractional bounds out of its
+    schema for this reason (CEL rules state them); this keeps the offline verdict the server's for any that remain."""
+    return int(bound) if isinstance(value, int) and isinstance(bound, float) else bound
+
+
 def _check_schema(value: Any, schema: dict, path: str, errors: list[FieldError]) -> None:
     """OpenAPI checks; nothing below a value of the wrong type is checked."""
     kind = schema.get("type")
@@ -100,15 +107,15 @@ def _check_schema(value: Any, schema: dict, path: str, errors: list[FieldError])
         errors.append(FieldError(path, "Unsupported value", f"{_value_repr(value)}: supported values: {supported}"))
     if kind in ("integer", "number"):
         if "minimum" in schema:
-            exclusive = schema.get("exclusiveMinimum", False)
-            if value < schema["minimum"] or (exclusive and value == schema["minimum"]):
+            exclusive, bound = schema.get("exclusiveMinimum", False), _bound_for(value, schema["minimum"])
+            if value < bound or (exclusive and value == bound):
                 relation = "greater than" if exclusive else "greater than or equal to"
-                errors.append(FieldError(path, "Invalid value", f"{value}: {path} in body should be {relation} {schema['minimum']}"))
+                errors.append(FieldError(path, "Invalid value", f"{value}: {path} in body should be {relation} {bound}"))
         if "maximum" in schema:
-            exclusive = schema.get("exclusiveMaximum", False)
-            if value > schema["maximum"] or (exclusive and value == schema["maximum"]):
+            exclusive, bound = schema.get("exclusiveMaximum", False), _bound_for(value, schema["maximum"])
+            if value > bound or (exclusive and value == bound):
                 relation = "less than" if exclusive else "less than or equal to"
-                errors.append(FieldError(path, "Invalid value", f"{value}: {path} in body should be {relation} {schema['maximum']}"))
+                errors.append(FieldError(path, "Invalid value", f"{value}: {path} in body should be {relation} {bound}"))
     if kind == "string":
         if "maxLength" in schema and len(value) > schema["maxLength"]:
             errors.append(FieldError(path, "Too long", f"may not be more than {schema['maxLength']} bytes"))
@@ -132,6 +139,21 @@ def _check_schema(value: Any, schema: dict, path: str, errors: list[FieldError])
                 _check_schema(item, schema["properties"][name], _join(path, name), errors)
             elif path and path != "metadata":  # metadata is ObjectMeta; elsewhere strict decoding rejects unknown fields
                 errors.append(FieldError(_join(path, name), "unknown field", "field not declared in schema"))
+
+
+def as_cel_sees(value: Any, schema: dict) -> Any:
+    """`value` with the integers of `number` fields as floats: the API server hands CEL a number field as a double
+    whatever its JSON spelling (`labelSmoothing: 0` is 0.0), where celpy would keep an int that compares with no
+    double."""
+    kind = schema.get("type")
+    if kind == "number" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind == "object" and isinstance(value, dict):
+        properties = schema.get("properties", {})
+        return {name: as_cel_sees(item, properties[name]) if name in properties else item for name, item in value.items()}
+    if kind == "array" and isinstance(value, list) and "items" in schema:
+        return [as_cel_sees(item, schema["items"]) for item in value]
+    return value
 
 
 def _check_rules(value: Any, schema: dict, path: str, errors: list[FieldError]) -> None:
@@ -174,7 +196,7 @@ def _spec_rule_errors(spec_json: str) -> tuple[str, ...]:
     # Cached by content: celpy interprets each of the ~30 rules in about 0.5 ms, and a reconcile parses its spec on every pass.
     schema = _schema()["properties"]["spec"]
     errors: list[FieldError] = []
-    _check_rules(apply_defaults(json.loads(spec_json), schema), schema, "spec", errors)
+    _check_rules(as_cel_sees(apply_defaults(json.loads(spec_json), schema), schema), schema, "spec", errors)
     return tuple(str(error) for error in errors)
 
 
@@ -194,7 +216,7 @@ def validate(obj: dict) -> list[FieldError]:
         # Like the API server: a value of the wrong type blocks the CEL rules.
         errors.append(FieldError("", "Internal error", _BLOCKED))
         return errors
-    _check_rules(defaulted, schema, "", errors)
+    _check_rules(as_cel_sees(defaulted, schema), schema, "", errors)
     return errors
 
 

@@ -102,8 +102,9 @@ def running_job(custom):
         ({"runName": "other"}, "spec.runName"),
         ({"scheduling": {"queueName": "other"}}, "spec.scheduling.queueName"),
         ({"credentials": {"huggingFaceToken": {"name": "tok"}}}, "spec.credentials"),
+        ({"method": "dpo", "dataset": {"columns": ["chosen", "rejected"]}}, "spec.method"),
     ],
-    ids=["lora", "training", "compute", "runName-added", "queue", "credentials-added"],
+    ids=["lora", "training", "compute", "runName-added", "queue", "credentials-added", "method"],
 )
 def test_spec_is_immutable_except_suspend_and_lifetime(custom, running_job, patch, field):
     with pytest.raises(ApiException) as rejected:
@@ -137,3 +138,34 @@ def test_kubectl_get_shows_printer_columns(kube, custom):
     assert row.split()[:5] == ["gemma3-support-v2", "Queued", "0/500", "gemma3-4b", "team-q"]
     wide = kube.kubectl("get", "lj", "-n", NAMESPACE, doc["metadata"]["name"], "-o", "wide").stdout
     assert "BACKEND" in wide and "gpu" in wide
+
+
+def test_kubectl_get_wide_shows_a_preference_runs_reward_accuracy(kube, custom):
+    doc = yaml.safe_load((REPO / "examples" / "lorajob-dpo.yaml").read_text())
+    _create(custom, doc)
+    custom.patch_namespaced_custom_object_status(
+        api.GROUP, api.VERSION, NAMESPACE, api.PLURAL, doc["metadata"]["name"],
+        {"status": {"phase": "Training", "progress": {"step": 40, "totalSteps": 1000, "summary": " 40/1000   4%",
+                                                      "loss": 0.5123, "rewardAccuracy": 0.8125, "rewardMargin": 1.25,
+                                                      "chosenLogps": -210.5, "rejectedLogps": -260.25,
+                                                      "evalPreferenceAccuracy": 0.75, "evalStep": 40}}},
+    )
+    header, row = kube.kubectl("get", "lj", "-n", NAMESPACE, doc["metadata"]["name"], "-o", "wide").stdout.splitlines()[:2]
+    assert "REWARD ACC" in header
+    assert row[header.index("REWARD ACC"):].split()[0] == "0.8125"
+    stored = custom.get_namespaced_custom_object(api.GROUP, api.VERSION, NAMESPACE, api.PLURAL, doc["metadata"]["name"])
+    assert api.LoRAJobStatus.model_validate(stored["status"]).progress.eval_preference_accuracy == 0.75
+
+
+def test_the_server_refuses_the_same_method_layout_and_preference_combinations_with_the_same_reasons(custom):
+    """test_validation's grid of methods, layouts and preference settings, on the API server: each verdict and each
+    reason is the offline one."""
+    from test_validation import PREFERENCE_CASES, preference_doc, preference_refusals
+
+    for case in PREFERENCE_CASES:
+        doc = preference_doc(*case)
+        doc["metadata"]["name"] = "preference-grid"
+        server = _server_error(custom, doc)
+        expected = preference_refusals(*case)
+        assert (server is None) == (not expected) == (validate(doc) == []), (case, server)
+        assert all(fragment in server for fragment in expected), (case, server)

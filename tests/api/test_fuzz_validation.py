@@ -1,6 +1,7 @@
 """Generated LoRAJobs, valid and broken: each valid example with zero to three edits drawn by hypothesis
 from the generated CRD schema (edge and huge numbers, null, odd unicode, values on and just past a
-limit, wrong types, missing and unknown fields, bad names). Derandomized: every run draws the same cases.
+limit, wrong types, missing and unknown fields, bad names, a training method with a dataset layout and preference
+settings drawn together). Derandomized: every run draws the same cases.
 
 * offline: `lorajob validate` never crashes and passes every unedited example; what it accepts, the
   operator parses and renders every step of (an accepted LoRAJob never fails as InvalidSpec). The
@@ -33,6 +34,7 @@ from lorajob_operator.reconcile import decide
 from lorajob_operator.local import OperatorProcess
 from lorajob_operator.settings import ReconcileSettings, RenderSettings
 from lorajob_operator.validation import FieldError, apply_defaults, validate
+from lorajob_trainer.contract.records import COLUMN_LAYOUTS, PREFERENCE_COLUMN_LAYOUTS, TRAINING_METHODS
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = [yaml.safe_load(path.read_text()) for path in sorted((REPO / "examples").glob("*.yaml"))]
@@ -134,10 +136,38 @@ def _delete(node, path: tuple) -> None:
         node.pop(path[-1], None)
 
 
+PREFERENCE_FIELDS = SCHEMA["properties"]["spec"]["properties"]["preference"]["properties"]
+LAYOUTS = COLUMN_LAYOUTS + PREFERENCE_COLUMN_LAYOUTS
+
+
+def _plausible(schema: dict) -> st.SearchStrategy:
+    """A preference setting: mostly one of the values people write (its limits included), sometimes anything."""
+    if "enum" in schema:
+        usual = st.sampled_from(schema["enum"])
+    else:
+        usual = st.sampled_from([0, 0.0, 0.05, 0.1, 0.25, 0.49, 0.5, 1, 2.5])
+    return st.one_of(usual, usual, usual, _value(schema))
+
+
+@st.composite
+def method_edit(draw, doc: dict) -> str:
+    """Set spec.method, dataset.columns and (half the time) spec.preference together: drawn one field at a time, the
+    edits seldom make a preference LoRAJob the rules accept, nor a near miss."""
+    method = draw(st.sampled_from(TRAINING_METHODS))
+    _set(doc, ("spec", "method"), method)
+    _set(doc, ("spec", "dataset", "columns"), list(draw(st.sampled_from(LAYOUTS))))
+    if draw(st.booleans()):
+        fields = draw(st.lists(st.sampled_from(sorted(PREFERENCE_FIELDS)), unique=True, max_size=len(PREFERENCE_FIELDS)))
+        _set(doc, ("spec", "preference"), {name: draw(_plausible(PREFERENCE_FIELDS[name])) for name in fields})
+    return f"method {method}, columns {doc['spec']['dataset']['columns']}, preference {doc['spec'].get('preference')}"
+
+
 @st.composite
 def edit(draw, doc: dict) -> str:
     """Apply one random edit to `doc`; return what it did."""
-    action = draw(st.sampled_from(["set", "set", "set", "delete", "extra"]))
+    action = draw(st.sampled_from(["set", "set", "set", "delete", "extra", "method"]))
+    if action == "method":
+        return draw(method_edit(doc))
     path, schema = draw(st.sampled_from(OBJECTS if action == "extra" else FIELDS))
     if action == "delete":
         _delete(doc, path)
@@ -196,7 +226,7 @@ def _operator_pass(body: dict, spec: api.LoRAJobSpec | None) -> decide.Decision:
     return decide.decide(observed, ReconcileSettings())
 
 
-COUNTS = {"offline": 0, "offline accepted": 0, "offline edits": 0, "refused by the operator too": 0, "server": 0, "server accepted": 0}
+COUNTS = {"offline": 0, "offline accepted": 0, "offline accepted dpo/orpo": 0, "offline edits": 0, "refused by the operator too": 0, "server": 0, "server accepted": 0}
 """Printed (pytest -n 0 -s) at the end of each test: how many cases ran and how they ended."""
 
 
@@ -230,6 +260,7 @@ def offline_case(case):
         assert [create.phase for create in decision.create] == first, (edits, decision.status)
     COUNTS["offline"] += 1
     COUNTS["offline accepted"] += not errors
+    COUNTS["offline accepted dpo/orpo"] += not errors and spec.method != "sft"
     COUNTS["refused by the operator too"] += storable
     COUNTS["offline edits"] += len(edits)
 

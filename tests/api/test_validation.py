@@ -1,13 +1,17 @@
 """Offline validation (`lorajob validate`) and the Python forms of the shared rules."""
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 
-from lorajob_operator import api, cli, names, rules
+from lorajob_operator import api, cli, names, rules, step_commands, validation
 from lorajob_operator.validation import validate
+from lorajob_trainer.contract.records import (
+    COLUMN_LAYOUTS, PREFERENCE_COLUMN_LAYOUTS, PREFERENCE_DEFAULTS, PREFERENCE_METHODS, TRAINING_METHODS,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 VALID = sorted((REPO / "examples").glob("*.yaml"))
@@ -127,3 +131,96 @@ def test_cli_reads_yaml_1_2_floats_as_kustomize_writes_them(tmp_path):
     (tmp_path / "job.yaml").write_text(text)
     assert cli.load_documents(text)[0]["spec"]["training"]["learningRate"] == 3e-06
     assert cli.main(["validate", str(tmp_path / "job.yaml")]) == 0
+
+
+# --- Preference tuning: spec.method, spec.preference and the dataset layout ----------------------------------
+
+METHODS = (None, *TRAINING_METHODS)
+"""None: spec.method left out (sft)."""
+LAYOUTS = COLUMN_LAYOUTS + PREFERENCE_COLUMN_LAYOUTS
+PREFERENCES = (
+    None, {}, {"beta": 0.2}, {"lossType": "ipo"}, {"lossType": "robust", "labelSmoothing": 0.1},
+    {"labelSmoothing": 0.1}, {"labelSmoothing": 0}, {"lossType": "sigmoid", "labelSmoothing": 0.0}, {"orpoLambda": 0.5},
+    {"beta": 0.05, "lossType": "robust", "labelSmoothing": 0.2}, {"lossType": "robust", "labelSmoothing": 0.5},
+    {"lossType": "robust", "labelSmoothing": 1},
+)
+"""`labelSmoothing: 0` and `1` as the integers YAML reads: the server hands CEL a number field as a double (and
+compares an integer with a fractional schema bound cut to an integer, which the CRD therefore leaves to CEL)."""
+
+
+def preference_doc(method: str | None, columns: tuple[str, ...], preference: dict | None) -> dict:
+    doc = _base()
+    doc["spec"]["dataset"] = {"name": "trl-lib/ultrafeedback_binarized", "columns": list(columns)}
+    if method is not None:
+        doc["spec"]["method"] = method
+    if preference is not None:
+        doc["spec"]["preference"] = preference
+    return doc
+
+
+def preference_refusals(method: str | None, columns: tuple[str, ...], preference: dict | None) -> set[str]:
+    """What the rules say of a combination, written out in Python: the fragment of each message expected."""
+    method = method or "sft"
+    preferring = method in PREFERENCE_METHODS
+    preference_set = preference or {}
+    refused = set()
+    if preferring != (columns in PREFERENCE_COLUMN_LAYOUTS):
+        refused.add("spec.method and dataset.columns do not match")
+    if preference is not None and not preferring:
+        refused.add("spec.preference applies to method dpo or orpo only")
+    if method == "orpo" and preference_set.keys() & {"beta", "lossType", "labelSmoothing"}:
+        refused.add("are DPO's and spec.method is orpo")
+    if method == "dpo" and "orpoLambda" in preference_set:
+        refused.add("preference.orpoLambda is ORPO's")
+    if preference_set.get("labelSmoothing") and preference_set.get("lossType") != "robust":
+        refused.add("preference.labelSmoothing needs preference.lossType robust")
+    if preference_set.get("labelSmoothing", 0) >= api.LABEL_SMOOTHING_BELOW:
+        refused.add("preference.labelSmoothing must be below 0.5")
+    return refused
+
+
+PREFERENCE_CASES = [(m, c, p) for m in METHODS for c in LAYOUTS for p in PREFERENCES]
+
+
+def _case_id(case) -> str:
+    method, columns, preference = case
+    return f"{method}-{'+'.join(columns)}-{json.dumps(preference, separators=(',', ':'))}"
+
+
+@pytest.mark.parametrize("case", PREFERENCE_CASES, ids=map(_case_id, PREFERENCE_CASES))
+def test_method_layout_and_preference_rules_refuse_exactly_what_they_say(case):
+    """Every method with every layout and preference settings: each rule refuses its combinations, with its reason
+    and no other; what the rules accept, the operator parses and the trainer's config accepts with the same
+    settings (those left unset at the trainer's defaults)."""
+    errors = [error.detail for error in validate(preference_doc(*case))]
+    expected = preference_refusals(*case)
+    assert len(errors) == len(expected) and all(any(f in e for e in errors) for f in expected), (errors, expected)
+    if expected:
+        return
+    doc = preference_doc(*case)
+    spec = api.LoRAJobSpec.model_validate(doc["spec"])
+    assert validation.parse_spec(doc)[1] == ()
+    config = step_commands.train_config(spec, "r")
+    method, _, preference = case
+    assert config.method == (method or "sft")
+    if config.method in PREFERENCE_METHODS:
+        settings = config.preference.model_dump()
+        for field, key in (("beta", "beta"), ("lossType", "loss_type"), ("labelSmoothing", "label_smoothing"),
+                           ("orpoLambda", "orpo_lambda")):
+            assert settings[key] == (preference or {}).get(field, getattr(PREFERENCE_DEFAULTS, key)), (field, settings)
+    else:
+        assert config.preference == type(config.preference)()  # the trainer's defaults, unused by sft
+
+
+def test_an_integer_number_field_compares_as_the_server_compares_it():
+    """A number field written as an integer reaches CEL as a double, as on the API server (celpy alone would keep an
+    int, which no double compares with)."""
+    doc = preference_doc("dpo", ("chosen", "rejected"), {"labelSmoothing": 0})
+    assert validate(doc) == []
+    assert validation.as_cel_sees({"a": 0, "b": [1], "c": True}, {"type": "object", "properties": {
+        "a": {"type": "number"}, "b": {"type": "array", "items": {"type": "number"}}, "c": {"type": "boolean"}}}) == {
+        "a": 0.0, "b": [1.0], "c": True}
+    # The server's schema check meets an integer with a fractional bound cut to an integer (0 is not below 0.5 there).
+    errors: list = []
+    validation._check_schema(0, {"type": "number", "maximum": 0.5, "exclusiveMaximum": True}, "x", errors)
+    assert [error.detail for error in errors] == ["0: x in body should be less than 0"]

@@ -36,9 +36,17 @@ def test_render_prints_every_step_of_every_example_as_the_operator_renders_it():
         "gemma3-support-v2-convert", "gemma3-support-v2", "gemma3-support-v2-to-hf",
         "gemma4-26b-gsm8k-convert", "gemma4-26b-gsm8k", "gemma4-26b-gsm8k-to-hf",
         "llama31-ultrachat-check", "llama31-ultrachat",
+        "llama31-dpo-convert", "llama31-dpo", "llama31-dpo-to-hf",
         "qwen3-30b-a3b-gsm8k-convert", "qwen3-30b-a3b-gsm8k", "qwen3-30b-a3b-gsm8k-to-hf",
+        "qwen3-4b-orpo-convert", "qwen3-4b-orpo", "qwen3-4b-orpo-to-hf",
         "qwen3-gsm8k-convert", "qwen3-gsm8k", "qwen3-gsm8k-to-hf",
     ]
+    # The preference examples' train command lines (and their checks) say the method.
+    for name, method in (("llama31-dpo", "dpo"), ("qwen3-4b-orpo", "orpo")):
+        step = next(doc for doc in printed if doc["metadata"]["name"] == name)
+        assert f"method={method}" in yaml.safe_dump(step["spec"]), name
+        checks = next(doc for doc in printed if doc["metadata"]["name"] == f"{name}-convert")
+        assert yaml.safe_dump(checks["spec"]).count(f"method={method}") == 2, name  # the data check and the fit check
 
 
 def test_render_does_not_need_a_kubernetes_client():

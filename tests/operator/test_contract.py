@@ -54,10 +54,20 @@ def test_every_shared_default_is_taken_from_the_contract_by_both_sides():
             assert f"DEFAULTS.{name}" in text, f"{file} does not take its {name} default from the contract"
 
 
+def test_every_preference_default_is_taken_from_the_contract_by_both_sides():
+    sources = {path.name: path.read_text() for path in (PACKAGES[0] / "api.py", PACKAGES[1] / "contract" / "config.py")}
+    for name in records.PreferenceDefaults.__dataclass_fields__:
+        for file, text in sources.items():
+            assert f"PREFERENCE_DEFAULTS.{name}" in text, f"{file} does not take its preference {name} default from the contract"
+    assert api.PreferenceSpec().trainer_settings() == TrainConfig.model_fields["preference"].default.model_dump()
+
+
 @pytest.mark.parametrize(("field", "trainer_key", "accepted", "refused"), [
     ("training.maxTargetLength", "max_target_length", (16, 1_048_576), (15, 1_048_577)),
     ("lora.rank", "lora.lora_rank", (1, 1024), (0, 1025)),
     ("training.warmupStepsFraction", "warmup_steps_fraction", (0.0, 0.99), (-0.1, 1.0)),
+    ("preference.beta", "preference.beta", (1e-6, 50.0), (0.0, -0.1)),
+    ("preference.orpoLambda", "preference.orpo_lambda", (1e-6, 50.0), (0.0, -0.1)),
 ])
 def test_the_api_and_the_trainer_accept_the_same_values_of_a_shared_field(field, trainer_key, accepted, refused):
     section, key = field.split(".")

@@ -54,6 +54,20 @@ def test_the_rows_an_expert_parallel_step_dropped_reach_status():
     assert parse_progress_line(GOOD).expert_rows_dropped is None
 
 
+def test_a_preference_runs_figures_reach_status_as_loss_does():
+    progress = parse_progress_line(line(
+        step=40, total_steps=1000, loss=0.512345, state="running", reward_accuracy=0.8125, reward_margin=1.234567,
+        chosen_logps=-210.56789, rejected_logps=-260.2345, eval_loss=0.6, eval_step=40, eval_preference_accuracy=0.75))
+    assert {key: value for key, value in progress.model_dump(by_alias=True, exclude_none=True).items()
+            if key not in ("step", "totalSteps", "state", "summary")} == {
+        "loss": 0.5123, "rewardAccuracy": 0.8125, "rewardMargin": 1.235, "chosenLogps": -210.6, "rejectedLogps": -260.2,
+        "evalLoss": 0.6, "evalStep": 40, "evalPreferenceAccuracy": 0.75,
+    }
+    assert api.Progress.model_validate(progress.model_dump(by_alias=True)) == progress  # the CRD's schema holds them
+    sft = parse_progress_line(GOOD).model_dump(by_alias=True, exclude_none=True)
+    assert not sft.keys() & {"rewardAccuracy", "rewardMargin", "chosenLogps", "rejectedLogps", "evalPreferenceAccuracy"}
+
+
 def test_a_compiling_train_step_shows_compiling_until_its_first_step():
     progress = parse_progress_line(line(step=0, total_steps=500, tokens_per_second=0.0, state="compiling",
                                         message="compiling the train step; its first step follows"))

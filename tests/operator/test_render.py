@@ -384,3 +384,37 @@ def test_the_train_step_keeps_compiled_programs_beside_the_runs_or_where_the_spe
 def test_a_pathways_train_step_leaves_compiling_to_the_pathways_server():
     spec = parsed(lorajob(spec=spec_dict(compute=compute("pathways"))))
     assert step_commands.train_config(spec, "r").compilation_cache_dir == ""
+
+
+PREFERENCE_DATASET = {"name": "trl-lib/ultrafeedback_binarized", "columns": ["chosen", "rejected"], "evalSplit": "test"}
+
+
+def test_a_preference_method_and_its_settings_reach_the_train_step_and_both_checks():
+    """method and preference.* become the trainer's keys on the train command line, and the data check and the fit
+    check (the convert step's chain) get the same config: the fit check compiles the preference step."""
+    spec = spec_dict(dataset=PREFERENCE_DATASET, method="dpo",
+                     preference={"beta": 0.25, "lossType": "robust", "labelSmoothing": 0.1})
+    body = lorajob(spec=spec)
+    rendered = _rendered(body)
+    train = _commands(_pod_templates(rendered["train"])["pathways-head"]["spec"]["containers"][0])[0]
+    keys = ["method=dpo", "preference.beta=0.25", "preference.loss_type=robust", "preference.label_smoothing=0.1"]
+    assert all(key in train for key in keys), train
+    assert "train_data_columns=[chosen, rejected]" in train
+    checks = _commands(_pod_templates(rendered["convert"])["convert"]["spec"]["containers"][0])
+    assert [command[2] for command in checks[:2]] == ["lorajob_trainer.datacheck", step_commands.FIT_CHECK]
+    for command in checks[:2]:
+        assert all(key in command for key in keys), command
+    config = TrainConfig.from_args(train[3:])
+    assert (config.method, config.preference.beta, config.preference.loss_type) == ("dpo", 0.25, "robust")
+    assert config.rows_per_device == 2  # one pair per device: its chosen and its rejected row
+
+
+def test_orpo_takes_its_lambda_and_unset_preference_settings_the_trainers_defaults():
+    orpo = parsed(lorajob(spec=spec_dict(dataset=PREFERENCE_DATASET, method="orpo", preference={"orpoLambda": 0.5})))
+    command = step_commands.train_command(orpo, "r")
+    assert "method=orpo" in command and "preference.orpo_lambda=0.5" in command
+    assert not any(arg.startswith("preference.beta=") for arg in command)
+    dpo = step_commands.train_config(parsed(lorajob(spec=spec_dict(dataset=PREFERENCE_DATASET, method="dpo"))), "r")
+    assert dpo.method == "dpo" and dpo.preference == TrainConfig.model_fields["preference"].default
+    sft = step_commands.train_command(parsed(lorajob()), "r")
+    assert not any(arg.startswith(("method=", "preference.")) for arg in sft)  # sft is the trainer's default

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from datetime import datetime, UTC
 
+import pytest
+
 from builders import condition, lorajob
 
 from lorajob_operator import runview
@@ -115,3 +117,27 @@ def test_status_text_shows_base_against_adapter_and_samples_side_by_side():
         "  (1 samples kept in status: spec.evaluation.samples; all answers are in <run>/evaluation-samples.jsonl)",
     ]
     assert "sample 1" not in runview.format_status(runview.RunView(_training(evaluation=evaluation), [], []), now=NOW)
+
+
+def test_a_preference_runs_history_status_and_plot_show_its_reward_accuracy(tmp_path):
+    log = "\n".join([
+        line(step=1, total_steps=4, loss=0.69, reward_accuracy=0.5, reward_margin=0.0),
+        line(step=2, total_steps=4, loss=0.6, reward_accuracy=0.75, eval_loss=0.65, eval_step=2, eval_preference_accuracy=0.6),
+        line(step=3, total_steps=4, loss=0.5, reward_accuracy=0.875, eval_loss=0.65, eval_step=2, eval_preference_accuracy=0.6),
+        line(step=4, total_steps=4, loss=0.4, reward_accuracy=1.0, eval_loss=0.5, eval_step=4, eval_preference_accuracy=0.9),
+    ])
+    history = runview.loss_history(log)
+    assert [(p.step, p.reward_accuracy, p.eval_preference_accuracy) for p in history] == [
+        (1, 0.5, None), (2, 0.75, 0.6), (3, 0.875, None), (4, 1.0, 0.9)]
+    body = _training(progress={"step": 4, "totalSteps": 4, "loss": 0.4, "rewardAccuracy": 1.0, "rewardMargin": 2.5,
+                               "chosenLogps": -120.25, "rejectedLogps": -180.5, "evalLoss": 0.5, "evalStep": 4,
+                               "evalPreferenceAccuracy": 0.9})
+    lines = runview.format_status(runview.RunView(body, history), now=NOW).splitlines()
+    assert ("pairs     reward accuracy 100.0%  margin 2.5  log-probs chosen -120.2, rejected -180.5  "
+            "eval preference accuracy 90.0% at step 4") in lines
+    assert any(text.startswith("reward acc ") and text.endswith("step 1..4: 50.0% -> 100.0% (max 100.0%)") for text in lines)
+    assert any(text.startswith("eval acc  ") and text.endswith("last 90.0% at step 4") for text in lines)
+    sft = runview.format_status(runview.RunView(_training(), runview.loss_history(line(step=1, total_steps=4, loss=1.0))), now=NOW)
+    assert "pairs " not in sft and "reward acc" not in sft and "eval acc" not in sft
+    pytest.importorskip("matplotlib")
+    assert runview.plot(runview.RunView(body, history), tmp_path / "loss.png").stat().st_size > 0

@@ -30,7 +30,8 @@ def progress_from_log(log: str) -> api.Progress | None:
 
 
 def _four_digits(loss: float | None) -> float | None:
-    """A loss as `kubectl get lj` prints it: 4 significant digits (metrics.jsonl keeps every digit)."""
+    """A loss (or a preference figure) as `kubectl get lj` prints it: 4 significant digits (metrics.jsonl keeps every
+    digit)."""
     return loss if loss is None or not math.isfinite(loss) else float(f"{loss:.4g}")
 
 
@@ -44,6 +45,11 @@ def _status_progress(record: ProgressRecord) -> api.Progress:
         eta_seconds=None if eta is None else max(0, round(eta)),
         eval_loss=_four_digits(record.eval_loss),
         eval_step=record.eval_step,
+        reward_accuracy=_four_digits(record.reward_accuracy),
+        reward_margin=_four_digits(record.reward_margin),
+        chosen_logps=_four_digits(record.chosen_logps),
+        rejected_logps=_four_digits(record.rejected_logps),
+        eval_preference_accuracy=_four_digits(record.eval_preference_accuracy),
         expert_rows_dropped=record.expert_rows_dropped,
         state=record.state,
         message=record.message[:4096] or None,
