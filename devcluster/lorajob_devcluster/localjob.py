@@ -1,7 +1,7 @@
 """A LoRAJob whose every step really runs on the simulated cluster (the pod runner's nodes).
 
-`write_assets(directory)` generates a tiny Qwen3 checkpoint with its tokenizer and a question/answer
-dataset (`json` files, `train` and `test` splits) offline; `lorajob(...)` is a LoRAJob over them:
+`write_assets(directory)` generates a tiny Qwen3 checkpoint with its tokenizer, a question/answer dataset and a
+preference dataset of the same task (`json` files, `train` and `test` splits) offline; `lorajob(...)` is a LoRAJob over them:
 convert on the local CPU pool, multi-controller (mcjax) training on the 2-host v6e 2x4 pool, export,
 all writing under a local `baseOutputDirectory`. The operator renders its JobSets as for any
 cluster; the runner runs exactly those command lines.
@@ -25,9 +25,15 @@ MACHINE_TYPE = "ct6e-standard-4t"
 class Assets:
     model: Path
     data: Path
+    """Question/answer rows (`train` and `test` splits)."""
     outputs: Path
     compilation_cache: Path | None = None
     """The LoRAJobs' output.compilationCache (None: the default, under `outputs`)."""
+
+    @property
+    def preference_data(self) -> Path:
+        """Prompt/chosen/rejected rows of the same task (`train` and `test` splits; demo.preference_rows)."""
+        return self.data.parent / "preference-data"
 
     def layout(self, run: str) -> RunLayout:
         """Where the LoRAJob `run` writes under `outputs` (its `baseOutputDirectory`)."""
@@ -59,6 +65,8 @@ def write_assets(directory: Path, *, train_rows: int = 400, eval_rows: int = 40,
         tiny.make_tiny_checkpoint("qwen3", assets.model)
     _write_jsonl(assets.data / "train.jsonl", demo.arithmetic_rows(train_rows))
     _write_jsonl(assets.data / "test.jsonl", demo.arithmetic_rows(eval_rows, seed=1))
+    _write_jsonl(assets.preference_data / "train.jsonl", demo.preference_rows(train_rows))
+    _write_jsonl(assets.preference_data / "test.jsonl", demo.preference_rows(eval_rows, seed=1))
     assets.outputs.mkdir(parents=True, exist_ok=True)
     return assets
 

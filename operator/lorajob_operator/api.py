@@ -788,6 +788,8 @@ class ModelEvaluation(_Model):
     """stopRate is the share (0 to 1) of answers that ended with an end-of-turn or EOS token before maxNewTokens."""
     mean_length: float | None = None
     """meanLength is the mean answer length in tokens."""
+    preference_accuracy: float | None = None
+    """preferenceAccuracy (spec.method dpo, orpo) is the share (0 to 1) of the eval split's pairs whose chosen answer the model finds likelier than the rejected one, per token (the answers' mean log-probabilities: a sum would favour the shorter); export.requireImprovement compares it, not score."""
 
 
 class EvaluationSample(_Model):

@@ -256,3 +256,37 @@ def test_an_int8_qlora_lorajob_trains_and_evaluates_and_the_gate_keeps_its_adapt
     adapters, saved = lora.load_adapter_checkpoint(assets.outputs / run / "checkpoints" / str(STEPS))
     assert (saved.step, saved.base_quantization) == (STEPS, "int8"), saved
     assert adapters and all(np.isfinite(value).all() for value in adapters.values())
+
+
+@pytest.mark.torch
+def test_a_dpo_lorajob_learns_its_preference_and_exports_an_adapter_peft_loads(lorajobs, operator, assets):
+    """spec.method dpo on generated pairs whose chosen answers are learnable (the right sum, worded as the
+    question/answer rows are; the rejected ones wrong and worded otherwise): the train step's reward accuracy and the
+    eval split's preference accuracy reach status.progress and rise above 90 %, and the exported adapter loads in
+    PEFT and changes the base model's output."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = "dpo-real"
+    body = localjob.lorajob(run, assets, steps=STEPS, checkpoint_period=STEPS // 2)
+    body["spec"]["method"] = "dpo"
+    body["spec"]["dataset"].update(dataDir=str(assets.preference_data), columns=["prompt", "chosen", "rejected"])
+    body["spec"]["training"]["learningRate"] = 2e-3
+    lorajobs.apply(body)
+    succeeded = lorajobs.wait_phase(run, "Succeeded", timeout=TIMEOUT)
+
+    progress = succeeded["status"]["progress"]
+    assert progress["rewardAccuracy"] > 0.9 and progress["evalPreferenceAccuracy"] > 0.9, progress
+    records = metrics.read_metrics(assets.metrics(run))
+    accuracies = [r["reward_accuracy"] for r in records if "reward_accuracy" in r]
+    evaluations = [r["eval_preference_accuracy"] for r in records if "eval_preference_accuracy" in r]
+    assert len(accuracies) == STEPS and len(evaluations) == 2, records
+    print(f"reward accuracy by step {accuracies}; eval preference accuracy {evaluations}")
+
+    base = AutoModelForCausalLM.from_pretrained(assets.model, dtype=torch.float32)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        after = PeftModel.from_pretrained(base, assets.adapter(run))(input_ids=ids).logits
+    assert torch.isfinite(after).all() and (after - before).abs().max() > 1e-3

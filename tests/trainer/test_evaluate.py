@@ -86,6 +86,20 @@ def test_the_gate_says_why_with_both_scores():
         "examples: adapter 80.0%, base 0.0%; stop rate adapter 100.0%, base 10.0%)")
 
 
+def test_a_preference_run_is_gated_on_its_preference_accuracy_not_its_score():
+    """RECORD's adapter scores above its base (80 % against 0 %): with preference accuracies the gate compares those."""
+    ranked = replace(RECORD, base=replace(RECORD.base, preference_accuracy=0.75),
+                     adapter=replace(RECORD.adapter, preference_accuracy=0.75))
+    assert EvalRecord.from_json(ranked.to_json()) == ranked
+    refusal = ExportGate(require_improvement=True).refusal(ranked)
+    assert "its preference accuracy (75.0%) is not above the base model's (75.0%)" in refusal, refusal
+    better = replace(ranked, adapter=replace(ranked.adapter, preference_accuracy=0.9, score=0.0))
+    assert ExportGate(require_improvement=True).refusal(better) is None
+    broken = ranked.to_json()
+    broken["base"]["preference_accuracy"] = 1.5
+    assert EvalRecord.from_json(broken) is None
+
+
 STEPS = 40
 
 

@@ -32,14 +32,15 @@ def arithmetic_rows(count: int, seed: int = 0) -> list[dict[str, str]]:
 
 
 def preference_rows(count: int, seed: int = 0) -> list[dict[str, str]]:
-    """Prompt/chosen/rejected rows of the same additions: the chosen answer right, the rejected one off by 1 to 9 and
-    worded differently (a preference a tiny model can learn)."""
+    """Prompt/chosen/rejected rows of the same additions: the chosen answer right and worded as `arithmetic_rows`
+    words it, the rejected one a bare sum off by 1 to 9. A tiny model learns the preference; the short rejected answer
+    is the likelier one before training."""
     rng = random.Random(seed)
     rows = []
     for row in arithmetic_rows(count, seed):
         a, b = (int(word.rstrip("?")) for word in row["question"].split()[2::2])
         wrong = a + b + rng.choice([-1, 1]) * rng.randrange(1, 10)
-        rows.append({"prompt": row["question"], "chosen": row["answer"], "rejected": f"i think it is {wrong}"})
+        rows.append({"prompt": row["question"], "chosen": row["answer"], "rejected": str(wrong)})
     return rows
 
 

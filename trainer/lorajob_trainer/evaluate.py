@@ -16,7 +16,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import jax
 
@@ -124,10 +124,12 @@ def _cut(text: str) -> str:
 
 
 def evaluate(run: Run, tokenizer, settings: GenerationEvalConfig, examples: Sequence[list[dict[str, str]]],
-             adapters: Mapping[str, dict[str, jax.Array]], step: int, write_to: RunLayout | None) -> EvalRecord:
+             adapters: Mapping[str, dict[str, jax.Array]], step: int, write_to: RunLayout | None,
+             preference_accuracy: Mapping[str, float] | None = None) -> EvalRecord:
     """Generate with `run`'s model under each of the `adapters` ("base": as they start, "adapter": trained to
     `step`) for the `examples` (conversations, each ending with its reference answer) and score the answers;
-    write the record under `write_to` (None: another process writes it) and print its line."""
+    write the record under `write_to` (None: another process writes it) and print its line. A preference method
+    passes each model's `preference_accuracy` (ModelScore.preference_accuracy), which the record carries."""
     started = time.time()
     conversations = [prompt_and_reference(messages) for messages in examples]
     longest_prompt = max(run.batch["inputs"].shape[2] - settings.max_new_tokens, 1)
@@ -141,7 +143,10 @@ def evaluate(run: Run, tokenizer, settings: GenerationEvalConfig, examples: Sequ
         generations = generator.generate(adapters[name], run.base, prompts, rows)
         answers[name] = [answer_text(tokenizer, g.tokens, stop_ids) for g in generations]
         right = [judge(answer, reference) for answer, (_, reference) in zip(answers[name], conversations)]
-        scores[name] = model_score(right, [g.stopped for g in generations], [len(g.tokens) for g in generations])
+        scores[name] = replace(
+            model_score(right, [g.stopped for g in generations], [len(g.tokens) for g in generations]),
+            preference_accuracy=(preference_accuracy or {}).get(name),
+        )
     prompt_texts = [conversation[-1]["content"] if conversation else "" for conversation, _ in conversations]
     samples = [
         EvalSample(prompt, reference, base, adapter)
@@ -155,9 +160,11 @@ def evaluate(run: Run, tokenizer, settings: GenerationEvalConfig, examples: Sequ
     if write_to is not None:
         _write(write_to, record, samples)
         print(record.line(), flush=True)
-    log.info("evaluation of step %d (%s, %d examples, %.1f s): base %.3f, adapter %.3f; stop rate base %.2f, adapter %.2f",
+    log.info("evaluation of step %d (%s, %d examples, %.1f s): base %.3f, adapter %.3f; stop rate base %.2f, adapter %.2f%s",
              step, record.scorer, record.examples, record.seconds, record.base.score, record.adapter.score,
-             record.base.stop_rate, record.adapter.stop_rate)
+             record.base.stop_rate, record.adapter.stop_rate,
+             "" if preference_accuracy is None else "; preference accuracy base {base:.3f}, adapter {adapter:.3f}".format(
+                 **preference_accuracy))
     return record
 
 

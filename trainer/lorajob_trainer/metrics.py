@@ -48,6 +48,9 @@ class LoraFlops:
     """Sum over layers of query heads * head_dim."""
     adapter_params: int
     seq_len: int
+    reference_forward: bool = False
+    """The step also runs the reference model's forward (DPO): counted in `executed_per_token`, not in `per_token`
+    (MFU counts the trained model's FLOPs)."""
 
     @property
     def per_token(self) -> float:
@@ -58,8 +61,15 @@ class LoraFlops:
         masked attention scores that dense attention computes (`attention_block` None) or the splash kernel's
         blocks of `attention_block` positions straddling the causal diagonal. See EXECUTED_MATMUL_FACTOR."""
         layers = 4 * (self.frozen_matmul_params - self.head_params) + 6 * self.adapter_params
-        return (EXECUTED_MATMUL_FACTOR[remat_policy] * layers + 4 * self.head_params
-                + self.executed_attention_per_token(remat_policy, attention_block))
+        executed = (EXECUTED_MATMUL_FACTOR[remat_policy] * layers + 4 * self.head_params
+                    + self.executed_attention_per_token(remat_policy, attention_block))
+        return executed + (self.forward_per_token(attention_block) if self.reference_forward else 0.0)
+
+    def forward_per_token(self, attention_block: int | None = None) -> float:
+        """FLOPs of one undifferentiated forward per token: every weight's matmul once and the attention's forward
+        (4 per score computed: every score of the dense attention, the kernel's blocks at and below the diagonal)."""
+        scores = 1.0 if attention_block is None else causal_block_share(self.seq_len // attention_block)
+        return 2 * (self.frozen_matmul_params + self.adapter_params) + 4 * scores * self.seq_len * self.attention_width
 
     def executed_attention_per_token(self, remat_policy: str, attention_block: int | None = None) -> float:
         """Of `executed_per_token`, the attention scores' and their mixing's (no weights)."""

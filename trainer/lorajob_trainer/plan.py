@@ -71,6 +71,7 @@ class StepMemory:
     temporaries: int
     base_weights: int
     adapters: int
+    """The trained adapters and, for DPO, the reference adapters."""
     optimizer_state: int
     batch: int
 
@@ -151,21 +152,22 @@ def compile_train_step(
 
 def describe_compiled(compiled: Any, run: run_lib.Run, arguments: tuple[Any, ...], started: float) -> CompiledStep:
     """The figures of a compiled train step (`jax.stages.Compiled`) of `run` for `arguments` (`Run.arguments`:
-    adapters, optimizer state, base, batch); `started`: when building began."""
+    adapters, optimizer state, base, batch and DPO's reference adapters, counted with the adapters); `started`: when
+    building began."""
     head_dim = run.model.tunix_config.head_dim  # the kernel's blocks shrink for wide heads (Gemma's 256)
     attention_block = splash.block_size(run.shape.length, head_dim) if splash.ran_in(compiled.as_text()) else None
     analysis = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):
         cost = cost[0] if cost else {}
-    adapters, optimizer_state, base, batch = arguments
+    adapters, optimizer_state, base, batch, *reference = arguments
     memory = StepMemory(
         arguments=analysis.argument_size_in_bytes,
         outputs=analysis.output_size_in_bytes,
         aliased=analysis.alias_size_in_bytes,
         temporaries=analysis.temp_size_in_bytes,
         base_weights=per_chip_bytes(base),
-        adapters=per_chip_bytes(adapters),
+        adapters=per_chip_bytes(adapters) + sum(per_chip_bytes(r) for r in reference),
         optimizer_state=per_chip_bytes(optimizer_state),
         batch=per_chip_bytes(batch),
     )

@@ -128,18 +128,21 @@ def orpo_terms(settings: PreferenceConfig, policy: jax.Array, tokens: jax.Array)
                      jax.lax.stop_gradient(weight * rejected), chosen, rejected)
 
 
-METRIC_SUMS = ("loss", "correct", "margin", "chosen_logps", "rejected_logps")
+METRIC_SUMS = ("loss", "correct", "margin", "chosen_logps", "rejected_logps", "likelier")
 """The per-pair figures a step sums over its kept pairs (`pair_sums`)."""
 
 
-def pair_sums(terms: PairTerms, kept: jax.Array) -> dict[str, jax.Array]:
-    """Each of `METRIC_SUMS` summed over the kept pairs."""
+def pair_sums(terms: PairTerms, kept: jax.Array, mean_log_probs: jax.Array) -> dict[str, jax.Array]:
+    """Each of `METRIC_SUMS` summed over the kept pairs; `likelier` counts the pairs whose chosen answer has the higher
+    per-token mean log-probability, from the answers' means [rows]."""
+    chosen_mean, rejected_mean = pair_rows(mean_log_probs)
     values = {
         "loss": terms.loss,
         "correct": (terms.chosen_rewards > terms.rejected_rewards).astype(jnp.float32),
         "margin": terms.chosen_rewards - terms.rejected_rewards,
         "chosen_logps": terms.chosen_logps,
         "rejected_logps": terms.rejected_logps,
+        "likelier": (chosen_mean > rejected_mean).astype(jnp.float32),
     }
     return {name: jnp.sum(jax.lax.stop_gradient(value) * kept) for name, value in values.items()}
 
@@ -165,7 +168,7 @@ def micro_objective(
         raise ValueError(f"{method!r} is not a preference method")
     pairs = jnp.maximum(counts.pairs, 1.0)
     objective = jnp.sum(terms.loss * kept) / pairs
-    sums = pair_sums(terms, kept)
+    sums = pair_sums(terms, kept, policy / jnp.maximum(tokens, 1.0))
     if method == "orpo":
         kept_rows = jnp.repeat(kept, 2)[:, None]
         nll = jnp.sum(policy_nll * chosen_positions(micro_batch["segment_ids"]) * kept_rows)

@@ -12,7 +12,7 @@ trainer runs and the one the plan compiles (tests/trainer/test_plan_is_the_train
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -253,7 +253,7 @@ def build(shape: StepShape, optimizer: optax.GradientTransformation, model: Lora
     `optimizer` (optim.build_optimizer), with a concrete `remat_policy` (train.remat_for_run resolves auto).
     `scan_layers=False` leaves the layers unrolled, as the trainer never does, so that the compiler's cost
     analysis counts every layer (bench/tpu_plan.py --executed-flops). The model's layers are stacked in place."""
-    flops = model.flops(shape.length)
+    flops = replace(model.flops(shape.length), reference_forward=objective.needs_reference)
     graphdef, layout, lora, base = step_lib.split_for_step(model.model, model.layer_period if scan_layers else None)
     shardings = step_lib.step_shardings(_float32_shapes(layout.flat(lora)), optimizer, base, mesh)
     steps = step_lib.build_step_functions(

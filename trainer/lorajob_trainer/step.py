@@ -120,7 +120,7 @@ def evaluation_result(objective: Objective, sums: dict[str, float]) -> dict[str,
     counts = preference_lib.StepCounts(sums["pairs"], sums["chosen_tokens"])
     metrics = preference_lib.step_metrics(objective.method, sums, counts)
     return {"eval_loss": float(metrics["loss"]), "eval_preference_accuracy": float(metrics["reward_accuracy"]),
-            "eval_pairs": sums["pairs"]}
+            "eval_pairs": sums["pairs"], "chosen_likelier": sums["likelier"] / sums["pairs"]}
 
 
 def build_step_functions(

@@ -367,11 +367,30 @@ class Trainer:
                              message="generating answers with the base model and with the adapter")
         dataset, _ = self.eval_loaded()
         settings, columns = self.config.generation_eval, self.config.train_data_columns
-        examples = [data_lib.to_messages(dataset[i], columns) for i in range(min(settings.examples, len(dataset)))]
+        rows = [dataset[i] for i in range(min(settings.examples, len(dataset)))]
+        adapters = {"base": self.base_adapters, "adapter": self.lora}
+        accuracy = None
+        if self.config.preference_method:  # the chosen answer is the reference
+            examples = [prompt + chosen for prompt, chosen, _ in (data_lib.to_preference_messages(row, columns)
+                                                                  for row in rows)]
+            accuracy = {name: self._chosen_likelier(values, step) for name, values in adapters.items()}
+        else:
+            examples = [data_lib.to_messages(row, columns) for row in rows]
         with jax.set_mesh(self.mesh):
-            evaluate_lib.evaluate(self.run, self.tokenizer, settings, examples,
-                                  {"base": self.base_adapters, "adapter": self.lora}, step,
-                                  self.config.layout if self.is_lead else None)
+            evaluate_lib.evaluate(self.run, self.tokenizer, settings, examples, adapters, step,
+                                  self.config.layout if self.is_lead else None, preference_accuracy=accuracy)
+
+    def _chosen_likelier(self, adapters: dict[str, jax.Array], step: int) -> float:
+        """The share of the evaluation split's pairs (eval_steps batches) whose chosen answer the model with
+        `adapters` finds likelier than the rejected (ModelScore.preference_accuracy)."""
+        feed = feed_lib.data_feed(self.config, self.mesh, self.eval_loaded(), accumulation=1, on_end="pad")
+        likelier = pairs = 0.0
+        with jax.set_mesh(self.mesh):
+            for _ in range(self.config.eval_steps):
+                totals = jax.device_get(self.run.steps.evaluate(adapters, self.run.base, feed.next_batch(step),
+                                                                *self.reference))
+                likelier, pairs = likelier + float(totals["likelier"]), pairs + float(totals["pairs"])
+        return likelier / max(pairs, 1.0)
 
     def eval_loaded(self) -> tuple[Any, Callable[[int], data_lib.EncodedExample]]:
         """The evaluation split (loaded once)."""

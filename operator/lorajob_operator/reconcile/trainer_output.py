@@ -116,7 +116,8 @@ def evaluation_status(o: Observed) -> dict | None:
     record = last_evaluation(o.train_log) if o.train_log else None
     if record is None:
         return o.status.get("evaluation")
-    scores = {name: api.ModelEvaluation(score=s.score, stop_rate=s.stop_rate, mean_length=round(s.mean_length, 1))
+    scores = {name: api.ModelEvaluation(score=s.score, stop_rate=s.stop_rate, mean_length=round(s.mean_length, 1),
+                                        preference_accuracy=s.preference_accuracy)
               for name, s in (("base", record.base), ("adapter", record.adapter))}
     return api.EvaluationStatus(
         scorer=record.scorer, examples=record.examples, step=record.step, seconds=record.seconds, **scores,

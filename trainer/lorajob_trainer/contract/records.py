@@ -505,6 +505,9 @@ class ModelScore:
     """Share of the generations that ended with an end-of-turn or EOS token before max_new_tokens."""
     mean_length: float
     """Mean generated tokens per example."""
+    preference_accuracy: float | None = None
+    """Preference methods: the share (0 to 1) of the evaluation split's pairs whose chosen answer the model finds
+    likelier than the rejected one, per token (the answers' mean log-probabilities: a sum would favour the shorter)."""
 
 
 @dataclass(frozen=True)
@@ -566,7 +569,10 @@ def _model_score(values: object) -> ModelScore | None:
     numbers = [values.get(name) for name in ("score", "stop_rate", "mean_length")]
     if not all(_finite(number) and number >= 0 for number in numbers) or numbers[0] > 1 or numbers[1] > 1:
         return None
-    return ModelScore(*numbers)
+    accuracy = values.get("preference_accuracy")
+    if accuracy is not None and not (_finite(accuracy) and 0 <= accuracy <= 1):
+        return None
+    return ModelScore(*numbers, preference_accuracy=accuracy)
 
 
 def last_evaluation(log: str) -> EvalRecord | None:
@@ -579,7 +585,7 @@ class ExportGate:
     """What the evaluation must show for the export step to run (LoRAJob spec.export)."""
 
     require_improvement: bool = False
-    """The adapter's score must be above the base's."""
+    """The adapter's score must be above the base's; a preference method's: its preference accuracy."""
     minimum_score: float | None = None
     minimum_stop_rate: float | None = None
 
@@ -591,7 +597,11 @@ class ExportGate:
         """Why the adapter of `record` must not be exported (both models' figures in it); None: export it."""
         base, adapter = record.base, record.adapter
         reasons = []
-        if self.require_improvement and adapter.score <= base.score:
+        ranked = base.preference_accuracy is not None and adapter.preference_accuracy is not None
+        if self.require_improvement and ranked and adapter.preference_accuracy <= base.preference_accuracy:
+            reasons.append(f"its preference accuracy ({_percent(adapter.preference_accuracy)}) is not above the "
+                           f"base model's ({_percent(base.preference_accuracy)})")
+        elif self.require_improvement and not ranked and adapter.score <= base.score:
             reasons.append("it does not score above the base model")
         if self.minimum_score is not None and adapter.score < self.minimum_score:
             reasons.append(f"its score is below export.minimumScore={self.minimum_score:g}")
