@@ -260,10 +260,11 @@ def test_an_int8_qlora_lorajob_trains_and_evaluates_and_the_gate_keeps_its_adapt
 
 @pytest.mark.torch
 def test_a_dpo_lorajob_learns_its_preference_and_exports_an_adapter_peft_loads(lorajobs, operator, assets):
-    """spec.method dpo on generated pairs whose chosen answers are learnable (the right sum, worded as the
-    question/answer rows are; the rejected ones wrong and worded otherwise): the train step's reward accuracy and the
-    eval split's preference accuracy reach status.progress and rise above 90 %, and the exported adapter loads in
-    PEFT and changes the base model's output."""
+    """spec.method dpo on generated pairs whose chosen answers are learnable (demo.preference_rows: the right sum,
+    worded as the question/answer rows are; the rejected ones a bare wrong sum): the train step's reward accuracy
+    and the eval split's preference accuracy reach status.progress and rise above 90 %; the evaluation ranks the
+    adapter above the base by preference accuracy, so export.requireImprovement lets the export run; the exported
+    adapter loads in PEFT and changes the base model's output."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -272,9 +273,13 @@ def test_a_dpo_lorajob_learns_its_preference_and_exports_an_adapter_peft_loads(l
     body = localjob.lorajob(run, assets, steps=STEPS, checkpoint_period=STEPS // 2)
     body["spec"]["method"] = "dpo"
     body["spec"]["dataset"].update(dataDir=str(assets.preference_data), columns=["prompt", "chosen", "rejected"])
-    body["spec"]["training"]["learningRate"] = 2e-3
+    body["spec"]["training"]["learningRate"] = 3e-3
+    body["spec"]["evaluation"] = {"scorer": "contains", "maxNewTokens": 8, "examples": 6, "samples": 1}
+    body["spec"]["export"] = {"requireImprovement": True}
     lorajobs.apply(body)
     succeeded = lorajobs.wait_phase(run, "Succeeded", timeout=TIMEOUT)
+    evaluation = succeeded["status"]["evaluation"]
+    assert evaluation["adapter"]["preferenceAccuracy"] > evaluation["base"]["preferenceAccuracy"], evaluation
 
     progress = succeeded["status"]["progress"]
     assert progress["rewardAccuracy"] > 0.9 and progress["evalPreferenceAccuracy"] > 0.9, progress
@@ -282,7 +287,8 @@ def test_a_dpo_lorajob_learns_its_preference_and_exports_an_adapter_peft_loads(l
     accuracies = [r["reward_accuracy"] for r in records if "reward_accuracy" in r]
     evaluations = [r["eval_preference_accuracy"] for r in records if "eval_preference_accuracy" in r]
     assert len(accuracies) == STEPS and len(evaluations) == 2, records
-    print(f"reward accuracy by step {accuracies}; eval preference accuracy {evaluations}")
+    print(f"reward accuracy by step {accuracies}; eval preference accuracy {evaluations}; preference accuracy base "
+          f"{evaluation['base']['preferenceAccuracy']}, adapter {evaluation['adapter']['preferenceAccuracy']}")
 
     base = AutoModelForCausalLM.from_pretrained(assets.model, dtype=torch.float32)
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])

@@ -4,7 +4,7 @@ can be trained on and what `steps`, the global batch and `max_target_length` mak
 from __future__ import annotations
 
 import pytest
-from trainer_testkit import arithmetic_rows, base_args, tiny_checkpoint, write_jsonl
+from trainer_testkit import arithmetic_rows, base_args, preference_rows, tiny_checkpoint, write_jsonl
 
 from lorajob_trainer import datacheck
 from lorajob_trainer.contract import exit_codes
@@ -45,6 +45,19 @@ def test_truncation_and_unpacked_rows(model_dir, tmp_path, train_file):
     report = datacheck.check(config, devices=1)
     assert report.truncated_examples == EXAMPLES and 0 < report.truncated_trained_tokens <= report.trained_tokens
     assert report.rows_per_epoch == EXAMPLES
+
+
+def test_preference_pairs_count_both_conversations_and_two_unpacked_rows_each(model_dir, tmp_path):
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(EXAMPLES))
+    config = TrainConfig.from_args(_args(model_dir, tmp_path, data, "method=dpo", "max_target_length=4096",
+                                         "train_data_columns=['prompt','chosen','rejected']"))
+    report = datacheck.check(config, devices=2)
+    assert report.examples == EXAMPLES and 0 < report.trained_tokens < report.tokens
+    assert report.rows_per_epoch == 2 * EXAMPLES  # a row per conversation, never packed
+    assert report.rows_per_step == 2 * 4 * 2  # pairs per device x 2 rows x devices
+    short = TrainConfig.from_args(_args(model_dir, tmp_path, data, "method=dpo", "max_target_length=16",
+                                        "train_data_columns=['prompt','chosen','rejected']"))
+    assert datacheck.check(short, devices=1).truncated_examples == EXAMPLES
 
 
 @pytest.mark.parametrize("rows, columns, message", [

@@ -12,8 +12,7 @@ from lorajob_trainer import data as data_lib
 from lorajob_trainer import metrics, train
 from lorajob_trainer.contract.config import ConfigError, TrainConfig
 from lorajob_trainer.contract.records import EvalRecord
-from lorajob_trainer.demo import preference_rows
-from trainer_testkit import base_args, tiny_checkpoint, write_jsonl
+from trainer_testkit import base_args, preference_rows, tiny_checkpoint, write_jsonl
 
 pytestmark = pytest.mark.slow(minutes=2)
 PREFERENCE_COLUMNS = "train_data_columns=['prompt','chosen','rejected']"

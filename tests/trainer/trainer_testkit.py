@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lorajob_trainer.demo import arithmetic_rows, write_jsonl
+from lorajob_trainer.demo import arithmetic_rows, preference_rows, write_jsonl
 
 __all__ = [
     "GEMMA4_SHAPES",
@@ -18,6 +18,7 @@ __all__ = [
     "base_args",
     "free_port",
     "gemma4_checkpoint",
+    "preference_rows",
     "tiny_checkpoint",
     "trainer_env",
     "write_jsonl",

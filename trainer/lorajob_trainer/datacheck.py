@@ -36,7 +36,7 @@ class DataReport:
     trained_tokens: int
     """Tokens the loss is computed on (the answers), before truncation."""
     truncated_examples: int
-    """Examples longer than max_target_length."""
+    """Examples longer than max_target_length (a preference pair: either of its conversations)."""
     truncated_trained_tokens: int
     rows_per_epoch: int
     """Rows of max_target_length one pass over the data fills (packing as the trainer packs, in data order)."""
@@ -87,20 +87,23 @@ def check(config: TrainConfig, devices: int) -> DataReport:
     seq_len = config.max_target_length
     lengths, tokens, trained, truncated, truncated_trained = [], 0, 0, 0, 0
     for index in range(len(dataset)):
-        example = encode(index)
-        targets = example.loss_mask[1:]
-        lengths.append(len(example.tokens) - 1)
-        tokens += len(example.tokens)
-        trained += int(targets.sum())
-        if len(example.tokens) - 1 > seq_len:
+        encoded = encode(index)
+        sequences = (encoded.chosen, encoded.rejected) if isinstance(encoded, data_lib.EncodedPair) else (encoded,)
+        if any(len(example.tokens) - 1 > seq_len for example in sequences):
             truncated += 1
+        for example in sequences:
+            targets = example.loss_mask[1:]
+            lengths.append(len(example.tokens) - 1)
+            tokens += len(example.tokens)
+            trained += int(targets.sum())
             truncated_trained += int(targets[seq_len:].sum())
     if trained == 0:
         raise data_lib.DataError("no example has an answer token to train on")
     return DataReport(
         examples=len(dataset), tokens=tokens, trained_tokens=trained, truncated_examples=truncated,
-        truncated_trained_tokens=truncated_trained, rows_per_epoch=_rows(lengths, seq_len, config.packing),
-        rows_per_step=config.per_device_batch_size * devices * config.gradient_accumulation_steps,
+        truncated_trained_tokens=truncated_trained,
+        rows_per_epoch=_rows(lengths, seq_len, config.packing and not config.preference_method),
+        rows_per_step=config.rows_per_device * devices * config.gradient_accumulation_steps,
     )
 
 
