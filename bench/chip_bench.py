@@ -41,6 +41,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT / "bench"), str(REPO_ROOT / "trainer")]  # trainer_bench's helpers; this checkout's trainer
 
 from trainer_bench import child_env, random_like  # noqa: E402
+
+from lorajob_trainer.contract.records import COLUMN_LAYOUTS, PREFERENCE_COLUMN_LAYOUTS, PREFERENCE_METHODS  # noqa: E402
 MACHINE_TYPE, TOPOLOGY = "ct5lp-hightpu-1t", "1x1"
 """One v5e chip on a one-chip VM, the machine the device tool lends."""
 WARMUP_STEPS = 2
@@ -78,6 +80,9 @@ class Row:
     """The routed experts' adapters in this grouped-matmul kernel (experts.use_adapter_kernel), not `ragged_dot`."""
     plan_of: str | None = None
     """The row whose plan this one runs with: the plan compiles the trainer's kernel."""
+    method: str = "sft"
+    """The training method (contract.records.TRAINING_METHODS); a preference method's `rows` are pairs, each two rows
+    of the batch, every position an answer's."""
 
     @property
     def hf_config(self) -> dict:
@@ -100,6 +105,9 @@ class Row:
             "load_parameters_path": "random", "hf_train_files": ["generated"], "steps": 1000,
             "max_target_length": self.length, "per_device_batch_size": self.rows, "remat_policy": remat,
             "lora": {"lora_rank": 16, "lora_alpha": 32, "base_quantization": self.base_quantization},
+            "method": self.method,
+            "train_data_columns": list(PREFERENCE_COLUMN_LAYOUTS[0] if self.method in PREFERENCE_METHODS
+                                       else COLUMN_LAYOUTS[0]),
         }
 
 
@@ -109,6 +117,7 @@ ROWS = {
     "qwen3-0.6b/4x2048/feed": Row("qwen3-0.6b", 4, 2048, feed=True),
     "qwen3-4b/2x2048": Row("qwen3-4b", 2, 2048),
     "qwen3-4b/1x8192": Row("qwen3-4b", 1, 8192),
+    "qwen3-4b/1x2048/dpo": Row("qwen3-4b", 1, 2048, method="dpo", plan_of="qwen3-4b/2x2048"),
     "llama3.1-8b-int8/1x2048": Row("llama3.1-8b", 1, 2048, "int8"),
     "llama3.1-8b-int8/1x8192": Row("llama3.1-8b", 1, 8192, "int8"),
     "llama3.1-8b-int4/1x2048": Row("llama3.1-8b", 1, 2048, "int4"),
@@ -278,7 +287,8 @@ def measure(name: str, plan: dict, steps: int, profile_dir: str | None, work: Pa
     adapters = random_like(run.adapters(), 1)
     opt_state = jax.jit(run.optimizer.init, out_shardings=run.shardings["optimizer"])(adapters)
     batch = fixed_batch(run.batch, hf_config["vocab_size"])
-    jax.block_until_ready((base, adapters, opt_state, batch))
+    reference = (random_like(run.adapters(), 2),) if run.steps.takes_reference else ()
+    jax.block_until_ready((base, adapters, opt_state, batch, reference))
     made_s = time.perf_counter() - started
     stage(name, f"random weights made ({made_s:.1f} s)", began)
     if executable is None:
@@ -287,7 +297,8 @@ def measure(name: str, plan: dict, steps: int, profile_dir: str | None, work: Pa
             executable = run.steps.train.lower(*run.arguments()).compile()
         compile_s = time.perf_counter() - compile_started
     stage(name, f"compiled ({compile_s:.1f} s)", began)
-    compiled_hbm = plan_lib.describe_compiled(executable, run, (adapters, opt_state, base, batch), 0.0).memory.total
+    compiled_hbm = plan_lib.describe_compiled(executable, run, (adapters, opt_state, base, batch, *reference),
+                                              0.0).memory.total
     compiled = executable
     feed = generated_feed(config, run.mesh, work / "tokenizer", work / "data.jsonl") if row.feed else None
 
@@ -299,7 +310,7 @@ def measure(name: str, plan: dict, steps: int, profile_dir: str | None, work: Pa
 
     with jax.set_mesh(run.mesh):
         for index in range(WARMUP_STEPS):
-            adapters, opt_state, out = compiled(adapters, opt_state, base, next_batch(index)[0])
+            adapters, opt_state, out = compiled(adapters, opt_state, base, next_batch(index)[0], *reference)
         float(out["loss"])
         host_s = 0.0
         tokens = 0.0
@@ -307,12 +318,12 @@ def measure(name: str, plan: dict, steps: int, profile_dir: str | None, work: Pa
         for index in range(steps):
             current, waited = next_batch(WARMUP_STEPS + index)
             host_s += waited
-            adapters, opt_state, out = compiled(adapters, opt_state, base, current)
+            adapters, opt_state, out = compiled(adapters, opt_state, base, current, *reference)
             tokens += out["real_tokens"]
         loss, tokens = float(out["loss"]), float(tokens)
         elapsed = time.perf_counter() - start
         stage(name, f"{steps} steps timed ({elapsed:.1f} s)", began)
-        profile = profiled_ops(compiled, (adapters, opt_state, base, batch), profile_dir) if profile_dir else None
+        profile = profiled_ops(compiled, (adapters, opt_state, base, batch, *reference), profile_dir) if profile_dir else None
     if feed is not None:
         feed.close()
     tokens_per_s = tokens / elapsed
@@ -336,10 +347,10 @@ def profiled_ops(compiled, arguments, profile_dir: str) -> dict:
     """Three steps traced (jax.profiler, with a Perfetto JSON); the chip's time by XLA op, largest first."""
     import jax
 
-    adapters, opt_state, base, batch = arguments
+    adapters, opt_state, base, batch, *reference = arguments
     jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)
     for _ in range(PROFILED_STEPS):
-        adapters, opt_state, out = compiled(adapters, opt_state, base, batch)
+        adapters, opt_state, out = compiled(adapters, opt_state, base, batch, *reference)
     float(out["loss"])
     jax.profiler.stop_trace()
     return op_breakdown(Path(profile_dir))

@@ -25,6 +25,13 @@ def chip_bench(monkeypatch):
     return module
 
 
+def test_a_dpo_row_passes_its_reference_adapters_and_measures_both_rows_of_each_pair(chip_bench, monkeypatch, tmp_path):
+    monkeypatch.setitem(chip_bench.ROWS, "tiny/1x128/dpo", chip_bench.Row("tiny-qwen3", 1, 128, method="dpo"))
+    plan = chip_bench.plan_row("tiny/1x128/dpo")
+    result = chip_bench.measure("tiny/1x128/dpo", plan, steps=2, profile_dir=None, work=tmp_path)
+    assert result["real_tokens_per_step"] == 2 * 128 and result["final_loss"] > 0  # a pair: two full rows
+
+
 def test_a_row_is_planned_for_a_v5e_chip_then_measured_through_the_data_loader(chip_bench, tmp_path):
     plan = chip_bench.plan_row("tiny/2x256/feed")
     assert plan["fits"] and plan["remat"] == "none" and plan["remat_rejected"] == []  # a tiny model needs no remat
