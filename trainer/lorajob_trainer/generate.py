@@ -64,10 +64,11 @@ def greedy_tokens(make_model: Callable[[], nnx.Module], tokens: jax.Array, pads:
 
 
 class Generator:
-    """Greedy answers of the model `graphdef` with given adapters (LoraLayout's flat dict) and base state."""
+    """Greedy answers of the model `graphdef` with given adapters (LoraLayout's flat dict) and base state (as
+    `base_layout` stores it: step.BaseLayout)."""
 
-    def __init__(self, graphdef: nnx.GraphDef, layout, dtype: jnp.dtype, mesh: Mesh, lora_shardings, base_shardings,
-                 max_new_tokens: int, stop_ids: Sequence[int]):
+    def __init__(self, graphdef: nnx.GraphDef, layout, base_layout, dtype: jnp.dtype, mesh: Mesh, lora_shardings,
+                 base_shardings, max_new_tokens: int, stop_ids: Sequence[int]):
         self.mesh = mesh
         self.max_new_tokens = max_new_tokens
         self.stop_ids = np.asarray(sorted(set(stop_ids)), np.int32)
@@ -75,6 +76,7 @@ class Generator:
         self.rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES)) if set(BATCH_AXES) <= set(mesh.axis_names) else replicated
 
         def run(lora, base, tokens, pads, stop_ids):
+            base = base_layout.for_model(base)
             adapters = layout.state({name: value.astype(dtype) for name, value in lora.items()})
             return greedy_tokens(lambda: nnx.merge(graphdef, adapters, base), tokens, pads, max_new_tokens, stop_ids, dtype)
 

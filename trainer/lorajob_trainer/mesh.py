@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -108,6 +109,17 @@ def named_sharding(mesh: Mesh, axis_names: tuple[str | None, ...] | None, shape:
         size = math.prod(mesh.shape[n] for n in usable)
         spec.append((usable if len(usable) > 1 else usable[0]) if usable and dim % size == 0 else None)
     return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def axis_moved(sharding: Any, ndim: int, source: int, destination: int) -> Any:
+    """The sharding of an array of `ndim` dimensions placed by `sharding` once `jnp.moveaxis(x, source,
+    destination)` has moved one of its axes: a NamedSharding's spec permuted the same way (each device keeps its
+    own elements, so moving costs no communication); any other sharding as it is."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = [*sharding.spec, *([None] * (ndim - len(sharding.spec)))]
+    spec.insert(destination, spec.pop(source))
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
 
 
 def _usable_axes(mesh: Mesh, name: str | tuple[str | None, ...] | None) -> tuple[str, ...]:

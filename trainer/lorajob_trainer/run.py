@@ -194,6 +194,8 @@ class Run:
     lora_state: nnx.State
     """The adapters as the model holds them as it starts (B = 0, DoRA's magnitudes = the weights' norms)."""
     base: nnx.State
+    """The base weights as the step takes them: stored as `base_layout` says."""
+    base_layout: step_lib.BaseLayout
     optimizer: optax.GradientTransformation
     shardings: dict[str, Any]
     steps: step_lib.StepFunctions
@@ -233,8 +235,8 @@ class Run:
 
     def generator(self, max_new_tokens: int, stop_ids: list[int]) -> generate_lib.Generator:
         """Greedy generation with this run's model, adapters and shardings (generate.py)."""
-        return generate_lib.Generator(self.graphdef, self.layout, self.dtype, self.mesh, self.shardings["lora"],
-                                      self.shardings["base"], max_new_tokens, stop_ids)
+        return generate_lib.Generator(self.graphdef, self.layout, self.base_layout, self.dtype, self.mesh,
+                                      self.shardings["lora"], self.shardings["base"], max_new_tokens, stop_ids)
 
 
 def batch_spec(shape: StepShape, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
@@ -248,20 +250,27 @@ def batch_spec(shape: StepShape, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
 
 def build(shape: StepShape, optimizer: optax.GradientTransformation, model: LoraModel, mesh: Mesh,
           dtype: jnp.dtype, remat_policy: str, scan_layers: bool = True,
-          objective: step_lib.Objective = step_lib.SUPERVISED) -> Run:
+          objective: step_lib.Objective = step_lib.SUPERVISED, base_layers_second: bool | None = None) -> Run:
     """The step over `model` on `mesh` for batches of `shape`, minimising `objective`, updating the adapters with
     `optimizer` (optim.build_optimizer), with a concrete `remat_policy` (train.remat_for_run resolves auto).
     `scan_layers=False` leaves the layers unrolled, as the trainer never does, so that the compiler's cost
-    analysis counts every layer (bench/tpu_plan.py --executed-flops). The model's layers are stacked in place."""
+    analysis counts every layer (bench/tpu_plan.py --executed-flops). The model's layers are stacked in place, and
+    its stacked base weights stored layers-second (step.BaseLayout; their arrays in the model deleted) where
+    `base_layers_second` says, by default where the mesh's devices want it (step.stores_layers_second)."""
     flops = replace(model.flops(shape.length), reference_forward=objective.needs_reference)
     graphdef, layout, lora, base = step_lib.split_for_step(model.model, model.layer_period if scan_layers else None)
+    if base_layers_second is None:
+        base_layers_second = step_lib.stores_layers_second(mesh)
+    base_layout = step_lib.BaseLayout(layout.stacking, base_layers_second)
+    base = base_layout.stored(base)
     shardings = step_lib.step_shardings(_float32_shapes(layout.flat(lora)), optimizer, base, mesh)
     steps = step_lib.build_step_functions(
         graphdef, layout, optimizer, dtype, shardings, shape.loss_chunk, remat_policy, model.aux_loss_coef,
         expert_parallel=bool(model.active) and mesh.shape[experts.EXPERT_AXIS] > 1, objective=objective,
+        base_layout=base_layout,
     )
-    return Run(mesh, dtype, shape, remat_policy, model, graphdef, layout, lora, base, optimizer, shardings, steps,
-               flops, batch_spec(shape, mesh))
+    return Run(mesh, dtype, shape, remat_policy, model, graphdef, layout, lora, base, base_layout, optimizer,
+               shardings, steps, flops, batch_spec(shape, mesh))
 
 
 def resolve_expert_axis(
@@ -286,9 +295,11 @@ def resolve_expert_axis(
 
 
 def abstract_run(config: TrainConfig, hf_config: dict[str, Any], devices: list[jax.Device],
-                 scan_layers: bool = True, expert_adapter_kernel: str | None = None) -> Run:
+                 scan_layers: bool = True, expert_adapter_kernel: str | None = None,
+                 base_layers_second: bool | None = None) -> Run:
     """The run of `config` (a concrete remat policy) over `devices`, every array abstract: what the plan compiles.
-    `expert_adapter_kernel` overrides the routed experts' adapter kernel (experts.use_adapter_kernel)."""
+    `expert_adapter_kernel` overrides the routed experts' adapter kernel (experts.use_adapter_kernel);
+    `base_layers_second` the base weights' storage (`build`)."""
     config = resolve_expert_axis(config, lambda: hf_config, devices)
     mesh = mesh_lib.build_mesh(config.mesh, devices)
     dtype = compute_dtype(config, devices[0].platform)
@@ -297,7 +308,7 @@ def abstract_run(config: TrainConfig, hf_config: dict[str, Any], devices: list[j
     if expert_adapter_kernel is not None:
         experts.use_adapter_kernel(model.model, expert_adapter_kernel)
     return build(config.step_shape, build_optimizer(config), model, mesh, dtype, config.remat_policy, scan_layers,
-                 objective_of(config))
+                 objective_of(config), base_layers_second)
 
 
 def objective_of(config: TrainConfig) -> step_lib.Objective:

@@ -4,8 +4,9 @@ One optimizer step is one jitted call: it scans over the gradient-accumulation m
 differentiates only the LoRA parameters (the frozen base weights are a plain input, so no
 weight-gradient GEMMs are built for them), normalises by the number of trained tokens of the
 whole step, clips and applies AdamW. The adapters are float32 buffers of their own, laid out by
-`LoraLayout` (the layers stacked for the scan, models/decoder.py); `step_shardings` places them, the
-optimizer state and the base on the mesh. run.py builds the step from these parts, for the trainer and the plan.
+`LoraLayout` (the layers stacked for the scan, models/decoder.py); the base argument as `BaseLayout` stores it
+(on tpu7x each stacked weight with its layers on its second axis); `step_shardings` places them, the optimizer
+state and the base on the mesh. run.py builds the step from these parts, for the trainer and the plan.
 """
 
 from __future__ import annotations
@@ -67,6 +68,69 @@ class LoraLayout:
             return jnp.stack(rows) if self._stacked(path) else rows[0]
 
         return nnx.from_flat_state([(path, variable.replace(value(path))) for path, variable in self._template])
+
+
+LAYERS_SECOND_DEVICE_KINDS = ("TPU7x",)
+"""Devices (a substring of `jax.Device.device_kind`) whose step takes its stacked base weights layers-second
+(`BaseLayout`). A bf16 argument reaches the step in the default T(8,128) tiling, and tpu7x's matrix unit takes its
+weights in T(16,128): stored with the layers first, each stacked weight is converted twice, once before the
+forward layer loop and once before the backward one, and the two copies are live together; stored layers-second,
+the transpose that brings the layers first is one conversion both loops read (docs/train-step-memory.md). Other
+chips' matrix units take T(8,128), where the transpose would be a copy of each weight the step need not make."""
+
+
+def stores_layers_second(mesh: Mesh) -> bool:
+    """Whether the step on `mesh` takes its stacked base weights layers-second (`LAYERS_SECOND_DEVICE_KINDS`)."""
+    device_kind = mesh.devices.flat[0].device_kind
+    return any(kind in device_kind for kind in LAYERS_SECOND_DEVICE_KINDS)
+
+
+@dataclass(frozen=True)
+class BaseLayout:
+    """How the step's base argument holds the frozen weights: as the model merges them, or with `layers_second`
+    each stacked weight of a matrix or more per layer ([layers, d, f]) with its layers on axis 1 ([d, layers, f];
+    models/decoder.py: `layers_second`), its sharding's spec permuted alike. A stacked vector per layer ([layers, d])
+    stays: its layers would become the minor dimension, padded to 128. `stored` makes the argument once, as the run
+    is built; each step moves the layers back first (`for_model`) before it merges the model."""
+
+    stacking: decoder.Stacking | None = None
+    layers_second: bool = False
+
+    def _moved(self, path: tuple, value: Any) -> bool:
+        return (self.layers_second and self.stacking is not None and self.stacking.is_stacked(path)
+                and len(value.shape) >= 3)
+
+    def stored(self, base: nnx.State) -> nnx.State:
+        """`base` as split from the model (arrays or ShapeDtypeStructs) as the step takes it. A moved weight's
+        array is deleted as its copy is made, as `stack_layers` deletes the unstacked ones, so that device memory
+        does not double: the model's own values of those weights are gone, the returned state holds them."""
+        if not self.layers_second:
+            return base
+
+        def store(path: tuple, variable: nnx.Variable) -> nnx.Variable:
+            value = variable.get_value()
+            if not self._moved(path, value):
+                return variable
+            moved = decoder.layers_second(value)
+            if isinstance(value, jax.Array):
+                value.delete()
+            return variable.replace(moved)
+
+        return nnx.from_flat_state([(path, store(path, variable)) for path, variable in nnx.to_flat_state(base)])
+
+    def for_model(self, base: nnx.State) -> nnx.State:
+        """The step's base argument (`stored`) as the model merges it: inside the step, before its layer loops."""
+        if not self.layers_second:
+            return base
+        return nnx.from_flat_state([
+            (path, variable.replace(decoder.layers_first(variable.get_value()))
+             if self._moved(path, variable.get_value()) else variable)
+            for path, variable in nnx.to_flat_state(base)
+        ])
+
+
+PLAIN_BASE = BaseLayout()
+"""The base argument as the model merges it."""
 
 
 def split_for_step(model: nnx.Module, layer_period: int | None) -> tuple[nnx.GraphDef, LoraLayout, nnx.State, nnx.State]:
@@ -134,6 +198,7 @@ def build_step_functions(
     aux_loss_coef: float | None = None,
     expert_parallel: bool = False,
     objective: Objective = SUPERVISED,
+    base_layout: BaseLayout = PLAIN_BASE,
 ) -> StepFunctions:
     """Jitted train and eval steps with fixed in/out shardings, so each compiles once.
 
@@ -142,10 +207,11 @@ def build_step_functions(
     reports it as `aux_loss`; None: the model has none. `expert_parallel` (routed experts split over the mesh's
     expert axis): the step also reports the (token, expert) rows its all-to-alls dropped and the empty slots they
     carried, summed over micro-batches, layers and devices (`expert_rows_dropped`, `expert_slots_padded`).
-    `objective`: a preference method's steps come from `build_preference_steps`."""
+    `objective`: a preference method's steps come from `build_preference_steps`. `base_layout`: how the steps' base
+    argument holds the weights (each step starts by `BaseLayout.for_model`)."""
     if objective.is_preference:
         return build_preference_steps(graphdef, layout, optimizer, dtype, shardings, loss_chunk_length, remat_policy,
-                                      objective, aux_loss_coef, expert_parallel)
+                                      objective, aux_loss_coef, expert_parallel, base_layout)
     traces = {"train": 0, "eval": 0}
 
     def losses(lora, base, micro_batch, aux_weight=0.0):
@@ -163,6 +229,7 @@ def build_step_functions(
 
     def train_step(lora, opt_state, base, batch):
         traces["train"] += 1
+        base = base_layout.for_model(base)
         accumulation = batch["weights"].shape[0]
         weight_sum = jnp.sum(batch["weights"])
         scale = 1.0 / jnp.maximum(weight_sum, 1.0)
@@ -194,6 +261,7 @@ def build_step_functions(
 
     def eval_step(lora, base, batch):
         traces["eval"] += 1
+        base = base_layout.for_model(base)
 
         def accumulate(carry, micro_batch):
             _, (loss_sum, weight_sum, _, _) = losses(lora, base, micro_batch)
@@ -228,6 +296,7 @@ def build_preference_steps(
     objective: Objective,
     aux_loss_coef: float | None = None,
     expert_parallel: bool = False,
+    base_layout: BaseLayout = PLAIN_BASE,
 ) -> StepFunctions:
     """`build_step_functions` for a preference method (preference.py): the micro-batches' rows are pairs; the loss is
     averaged over the step's kept pairs. DPO's steps take the reference adapters as their last argument: the
@@ -269,6 +338,7 @@ def build_preference_steps(
 
     def train_step(lora, opt_state, base, batch, reference=None):
         traces["train"] += 1
+        base = base_layout.for_model(base)
         counts = preference_lib.step_counts(method, batch)
         accumulation = batch["weights"].shape[0]
         aux_weight = (aux_loss_coef or 0.0) / accumulation
@@ -295,6 +365,7 @@ def build_preference_steps(
 
     def eval_step(lora, base, batch, reference=None):
         traces["eval"] += 1
+        base = base_layout.for_model(base)
         counts = preference_lib.step_counts(method, batch)
         initial = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), sums_like(lora, base, reference, batch, counts)[0])
         sums = accumulated(lambda micro_batch: micro_objective(lora, base, reference, micro_batch, counts, 0.0)[1][0],

@@ -12,7 +12,8 @@ runs the layers, applies the final norm and, unless `hidden=True`, the LM head. 
   when a mesh with those axes is set), so the compiler never replicates a layer's activations.
 
 Without `stack_layers` (conversion, export, parity tests) the same layers run unrolled, one after another; both
-orders compute the same function. Generation (generate.py) runs them with a KV cache per layer
+orders compute the same function. A step may take a stacked weight with its layers on its second axis
+(`layers_second`, on tpu7x: step.BaseLayout) and move them back first (`layers_first`) before the scan. Generation (generate.py) runs them with a KV cache per layer
 (`Decoder.__call__` with `cache`), stacked like the layers.
 """
 
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lorajob_trainer.mesh import BATCH_AXES, data_parallel_size
+from lorajob_trainer.mesh import BATCH_AXES, axis_moved, data_parallel_size
 from lorajob_trainer.remat import RematPolicy, saveable
 
 LayerFn = Callable[[nnx.Module, jax.Array], jax.Array]
@@ -134,6 +135,32 @@ def unstacked_rows(value: jax.Array | jax.ShapeDtypeStruct) -> list[jax.Array | 
         row = jax.ShapeDtypeStruct(value.shape[1:], value.dtype, sharding=row_sharding)
         return [row] * value.shape[0]
     return [value[r] if row_sharding is None else jax.device_put(value[r], row_sharding) for r in range(value.shape[0])]
+
+
+STORED_LAYER_AXIS = 1
+"""The axis of a stacked value stored layers-second (`layers_second`) that holds its layers."""
+
+
+def layers_second(value: jax.Array | jax.ShapeDtypeStruct) -> jax.Array | jax.ShapeDtypeStruct:
+    """A stacked value (its layers on axis 0) with its layers moved to `STORED_LAYER_AXIS`, its sharding permuted the
+    same way: a ShapeDtypeStruct's shape and sharding only; a concrete array's copy, made where its shards are."""
+    ndim = len(value.shape)
+    sharding = axis_moved(getattr(value, "sharding", None), ndim, 0, STORED_LAYER_AXIS)
+    if isinstance(value, jax.ShapeDtypeStruct):
+        shape = list(value.shape)
+        shape.insert(STORED_LAYER_AXIS, shape.pop(0))
+        return jax.ShapeDtypeStruct(tuple(shape), value.dtype, sharding=sharding)
+    return _layers_mover(sharding)(value)
+
+
+@functools.cache
+def _layers_mover(sharding: Any) -> Callable[[jax.Array], jax.Array]:
+    return jax.jit(lambda x: jnp.moveaxis(x, 0, STORED_LAYER_AXIS), out_shardings=sharding)
+
+
+def layers_first(value: jax.Array) -> jax.Array:
+    """A value stored by `layers_second` with its layers back on axis 0, as the scan takes them (inside a step)."""
+    return jnp.moveaxis(value, STORED_LAYER_AXIS, 0)
 
 
 def batch_sharded(x: jax.Array) -> jax.Array:
