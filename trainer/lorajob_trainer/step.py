@@ -246,18 +246,9 @@ def build_step_functions(
         initial = (zeros, 0.0, 0.0, jnp.zeros(2, jnp.int32))
         (grads, loss_sum, aux_sum, dispatch_sum), _ = jax.lax.scan(accumulate, initial, batch)
         grads = jax.tree.map(lambda g: g * scale, grads)
-        updates, opt_state = optimizer.update(grads, opt_state, lora)
-        step_metrics = {
-            "loss": loss_sum * scale,
-            "trained_tokens": weight_sum,
-            "real_tokens": jnp.sum(batch["segment_ids"] != 0),
-            "grad_norm": optax.global_norm(grads),
-        }
-        if aux_loss_coef is not None:
-            step_metrics["aux_loss"] = aux_sum / accumulation
-        if expert_parallel:
-            step_metrics["expert_rows_dropped"], step_metrics["expert_slots_padded"] = dispatch_sum
-        return optax.apply_updates(lora, updates), opt_state, step_metrics
+        return apply_gradients(optimizer, lora, opt_state, grads, batch, {"loss": loss_sum * scale},
+                               aux_sum / accumulation if aux_loss_coef is not None else None,
+                               dispatch_sum if expert_parallel else None)
 
     def eval_step(lora, base, batch):
         traces["eval"] += 1
@@ -270,19 +261,47 @@ def build_step_functions(
         (loss_sum, weight_sum), _ = jax.lax.scan(accumulate, (0.0, 0.0), batch)
         return {"loss_sum": loss_sum, "weight_sum": weight_sum}
 
+    return jitted_steps(train_step, eval_step, shardings, traces)
+
+
+def jitted_steps(train_step: Callable, eval_step: Callable, shardings: dict[str, Any], traces: dict[str, int],
+                 takes_reference: bool = False) -> StepFunctions:
+    """The steps jitted with fixed in/out shardings (`step_shardings`), the adapters and optimizer state donated;
+    `takes_reference`: both take the reference adapters last, placed like the adapters."""
     replicated = shardings["replicated"]
+    reference = (shardings["lora"],) if takes_reference else ()
     train = jax.jit(
         train_step,
-        in_shardings=(shardings["lora"], shardings["optimizer"], shardings["base"], shardings["batch"]),
+        in_shardings=(shardings["lora"], shardings["optimizer"], shardings["base"], shardings["batch"], *reference),
         out_shardings=(shardings["lora"], shardings["optimizer"], replicated),
         donate_argnums=(0, 1),
     )
     evaluate = jax.jit(
         eval_step,
-        in_shardings=(shardings["lora"], shardings["base"], shardings["batch"]),
+        in_shardings=(shardings["lora"], shardings["base"], shardings["batch"], *reference),
         out_shardings=replicated,
     )
-    return StepFunctions(train, evaluate, traces)
+    return StepFunctions(train, evaluate, traces, takes_reference)
+
+
+def apply_gradients(
+    optimizer: optax.GradientTransformation, lora: Any, opt_state: Any, grads: Any, batch: Batch,
+    metrics: dict[str, jax.Array], aux_loss: jax.Array | None, dispatch: jax.Array | None,
+) -> tuple[Any, Any, dict[str, jax.Array]]:
+    """(updated adapters, optimizer state, the step's metrics): `metrics` with the batch's token counts, the
+    gradient norm, and the load-balancing loss and the dispatch counts where the model has them."""
+    updates, opt_state = optimizer.update(grads, opt_state, lora)
+    step_metrics = {
+        **metrics,
+        "trained_tokens": jnp.sum(batch["weights"]),
+        "real_tokens": jnp.sum(batch["segment_ids"] != 0),
+        "grad_norm": optax.global_norm(grads),
+    }
+    if aux_loss is not None:
+        step_metrics["aux_loss"] = aux_loss
+    if dispatch is not None:
+        step_metrics["expert_rows_dropped"], step_metrics["expert_slots_padded"] = dispatch
+    return optax.apply_updates(lora, updates), opt_state, step_metrics
 
 
 def build_preference_steps(
@@ -350,18 +369,10 @@ def build_preference_steps(
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
                              (jax.eval_shape(lambda: lora), sums_like(lora, base, reference, batch, counts)))
         grads, (sums, aux_sum, dispatch_sum) = accumulated(micro, zeros, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, lora)
-        step_metrics = {
-            **preference_lib.step_metrics(method, sums, counts),
-            "trained_tokens": jnp.sum(batch["weights"]),
-            "real_tokens": jnp.sum(batch["segment_ids"] != 0),
-            "grad_norm": optax.global_norm(grads),
-        }
-        if aux_loss_coef is not None:
-            step_metrics["aux_loss"] = aux_sum / accumulation
-        if expert_parallel:
-            step_metrics["expert_rows_dropped"], step_metrics["expert_slots_padded"] = dispatch_sum
-        return optax.apply_updates(lora, updates), opt_state, step_metrics
+        return apply_gradients(optimizer, lora, opt_state, grads, batch,
+                               preference_lib.step_metrics(method, sums, counts),
+                               aux_sum / accumulation if aux_loss_coef is not None else None,
+                               dispatch_sum if expert_parallel else None)
 
     def eval_step(lora, base, batch, reference=None):
         traces["eval"] += 1
@@ -373,20 +384,7 @@ def build_preference_steps(
         # micro_objective divides by the step's counts: the sums are not; the counts go out for the whole evaluation.
         return {**sums, "pairs": counts.pairs, "chosen_tokens": counts.chosen_tokens}
 
-    replicated = shardings["replicated"]
-    reference = (shardings["lora"],) if objective.needs_reference else ()
-    train = jax.jit(
-        train_step,
-        in_shardings=(shardings["lora"], shardings["optimizer"], shardings["base"], shardings["batch"], *reference),
-        out_shardings=(shardings["lora"], shardings["optimizer"], replicated),
-        donate_argnums=(0, 1),
-    )
-    evaluate = jax.jit(
-        eval_step,
-        in_shardings=(shardings["lora"], shardings["base"], shardings["batch"], *reference),
-        out_shardings=replicated,
-    )
-    return StepFunctions(train, evaluate, traces, takes_reference=objective.needs_reference)
+    return jitted_steps(train_step, eval_step, shardings, traces, takes_reference=objective.needs_reference)
 
 
 def optimizer_state_shardings(optimizer: optax.GradientTransformation, lora: dict[str, Any], mesh: Mesh) -> Any:
