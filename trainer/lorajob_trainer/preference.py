@@ -118,10 +118,10 @@ def log1mexp(x: jax.Array) -> jax.Array:
     return jnp.where(x < -jnp.log(2.0), jnp.log1p(-jnp.exp(x)), jnp.log(-jnp.expm1(x)))
 
 
-def orpo_terms(settings: PreferenceConfig, policy: jax.Array, tokens: jax.Array) -> PairTerms:
+def orpo_terms(settings: PreferenceConfig, mean_log_probs: jax.Array) -> PairTerms:
     """ORPO's odds-ratio term per pair (to be subtracted: `loss` is -lambda * log sigmoid(log odds ratio)) from
-    the answers' summed log-probabilities [rows] and token counts [rows] (TRL's ORPOTrainer)."""
-    chosen, rejected = pair_rows(policy / jnp.maximum(tokens, 1.0))
+    the answers' per-token mean log-probabilities [rows] (TRL's ORPOTrainer)."""
+    chosen, rejected = pair_rows(mean_log_probs)
     log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
     weight = settings.orpo_lambda
     return PairTerms(-weight * jax.nn.log_sigmoid(log_odds), jax.lax.stop_gradient(weight * chosen),
@@ -160,15 +160,16 @@ def micro_objective(
     weights = micro_batch["weights"]
     kept = kept_pairs(weights)
     policy, tokens = answer_log_probs(policy_nll, weights)
+    mean_log_probs = policy / jnp.maximum(tokens, 1.0)
     if method == "dpo":
         terms = dpo_terms(settings, policy, answer_log_probs(reference_nll, weights)[0], tokens)
     elif method == "orpo":
-        terms = orpo_terms(settings, policy, tokens)
+        terms = orpo_terms(settings, mean_log_probs)
     else:
         raise ValueError(f"{method!r} is not a preference method")
     pairs = jnp.maximum(counts.pairs, 1.0)
     objective = jnp.sum(terms.loss * kept) / pairs
-    sums = pair_sums(terms, kept, policy / jnp.maximum(tokens, 1.0))
+    sums = pair_sums(terms, kept, mean_log_probs)
     if method == "orpo":
         kept_rows = jnp.repeat(kept, 2)[:, None]
         nll = jnp.sum(policy_nll * chosen_positions(micro_batch["segment_ids"]) * kept_rows)

@@ -341,15 +341,19 @@ class Trainer:
         self.console.update(step, loss=values["loss"], tokens_per_second=tokens_per_second)
         return values["loss"]
 
-    def _evaluate(self, step: int) -> float | None:
-        feed = feed_lib.data_feed(self.config, self.mesh, self.eval_data, accumulation=1, on_end="pad")
+    def _eval_sums(self, adapters: dict[str, jax.Array], step: int) -> dict[str, float]:
+        """The eval step's sums with `adapters` over `eval_steps` batches of the evaluation split (padded at its end)."""
+        feed = feed_lib.data_feed(self.config, self.mesh, self.eval_loaded(), accumulation=1, on_end="pad")
         sums: dict[str, float] = {}
         for _ in range(self.config.eval_steps):
-            totals = jax.device_get(self.run.steps.evaluate(self.lora, self.run.base, feed.next_batch(step),
+            totals = jax.device_get(self.run.steps.evaluate(adapters, self.run.base, feed.next_batch(step),
                                                             *self.reference))
             for name, value in totals.items():
                 sums[name] = sums.get(name, 0.0) + float(value)
-        result = step_lib.evaluation_result(run_lib.objective_of(self.config), sums)
+        return sums
+
+    def _evaluate(self, step: int) -> float | None:
+        result = step_lib.evaluation_result(run_lib.objective_of(self.config), self._eval_sums(self.lora, step))
         if result is None:
             log.warning("evaluation at step %d saw nothing to evaluate (no trained tokens or pairs)", step)
             return None
@@ -369,28 +373,22 @@ class Trainer:
         settings, columns = self.config.generation_eval, self.config.train_data_columns
         rows = [dataset[i] for i in range(min(settings.examples, len(dataset)))]
         adapters = {"base": self.base_adapters, "adapter": self.lora}
-        accuracy = None
-        if self.config.preference_method:  # the chosen answer is the reference
-            examples = [prompt + chosen for prompt, chosen, _ in (data_lib.to_preference_messages(row, columns)
-                                                                  for row in rows)]
-            accuracy = {name: self._chosen_likelier(values, step) for name, values in adapters.items()}
-        else:
-            examples = [data_lib.to_messages(row, columns) for row in rows]
         with jax.set_mesh(self.mesh):
+            accuracy = None
+            if self.config.preference_method:  # the chosen answer is the reference
+                examples = [prompt + chosen for prompt, chosen, _ in (data_lib.to_preference_messages(row, columns)
+                                                                      for row in rows)]
+                accuracy = {name: self._chosen_likelier(values, step) for name, values in adapters.items()}
+            else:
+                examples = [data_lib.to_messages(row, columns) for row in rows]
             evaluate_lib.evaluate(self.run, self.tokenizer, settings, examples, adapters, step,
                                   self.config.layout if self.is_lead else None, preference_accuracy=accuracy)
 
     def _chosen_likelier(self, adapters: dict[str, jax.Array], step: int) -> float:
         """The share of the evaluation split's pairs (eval_steps batches) whose chosen answer the model with
         `adapters` finds likelier than the rejected (ModelScore.preference_accuracy)."""
-        feed = feed_lib.data_feed(self.config, self.mesh, self.eval_loaded(), accumulation=1, on_end="pad")
-        likelier = pairs = 0.0
-        with jax.set_mesh(self.mesh):
-            for _ in range(self.config.eval_steps):
-                totals = jax.device_get(self.run.steps.evaluate(adapters, self.run.base, feed.next_batch(step),
-                                                                *self.reference))
-                likelier, pairs = likelier + float(totals["likelier"]), pairs + float(totals["pairs"])
-        return likelier / max(pairs, 1.0)
+        sums = self._eval_sums(adapters, step)
+        return sums["likelier"] / max(sums["pairs"], 1.0)
 
     def eval_loaded(self) -> tuple[Any, Callable[[int], data_lib.EncodedExample]]:
         """The evaluation split (loaded once)."""
