@@ -478,6 +478,20 @@ lists in YAML flow style: train_data_columns=['question','answer']).
 """
 
 
+def configure_compilation_cache(config: TrainConfig) -> None:
+    """Point JAX's persistent compilation cache at `config.compilation_cache_dir`, except on several CPU devices.
+
+    XLA:CPU orders an executable's collectives through one shared resource, and the copy it loads from the cache has
+    a separate resource per collective: the devices may then enter two collectives in different orders and wait for
+    each other for ever (jaxlib 0.10.2; tests/trainer/test_multiprocess.py deadlocks with a warm cache). Compiling
+    keeps the order, so CPU runs with more than one device compile every time."""
+    if jax.default_backend() == "cpu" and jax.device_count() > 1:
+        jax.config.update("jax_enable_compilation_cache", False)
+        log.info("persistent compilation cache off: XLA:CPU loses the order of collectives it loads from the cache")
+    elif config.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     arguments = sys.argv[1:] if argv is None else argv
     if {"-h", "--help"} & set(arguments):
@@ -492,8 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     except distributed.DistributedConfigError as error:
         print(f"distributed config error: {error}", file=sys.stderr)
         return exit_codes.CONFIG
-    if config.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+    configure_compilation_cache(config)
     started = time.time()
     try:
         result = train(config)
