@@ -154,6 +154,39 @@ class PreferenceConfig(_Section):
         return self
 
 
+class TrackingConfig(_Section):
+    """Experiment trackers the lead process reports the run to (lorajob_trainer.tracking). Credentials come from
+    the environment only (MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME/PASSWORD, WANDB_API_KEY)."""
+
+    mlflow_tracking_uri: str = ""
+    """MLflow tracking server (http:// or https://, or a local path for a file store); empty = no MLflow."""
+    mlflow_experiment: str = ""
+    """The MLflow experiment of the run, created when missing; empty = the LoRAJob's namespace, else "lorajob"."""
+    mlflow_run_name: str = ""
+    """The MLflow run's name; empty = the LoRAJob's name, else run_name."""
+    mlflow_tags: dict[str, str] = {}
+    """Tags set on the MLflow run."""
+    wandb_project: str = ""
+    """The Weights & Biases project; empty = no W&B."""
+    wandb_entity: str = ""
+    """The W&B entity (user or team); empty = the API key's default."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """online: report to the W&B server; offline: write the run's files under wandb_dir for `wandb sync`."""
+    wandb_tags: list[str] = []
+    """Tags set on the W&B run."""
+    wandb_dir: str = ""
+    """A local directory for W&B's files; empty = <run directory>/wandb when it is local, else a temporary one."""
+    job_name: str = ""
+    """The LoRAJob's name, namespace and uid, recorded with the run (the operator sets them)."""
+    job_namespace: str = ""
+    job_uid: str = ""
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """The configured trackers, by name (contract.records.TRACKERS)."""
+        return tuple(name for name, on in (("mlflow", self.mlflow_tracking_uri), ("wandb", self.wandb_project)) if on)
+
+
 LOSS_CHUNK_TOKENS = 512
 """Positions per device in one chunk of the loss by default: the chunk's LM-head matmuls read the whole head
 [hidden, vocab] for that many positions, and on a TPU below about 240 positions per read (v5e: 197 TFLOP/s over
@@ -325,6 +358,8 @@ class TrainConfig(_Section):
     progress_lines: bool = False
     """Print each progress update as one `LORAJOB_PROGRESS {json}` line on stdout for the operator, which
     reads it from the pod log (the pods it renders turn this on); a person gets a progress bar instead."""
+    tracking: TrackingConfig = TrackingConfig()
+    """Experiment trackers (MLflow, Weights & Biases) the run reports to; none by default."""
     compilation_cache_dir: str = ""
     """JAX's persistent compilation cache (a local path or gs:// URI): compiled programs are read from it instead of
     compiled again, and written to it. Empty: JAX's own setting (JAX_COMPILATION_CACHE_DIR)."""

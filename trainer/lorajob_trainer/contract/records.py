@@ -194,6 +194,12 @@ class RunLayout:
         return join(self.run_directory, "tensorboard")
 
     @property
+    def tracking(self) -> str:
+        """The experiment trackers' runs (`TrackingRecord` as JSON), kept beside the checkpoints: a resumed or retried
+        run, and the export step, append to the same tracker runs."""
+        return join(self.run_directory, "tracking.json")
+
+    @property
     def pathways_scratch(self) -> str:
         """Pathways' scratch space on the run's storage."""
         return join(self.run_directory, "pathways-scratch")
@@ -234,6 +240,33 @@ def _json_after(prefix: str, line: str) -> dict | None:
     except ValueError:
         return None
     return values if isinstance(values, dict) else None
+
+
+TRACKERS = ("mlflow", "wandb")
+"""The experiment trackers a run can report to (spec.tracking; lorajob_trainer.tracking)."""
+
+
+@dataclass(frozen=True)
+class TrackedRun:
+    """One tracker's run: its id (resumed by later processes) and the address a person opens."""
+
+    run_id: str
+    url: str = ""
+
+
+@dataclass(frozen=True)
+class TrackingRecord:
+    """The tracker runs of one LoRAJob run, by tracker name (`TRACKERS`)."""
+
+    runs: dict[str, TrackedRun]
+
+    def to_json(self) -> str:
+        return json.dumps({name: asdict(run) for name, run in self.runs.items()}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrackingRecord:
+        values = json.loads(text)
+        return cls({name: TrackedRun(**run) for name, run in values.items() if name in TRACKERS})
 
 
 PREFERENCE_PROGRESS = ("reward_accuracy", "reward_margin", "chosen_logps", "rejected_logps",
@@ -331,6 +364,11 @@ class ProgressRecord:
     eval_preference_accuracy: float | None = None
     """Preference methods: the share of the eval split's pairs the adapter ranks right (its chosen answer more
     likely than the rejected, relative to the reference for DPO), measured at `eval_step`."""
+    tracking_urls: dict[str, str] | None = None
+    """Each experiment tracker's run address by tracker name (`TRACKERS`); None where the run reports to none."""
+    tracking_problem: str | None = None
+    """Where the run reports to trackers: "" while every tracker takes what it is sent; otherwise which one fails
+    and how (the metrics wait in a bounded queue; training goes on)."""
     updated: float | None = None
     """Unix time of the update."""
 
@@ -374,9 +412,15 @@ class ProgressRecord:
             if None in records:
                 return None
             checkpoints = tuple(records)
+        urls, problem = values.get("tracking_urls"), values.get("tracking_problem")
+        if urls is not None and not (isinstance(urls, dict) and all(
+                name in TRACKERS and isinstance(url, str) for name, url in urls.items())):
+            return None
+        if not isinstance(problem, (str, type(None))):
+            return None
         return cls(step=step, total_steps=total, state=state, message=message, eval_step=eval_step,
-                   checkpoints=checkpoints, expert_rows_dropped=dropped, updated=updated if _finite(updated) else None,
-                   **numbers)
+                   checkpoints=checkpoints, expert_rows_dropped=dropped, tracking_urls=urls, tracking_problem=problem,
+                   updated=updated if _finite(updated) else None, **numbers)
 
 
 def last_progress(log: str) -> ProgressRecord | None:
