@@ -186,6 +186,30 @@ class TrackingConfig(_Section):
         """The configured trackers, by name (contract.records.TRACKERS)."""
         return tuple(name for name, on in (("mlflow", self.mlflow_tracking_uri), ("wandb", self.wandb_project)) if on)
 
+    def to_args(self) -> list[str]:
+        """`tracking.key=value` overrides that reproduce this section (fields that differ from defaults): the train
+        command line's own, which the export entry point takes as well."""
+        return [f"{key}={_format_value(value)}"
+                for key, value in _flatten(self.model_dump(exclude_defaults=True), prefix=TRACKING_PREFIX)]
+
+    @classmethod
+    def from_args(cls, argv: list[str]) -> TrackingConfig:
+        """Parse `tracking.key=value` overrides (`to_args`); ConfigError naming a key that is not a tracking key."""
+        values: dict[str, Any] = {}
+        for argument in argv:
+            key, value = _split_override(argument)
+            if not key.startswith(TRACKING_PREFIX):
+                raise ConfigError(f"{argument!r}: only {TRACKING_PREFIX}* keys are taken here")
+            _merge(values, {key: _parse_value(key, value)}, source="command line")
+        try:
+            return cls.model_validate(values.get("tracking", {}))
+        except ValidationError as error:
+            raise ConfigError(_describe(error)) from None
+
+
+TRACKING_PREFIX = "tracking."
+"""The tracking section's keys on a command line."""
+
 
 LOSS_CHUNK_TOKENS = 512
 """Positions per device in one chunk of the loss by default: the chunk's LM-head matmuls read the whole head

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal, get_args
 
 
@@ -256,17 +256,25 @@ class TrackedRun:
 
 @dataclass(frozen=True)
 class TrackingRecord:
-    """The tracker runs of one LoRAJob run, by tracker name (`TRACKERS`)."""
+    """The tracker runs of one LoRAJob run, by tracker name (`TRACKERS`), and its lineage."""
 
     runs: dict[str, TrackedRun]
+    lineage: dict[str, str] = field(default_factory=dict)
+    """What the run trained on (base model, dataset, the dataset's fingerprint), which the export step records with
+    the adapter it appends to the runs."""
 
     def to_json(self) -> str:
-        return json.dumps({name: asdict(run) for name, run in self.runs.items()}, indent=1)
+        return json.dumps({**{name: asdict(run) for name, run in self.runs.items()}, LINEAGE_KEY: self.lineage},
+                          indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> TrackingRecord:
         values = json.loads(text)
-        return cls({name: TrackedRun(**run) for name, run in values.items() if name in TRACKERS})
+        return cls({name: TrackedRun(**run) for name, run in values.items() if name in TRACKERS},
+                   {str(key): str(value) for key, value in values.get(LINEAGE_KEY, {}).items()})
+
+
+LINEAGE_KEY = "lineage"
 
 
 PREFERENCE_PROGRESS = ("reward_accuracy", "reward_margin", "chosen_logps", "rejected_logps",
