@@ -14,10 +14,12 @@ import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
-from pydantic.alias_generators import to_camel
+from pydantic.alias_generators import to_camel, to_snake
 
 from lorajob_operator import accelerators, names, rules
 from lorajob_trainer.contract import catalog
+from lorajob_trainer.contract.config import TrackingConfig
+from lorajob_trainer.contract.environment import CREDENTIALS, Credential
 from lorajob_trainer.contract.records import (
     BASE_QUANTIZATIONS,
     BOUNDS,
@@ -139,20 +141,71 @@ class ModelSpec(_Model):
     """checkpointStorage selects the Orbax storage flags (both off by default, as multi-host Pathways needs)."""
 
 
+SecretKey = Annotated[str, Field(max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")]
+
+
 class SecretKeyRef(_Model):
     """A key of a Secret in the LoRAJob's namespace."""
 
     name: str = Field(max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
     """name of the Secret."""
-    key: str = Field(default="HF_TOKEN", max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+    key: SecretKey
     """key in the Secret that holds the value."""
 
 
-class Credentials(_Model):
-    """References to Secrets; the values never appear in the LoRAJob."""
+_CREDENTIALS = {credential.field: credential for credential in CREDENTIALS}
 
-    hugging_face_token: SecretKeyRef | None = Field(default=None, alias="huggingFaceToken")
-    """huggingFaceToken is the Secret key holding a Hugging Face token, passed to the pods as HF_TOKEN through secretKeyRef."""
+
+def _secret_key_ref(credential: str) -> type[SecretKeyRef]:
+    """The reference of spec.credentials.<credential>: its key defaults to the variable the pods get the value in."""
+    variable = _CREDENTIALS[credential].variable
+    return create_model(
+        f"SecretKeyRef_{credential}", __base__=SecretKeyRef, __doc__=SecretKeyRef.__doc__,
+        key=(SecretKey, Field(variable, description=f"key in the Secret that holds the value (default {variable}).")),
+    )
+
+
+HuggingFaceTokenRef = _secret_key_ref("huggingFaceToken")
+MLflowTokenRef = _secret_key_ref("mlflowToken")
+MLflowUsernameRef = _secret_key_ref("mlflowUsername")
+MLflowPasswordRef = _secret_key_ref("mlflowPassword")
+WandbApiKeyRef = _secret_key_ref("wandbApiKey")
+
+
+class Credentials(_Model):
+    """References to Secrets in the LoRAJob's namespace, each passed to the trainer's pods as an environment variable
+    through an optional secretKeyRef: the values never appear in the LoRAJob, and the operator never reads them. The
+    first CPU step (check or convert) fails the LoRAJob, saying which, when one does not arrive."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            {
+                "rule": "has(self.mlflowUsername) == has(self.mlflowPassword)",
+                "message": "credentials.mlflowUsername and mlflowPassword go together: MLflow's basic authentication "
+                "sends both",
+            },
+            {
+                "rule": "!has(self.mlflowToken) || !has(self.mlflowUsername)",
+                "message": "set credentials.mlflowToken or mlflowUsername and mlflowPassword, not both: the MLflow "
+                "client authenticates with a token or with a user name and password",
+            },
+        )
+    )
+
+    hugging_face_token: HuggingFaceTokenRef | None = Field(default=None, alias="huggingFaceToken")
+    """huggingFaceToken is the Secret key holding a Hugging Face token (gated or private models and datasets, export.hubRepo), passed to the pods as HF_TOKEN."""
+    mlflow_token: MLflowTokenRef | None = None
+    """mlflowToken is the Secret key holding an access token of the MLflow server (spec.tracking.mlflow, or the one a LoRAJobPolicy sets by default), passed to the pods as MLFLOW_TRACKING_TOKEN."""
+    mlflow_username: MLflowUsernameRef | None = None
+    """mlflowUsername is the Secret key holding the user name of MLflow's basic authentication, passed to the pods as MLFLOW_TRACKING_USERNAME (with mlflowPassword)."""
+    mlflow_password: MLflowPasswordRef | None = None
+    """mlflowPassword is the Secret key holding the password of MLflow's basic authentication, passed to the pods as MLFLOW_TRACKING_PASSWORD (with mlflowUsername)."""
+    wandb_api_key: WandbApiKeyRef | None = None
+    """wandbApiKey is the Secret key holding a Weights & Biases API key, passed to the pods as WANDB_API_KEY; spec.tracking.wandb needs it in mode online."""
+
+    def references(self) -> list[tuple[Credential, SecretKeyRef]]:
+        """Each credential named, with its Secret key."""
+        return [(c, ref) for c in CREDENTIALS if (ref := getattr(self, to_snake(c.field))) is not None]
 
 
 def _is_layout(columns: str, layouts: tuple[tuple[str, ...], ...]) -> str:
@@ -528,6 +581,86 @@ class EvaluationSpec(_Model):
         return SCORERS[self.scorer]
 
 
+WandbMode = TrackingConfig.model_fields["wandb_mode"].annotation
+"""online or offline (contract.config.TrackingConfig.wandb_mode)."""
+
+
+class MLflowTracking(_Model):
+    """An MLflow tracking server the train step reports its run to: parameters, a metric per logged step, and
+    artifacts (the plan, the loss plot, the exported adapter)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            {
+                "rule": "self.trackingUri.matches('^https?://[^/?#]+')",
+                "message": "tracking.mlflow.trackingUri must be the http:// or https:// address of an MLflow tracking "
+                "server (e.g. https://mlflow.example.com): the trainer's pods report to it over the network",
+                "fieldPath": ".trackingUri",
+            },
+            {
+                "rule": "!self.trackingUri.matches('^[^:]*://[^/?#]*@')",
+                "message": "tracking.mlflow.trackingUri must not carry a user name or password (user:password@host): "
+                "the spec and the trainer's command line are no place for them; name Secrets in "
+                "credentials.mlflowUsername and mlflowPassword, or credentials.mlflowToken",
+                "fieldPath": ".trackingUri",
+            },
+        )
+    )
+
+    tracking_uri: str = Field(max_length=PATH_MAX)
+    """trackingUri is the MLflow tracking server's address (http:// or https://); its credentials are credentials.mlflowToken, or mlflowUsername and mlflowPassword."""
+    experiment: str | None = Field(default=None, min_length=1, max_length=256)
+    """experiment holds the run; created when missing. Defaults to the LoRAJob's namespace."""
+    run_name: str | None = Field(default=None, min_length=1, max_length=256)
+    """runName names the MLflow run. Defaults to the LoRAJob's name."""
+    tags: dict[str, Annotated[str, Field(max_length=5000)]] = Field(default_factory=dict, max_length=32)
+    """tags set on the run, beside the LoRAJob's name, namespace and uid, which the run always records."""
+
+
+class WandbTracking(_Model):
+    """A Weights & Biases project the train step reports its run to: the config, a metric per logged step, and
+    artifacts (the plan, the loss plot, the exported adapter)."""
+
+    project: str = Field(min_length=1, max_length=128, pattern=r"^[^/\\#?%:]+$")
+    """project of the run (created when missing)."""
+    entity: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[^/\\#?%:]+$")
+    """entity (user or team) that owns the project. Defaults to the API key's default entity."""
+    mode: WandbMode = "online"
+    """mode online reports to the W&B server (needs credentials.wandbApiKey); offline only writes the run's files, for a later `wandb sync` (under <run directory>/wandb where the run directory is a local path)."""
+    tags: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(default_factory=list, max_length=32)
+    """tags set on the run."""
+
+
+class TrackingSpec(_Model):
+    """Experiment trackers the train step reports the run to (none by default). A tracker that cannot be reached
+    never fails training: the LoRAJob's TrackingDegraded condition says which and why. Like the rest of the spec, it
+    cannot change once the LoRAJob is created: one run is recorded in one place (create a new LoRAJob instead)."""
+
+    mlflow: MLflowTracking | None = None
+    """mlflow reports to an MLflow tracking server. A LoRAJobPolicy may set one by default."""
+    wandb: WandbTracking | None = None
+    """wandb reports to Weights & Biases."""
+
+
+TRACKING_RULES = (
+    {
+        "rule": "!has(self.tracking) || !has(self.tracking.wandb) || self.tracking.wandb.mode == 'offline' "
+        "|| (has(self.credentials) && has(self.credentials.wandbApiKey))",
+        "message": "tracking.wandb in mode online needs credentials.wandbApiKey: the W&B server takes runs only with "
+        "an API key (mode offline writes the run's files for `wandb sync` instead)",
+        "fieldPath": ".tracking.wandb",
+    },
+    {
+        "rule": "!has(self.credentials) || !has(self.credentials.wandbApiKey) "
+        "|| (has(self.tracking) && has(self.tracking.wandb))",
+        "message": "credentials.wandbApiKey is for tracking.wandb, which is not set: add tracking.wandb, or remove the key",
+        "fieldPath": ".credentials.wandbApiKey",
+    },
+)
+"""The rules between spec.tracking and spec.credentials (on LoRAJobSpec, where both are visible). MLflow credentials
+may come without spec.tracking.mlflow: they can be for the MLflow server a LoRAJobPolicy sets by default."""
+
+
 class SchedulingSpec(_Model):
     """Queueing, priority and lifetime."""
 
@@ -603,6 +736,7 @@ class LoRAJobSpec(_Model):
                 "fieldPath": ".model.checkpointStorage",
             },
             *PREFERENCE_RULES,
+            *TRACKING_RULES,
         )
     )
 
@@ -613,7 +747,7 @@ class LoRAJobSpec(_Model):
     model: ModelSpec
     """model to fine-tune."""
     credentials: Credentials | None = None
-    """credentials for Hugging Face."""
+    """credentials for Hugging Face and the experiment trackers, as references to Secrets."""
     dataset: DatasetSpec
     """dataset to fine-tune on."""
     method: Literal[TRAINING_METHODS] = TRAINING_METHODS[0]
@@ -632,13 +766,17 @@ class LoRAJobSpec(_Model):
     """evaluation of base model and adapter by generated answers after training (status.evaluation); export can be gated on it."""
     export: ExportSpec = Field(default_factory=ExportSpec)
     """export to Hugging Face PEFT format."""
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    """tracking reports the run to experiment trackers (MLflow, Weights & Biases); status.tracking links to the runs."""
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     """scheduling: Kueue queue, priority, deadlines, retries."""
     images: ImagesSpec = Field(default_factory=ImagesSpec)
     """images overriding the operator's defaults."""
 
 
-CONDITION_TYPES = ("Blocked", "Queued", "Admitted", "Evicted", "Running", "Suspended", "Succeeded", "Failed")
+CONDITION_TYPES = (
+    "Blocked", "Queued", "Admitted", "Evicted", "Running", "Suspended", "Succeeded", "Failed", "TrackingDegraded",
+)
 """The condition types the operator writes, in the order status lists them."""
 
 
@@ -647,7 +785,9 @@ class Condition(_Model):
 
     type: str = Field(max_length=316, description=(
         f"type of the condition: {', '.join(CONDITION_TYPES)}. Blocked: a problem the operator can see outside "
-        "the spec (a missing Secret or LocalQueue, a name taken) stops progress."))
+        "the spec (a missing LocalQueue, a name taken) stops progress. TrackingDegraded (only with spec.tracking): "
+        "True while an experiment tracker does not take what the trainer sends it (the message says which and why; "
+        "training goes on), False while every tracker does."))
     status: Literal["True", "False", "Unknown"]
     """status of the condition."""
     reason: str = Field(default="", max_length=1024)
@@ -836,8 +976,30 @@ class Resolved(_Model):
     """cpuNodePool hosts the Pathways head and the convert/export pods."""
     images: ResolvedImages | None = None
     """images the steps run with."""
+    mlflow_tracking_uri: str | None = None
+    """mlflowTrackingUri is the MLflow server the train step reports to: spec.tracking.mlflow's, else a LoRAJobPolicy's default."""
     policies: list[str] = Field(default_factory=list, max_length=64)
     """policies are the LoRAJobPolicies that apply to this LoRAJob's namespace."""
+
+
+TRACKER_TITLES = {"mlflow": "MLflow", "wandb": "Weights & Biases"}
+"""Each experiment tracker (contract.records.TRACKERS) as people call it."""
+
+
+class TrackedRun(_Model):
+    """One experiment tracker's run of the LoRAJob."""
+
+    url: str | None = None
+    """url of the run in the tracker's web UI."""
+
+
+class TrackingStatus(_Model):
+    """The experiment trackers' runs (spec.tracking), as the trainer reports them."""
+
+    mlflow: TrackedRun | None = None
+    """mlflow run (spec.tracking.mlflow, or a LoRAJobPolicy's default server)."""
+    wandb: TrackedRun | None = None
+    """wandb run (spec.tracking.wandb)."""
 
 
 class LoRAJobStatus(_Model):
@@ -874,7 +1036,9 @@ class LoRAJobStatus(_Model):
     checkpoints: list[CheckpointStatus] = Field(default_factory=list, max_length=CHECKPOINTS_LISTED)
     """checkpoints are the complete checkpoints the run keeps (the newest few and the best by eval loss), oldest first."""
     resolved: Resolved | None = None
-    """resolved records the defaults the operator applied (queue, images, CPU node pool) and the policies in force."""
+    """resolved records the defaults the operator applied (queue, images, CPU node pool, MLflow server) and the policies in force."""
+    tracking: TrackingStatus | None = None
+    """tracking links to the run in each experiment tracker (spec.tracking), once the trainer has started it."""
 
 
 PRINTER_COLUMNS = [
@@ -887,6 +1051,7 @@ PRINTER_COLUMNS = [
     {"name": "Eval Loss", "type": "number", "jsonPath": ".status.progress.evalLoss", "priority": 1},
     {"name": "Reward Acc", "type": "number", "jsonPath": ".status.progress.rewardAccuracy", "priority": 1},
     {"name": "Score", "type": "number", "jsonPath": ".status.evaluation.adapter.score"},
+    {"name": "MLflow Run", "type": "string", "jsonPath": ".status.tracking.mlflow.url", "priority": 1},
     {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

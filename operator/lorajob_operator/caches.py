@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 
 from lorajob_operator import api, names, policy
+from lorajob_trainer.contract.records import TRACKERS
 
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 
@@ -39,9 +40,17 @@ def _without_managed_fields(obj: dict) -> dict:
     return _without_metadata(obj, ("managedFields",))
 
 
+_TRACKER_LINKS = frozenset(names.tracker_link(tracker) for tracker in TRACKERS)
+
+
 def _slim_lorajob(obj: dict) -> dict:
-    """All but managedFields and annotations (no pass reads them; `kubectl apply` keeps a copy of the spec there)."""
-    return _without_metadata(obj, ("managedFields", "annotations"))
+    """All but managedFields and the annotations other than the operator's links to the tracker runs (no pass reads
+    them; `kubectl apply` keeps a copy of the spec there)."""
+    slim = _without_metadata(obj, ("managedFields", "annotations"))
+    links = {key: value for key, value in (obj["metadata"].get("annotations") or {}).items() if key in _TRACKER_LINKS}
+    if links:
+        slim["metadata"]["annotations"] = links
+    return slim
 
 
 def _slim_jobset(obj: dict) -> dict:

@@ -30,9 +30,8 @@ from lorajob_operator.names import (
     TRAINER_CONTAINER, WORKER, child_name, first_pod_host, run_name,
 )
 from lorajob_operator.settings import RenderSettings, Resources
-from lorajob_operator.step_commands import check_command, convert_command, export_command, train_command
+from lorajob_operator.step_commands import Job, check_command, convert_command, export_command, train_command
 from lorajob_trainer.contract import environment
-from lorajob_trainer.contract.environment import HF_TOKEN_ENV, HF_TOKEN_SOURCE_ENV
 from lorajob_trainer.contract.records import RunLayout
 
 TPU_RESOURCE = "google.com/tpu"
@@ -44,12 +43,8 @@ PATHWAYS_WORKER_PORT = 29005
 
 
 @dataclasses.dataclass(frozen=True)
-class Owner:
+class Owner(Job):
     """The LoRAJob the children belong to."""
-
-    name: str
-    namespace: str
-    uid: str
 
     def reference(self) -> dict:
         return {
@@ -73,14 +68,17 @@ def _env_from_label(name: str, label: str) -> dict:
 
 
 def _credential_env(spec: api.LoRAJobSpec) -> list[dict]:
-    token = spec.credentials.hugging_face_token if spec.credentials else None
-    if token is None:
-        return []
+    """Each credential the LoRAJob names, and the Secret key it should come from (environment.Credential)."""
     # Optional: without the Secret or its key the pod still starts, and the first CPU step's check says what is
     # missing (the operator holds no right on Secrets).
     return [
-        {"name": HF_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key, "optional": True}}},
-        _env(HF_TOKEN_SOURCE_ENV, f"{token.name}/{token.key}"),
+        env
+        for credential, ref in (spec.credentials.references() if spec.credentials else [])
+        for env in (
+            {"name": credential.variable,
+             "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key, "optional": True}}},
+            _env(credential.source_variable, f"{ref.name}/{ref.key}"),
+        )
     ]
 
 
@@ -254,7 +252,7 @@ def _pathways_train(spec, owner, run, settings, attempt) -> dict:
     trainer = _trainer_container(
         spec,
         settings,
-        train_command(spec, run),
+        train_command(spec, run, owner),
         [
             head_env,
             _env(environment.ENV_PLATFORMS, environment.PATHWAYS_PLATFORM),
@@ -322,7 +320,7 @@ PROCESS_ID_FROM_INDICES = f'export {environment.ENV_PROCESS_ID}=$(( {JOB_INDEX_E
 is set by Kubernetes in Indexed Jobs); the shell computes it and then becomes the trainer."""
 
 
-def _multi_controller_trainer(spec, settings, run: str, jobs: int, pods: int, env: list[dict], resources: dict) -> dict:
+def _multi_controller_trainer(spec, settings, owner: Owner, run: str, jobs: int, pods: int, env: list[dict], resources: dict) -> dict:
     """The trainer of one of `jobs` x `pods` jax.distributed processes, coordinated by process 0."""
     name = child_name(run, "train")
     # Pod 0 of Job 0, addressed through the JobSet's headless service; a literal (not JobSet's
@@ -333,7 +331,7 @@ def _multi_controller_trainer(spec, settings, run: str, jobs: int, pods: int, en
         _env(environment.ENV_NUM_PROCESSES, str(jobs * pods)),
         _env_from_label(JOB_INDEX_ENV, JOB_INDEX_LABEL),
     ]
-    command = ["/bin/sh", "-c", PROCESS_ID_FROM_INDICES.format(pods=pods), *train_command(spec, run)]
+    command = ["/bin/sh", "-c", PROCESS_ID_FROM_INDICES.format(pods=pods), *train_command(spec, run, owner)]
     return _trainer_container(spec, settings, command, [*distributed_env, *env], resources)
 
 
@@ -346,7 +344,7 @@ def _mcjax_train(spec, owner, run, settings, attempt) -> dict:
         _env_from_label("MEGASCALE_NUM_SLICES", REPLICAS_LABEL),
         _env_from_label("MEGASCALE_SLICE_ID", JOB_INDEX_LABEL),
     ]
-    container = _multi_controller_trainer(spec, settings, run, slices, vms, megascale, _tpu_resources(spec))
+    container = _multi_controller_trainer(spec, settings, owner, run, slices, vms, megascale, _tpu_resources(spec))
     pod = _pod_spec(
         [container], _tpu_node_selector(spec), settings,
         tolerations=[TPU_TOLERATION], hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet",
@@ -364,7 +362,7 @@ def _gpu_train(spec, owner, run, settings, attempt) -> dict:
     gpu = spec.compute.gpu
     gpus = str(gpu.gpus_per_node)
     resources = {"requests": {GPU_RESOURCE: gpus}, "limits": {GPU_RESOURCE: gpus}}
-    container = _multi_controller_trainer(spec, settings, run, 1, gpu.nodes, [], resources)
+    container = _multi_controller_trainer(spec, settings, owner, run, 1, gpu.nodes, [], resources)
     pod = _pod_spec(
         [container], {GPU_ACCELERATOR_LABEL: gpu.accelerator}, settings, tolerations=[GPU_TOLERATION],
         terminationGracePeriodSeconds=spec.scheduling.termination_grace_period_seconds,

@@ -47,6 +47,14 @@ NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
 TPU_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
 TPU_TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
 GPU_ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
+ARGOCD_LINK_PREFIX = "link.argocd.argoproj.io/"
+"""Argo CD shows the value of each annotation with this prefix as an external link of the resource (`URL` or
+`title|URL`); the operator links each experiment tracker's run from its LoRAJob (`tracker_link`)."""
+
+
+def tracker_link(tracker: str) -> str:
+    """The annotation linking a LoRAJob to its run in one experiment tracker (contract.records.TRACKERS)."""
+    return f"{ARGOCD_LINK_PREFIX}{tracker}-run"
 
 
 def allowed_label(key: str) -> bool:

@@ -4,7 +4,8 @@ An admin's policy selects namespaces by label and sets
 * queues:   the default Kueue LocalQueue and the allowed ones,
 * tpu:      the allowed machine types/topologies and the most slices and chips one LoRAJob may take,
 * outputs:  the storage prefixes runs may write under,
-* defaults: images and the CPU node pool used when a LoRAJob leaves them unset.
+* tracking: the experiment trackers every run must report to,
+* defaults: images, the CPU node pool and the MLflow server used when a LoRAJob leaves them unset.
 
 Each check is written once, as a `PolicyRule` holding the Python predicate the operator runs at
 reconcile time next to the CEL expression the ValidatingAdmissionPolicy shipped in the Helm chart
@@ -13,7 +14,7 @@ same parts, so a rejected `kubectl apply` and a Failed LoRAJob say the same thin
 
 Every matching policy applies on its own: a LoRAJob must satisfy all of them, and a LoRAJob without
 a queue name is checked against each policy's own default queue (as the VAP sees one policy at a
-time). Defaults are resolved here for the operator to record in status; they are never written
+time; so is a required MLflow tracker, against each policy's own default server). Defaults are resolved here for the operator to record in status; they are never written
 into the LoRAJob's spec, so Git stays the truth.
 """
 
@@ -21,12 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 from collections.abc import Callable, Iterable, Mapping
 
 from pydantic import ConfigDict, Field
 
 from lorajob_operator import accelerators, api, names
+from lorajob_trainer.contract.records import TRACKERS
 
 KIND = "LoRAJobPolicy"
 PLURAL = "lorajobpolicies"
@@ -34,6 +36,7 @@ SHORT_NAMES = ("ljp",)
 VIOLATION_REASON = "PolicyViolation"
 """Condition reason of a LoRAJob that the operator fails because a policy forbids it."""
 
+_T = TypeVar("_T")
 _LABEL_KEY_MAX = 317  # <253-character prefix>/<63-character name>
 _LIST_MAX = 64
 
@@ -101,6 +104,13 @@ class OutputPolicy(_Model):
     and spec.export.path must be under (equal to a prefix or below it at a '/' boundary); empty allows any."""
 
 
+class TrackingPolicy(_Model):
+    """Experiment tracking the LoRAJobs must do."""
+
+    required: list[Literal[TRACKERS]] = Field(default_factory=list, max_length=len(TRACKERS))
+    """required trackers (mlflow, wandb): a LoRAJob must set spec.tracking.<tracker>, except that a required mlflow is also met by this policy's defaults.mlflow."""
+
+
 class PolicyDefaults(_Model):
     """Values the operator uses when a LoRAJob leaves them unset (recorded in status, never written to spec)."""
 
@@ -108,10 +118,12 @@ class PolicyDefaults(_Model):
     """images used instead of the operator's defaults."""
     cpu_node_pool: str | None = Field(default=None, max_length=api.DNS_LABEL_MAX)
     """cpuNodePool for the Pathways head and the convert/export pods."""
+    mlflow: api.MLflowTracking | None = None
+    """mlflow is the MLflow tracking server (with its experiment and tags) that LoRAJobs setting no spec.tracking.mlflow report to. Leave its runName unset: each run is then named after its LoRAJob. A server that needs credentials reads them from each LoRAJob's credentials.mlflowToken (or mlflowUsername and mlflowPassword)."""
 
 
 class LoRAJobPolicySpec(_Model):
-    """LoRAJobPolicySpec sets, for the namespaces it selects, the queues, TPUs and output locations LoRAJobs may use."""
+    """LoRAJobPolicySpec sets, for the namespaces it selects, the queues, TPUs and output locations LoRAJobs may use and the experiment trackers they must report to."""
 
     namespace_selector: NamespaceSelector = Field(default_factory=NamespaceSelector)
     """namespaceSelector picks the namespaces this policy governs; empty selects all."""
@@ -121,8 +133,10 @@ class LoRAJobPolicySpec(_Model):
     """tpu: allowed machine types, topologies and size limits."""
     outputs: OutputPolicy = Field(default_factory=OutputPolicy)
     """outputs: allowed storage locations."""
+    tracking: TrackingPolicy = Field(default_factory=TrackingPolicy)
+    """tracking: the experiment trackers required."""
     defaults: PolicyDefaults = Field(default_factory=PolicyDefaults)
-    """defaults for images and the CPU node pool."""
+    """defaults for images, the CPU node pool and the MLflow server."""
 
 
 class LoRAJobPolicy(_Model):
@@ -285,6 +299,20 @@ def _under_allowed_prefix(field: str, path: Callable[[api.LoRAJobSpec], str | No
     )
 
 
+def _tracker_required(tracker: str, default: Predicate | None = None) -> PolicyRule:
+    """tracking.required for one tracker: the LoRAJob's spec.tracking sets it, or this policy's `default` stands in."""
+    own = Predicate(lambda c: getattr(c.spec.tracking, tracker) is not None,
+                    f"has(object.spec.tracking) && has(object.spec.tracking.{tracker})")
+    holds = own if default is None else Predicate(lambda c: own.py(c) or default.py(c), f"({own.cel}) || {default.cel}")
+    return PolicyRule(
+        "tracking.required",
+        Predicate(lambda c: tracker in c.rules.tracking.required, f"'{tracker}' in params.spec.tracking.required"),
+        holds,
+        (f"the runs of this namespace must report to {api.TRACKER_TITLES[tracker]}: set spec.tracking.{tracker}"
+         + (" (the policy sets no default server in defaults.mlflow)" if default else ""),),
+    )
+
+
 _HAS_TPU = "has(object.spec.compute.tpu)"
 _TPU = "object.spec.compute.tpu"
 
@@ -364,6 +392,8 @@ RULES: tuple[PolicyRule, ...] = (
                           "has(object.spec.export) && has(object.spec.export.path)"),
     _under_allowed_prefix("spec.output.compilationCache", lambda spec: spec.output.compilation_cache,
                           "has(object.spec.output.compilationCache)"),
+    _tracker_required("mlflow", Predicate(lambda c: c.rules.defaults.mlflow is not None, "has(params.spec.defaults.mlflow)")),
+    _tracker_required("wandb"),
 )
 
 _ADMISSION_VARIABLES: tuple[tuple[str, str], ...] = (
@@ -415,11 +445,12 @@ class ResolvedDefaults:
     queue_name: str | None
     images: api.ImagesSpec
     cpu_node_pool: str | None
+    mlflow: api.MLflowTracking | None
     policies: tuple[str, ...]
     """Names of the policies that govern the LoRAJob's namespace."""
 
 
-def _first(values: Iterable[str | None]) -> str | None:
+def _first(values: Iterable[_T | None]) -> _T | None:
     return next((value for value in values if value is not None), None)
 
 
@@ -434,6 +465,7 @@ def resolve_defaults(policies: Iterable[LoRAJobPolicy], namespace_labels: Mappin
         queue_name=_first([spec.scheduling.queue_name, *(p.spec.queues.default for p in governing)]),
         images=api.ImagesSpec(**images),
         cpu_node_pool=_first([spec.compute.cpu_node_pool, *(p.spec.defaults.cpu_node_pool for p in governing)]),
+        mlflow=_first([spec.tracking.mlflow, *(p.spec.defaults.mlflow for p in governing)]),
         policies=tuple(p.name for p in governing),
     )
 

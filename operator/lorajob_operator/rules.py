@@ -184,7 +184,7 @@ MUTABLE_FIELDS = ("suspend", "scheduling.ttlSecondsAfterFinished", "scheduling.a
 
 _IMMUTABLE_SPEC_FIELDS = (
     "runName", "model", "credentials", "dataset", "method", "preference", "training", "lora", "compute", "output",
-    "export", "images",
+    "export", "tracking", "images",
 )
 _IMMUTABLE_SCHEDULING_FIELDS = ("queueName", "priorityClass", "retryLimit")
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from lorajob_operator import api, names, rules
 from lorajob_operator.cli_errors import CliError
 from lorajob_operator.reconcile.conditions import parse_time
-from lorajob_operator.reconcile.decide import RUNNING_PHASE
+from lorajob_operator.reconcile.decide import RUNNING_PHASE, TRACKING_DEGRADED
 from lorajob_operator.reconcile.observed import lead_pod_selector
 from lorajob_operator.reconcile.status_text import progress_summary
 from lorajob_operator.validation import parse_spec
@@ -212,6 +212,7 @@ def format_status(view: RunView, now: datetime | None = None, samples: int = 0) 
         if outputs.get(key):
             exported = f" (step {outputs['exportedStep']})" if key == "adapterPath" and "exportedStep" in outputs else ""
             lines.append(f"{label + ':':13}{outputs[key]}{exported}")
+    lines += _tracking_lines(status)
 
     conditions = [c for c in status.get("conditions") or [] if c.get("status") == "True"]
     if conditions:
@@ -224,6 +225,16 @@ def format_status(view: RunView, now: datetime | None = None, samples: int = 0) 
             text = f"  {age:>10}  {event.get('type', ''):8} {event.get('reason', ''):16} {event.get('message', '')}"
             lines.append(text if len(text) <= EVENT_WIDTH else text[:EVENT_WIDTH - 1] + "…")
     return "\n".join(lines)
+
+
+def _tracking_lines(status: dict) -> list[str]:
+    """The tracker runs' addresses (status.tracking), and what TrackingDegraded says while it is True."""
+    lines = [f"{tracker + ' run:':13}{run['url']}" for tracker, run in (status.get("tracking") or {}).items() if run.get("url")]
+    degraded = next((c for c in status.get("conditions") or []
+                     if c.get("type") == TRACKING_DEGRADED and c.get("status") == "True"), None)
+    if degraded is not None:
+        lines.append(f"tracking degraded (training goes on): {degraded.get('message', '')}")
+    return lines
 
 
 def _preference_line(progress: dict) -> str:
@@ -393,7 +404,8 @@ NEEDS = ("Needs the kubernetes package (pip install \"lorajob[operator]\") and a
 def add_commands(commands) -> None:
     """Register status, logs and plot on the `lorajob` argument parser's subcommands."""
     for command, text, needs in (
-        ("status", "show a LoRAJob's phase, steps, progress, loss, checkpoints, outputs and recent events", NEEDS),
+        ("status", "show a LoRAJob's phase, steps, progress, loss, checkpoints, outputs, tracker runs and recent events",
+         NEEDS),
         ("logs", "print (or follow with -f) the lead trainer's log of a LoRAJob", NEEDS),
         ("plot", "draw a LoRAJob's loss curve (and eval loss; a preference run's reward accuracy) to a PNG",
          NEEDS + " Also needs matplotlib."),

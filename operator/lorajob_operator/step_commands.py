@@ -1,4 +1,5 @@
-"""What each step runs: the trainer's config of a LoRAJob (`train_config`), the command lines of the trainer image's
+"""What each step runs: the trainer's config of a LoRAJob (`train_config`, and the trackers it reports to:
+`tracking_config`), the command lines of the trainer image's
 entry points (`python -m lorajob_trainer.<train|datacheck|fit|convert|export> ...`) that the check, convert, train
 and export steps run, the fit check's request (`plan_request`), and where a run reads and writes (`run_paths`).
 
@@ -12,8 +13,17 @@ import shlex
 
 from lorajob_operator import accelerators, api
 from lorajob_trainer.contract import catalog, fit
-from lorajob_trainer.contract.config import ConfigError, TrainConfig
+from lorajob_trainer.contract.config import ConfigError, TrackingConfig, TrainConfig
 from lorajob_trainer.contract.records import PREFERENCE_METHODS, REMAT_AUTO, RunLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """The LoRAJob a step runs for."""
+
+    name: str
+    namespace: str
+    uid: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +142,29 @@ def _generation_eval(evaluation: api.EvaluationSpec | None) -> dict:
     }
 
 
-def train_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
-    return ["python", "-m", "lorajob_trainer.train", *train_config(spec, run).to_args()]
+def tracking_config(spec: api.LoRAJobSpec, job: Job) -> TrackingConfig:
+    """The train config's tracking section: spec.tracking (`spec` holds a LoRAJobPolicy's default MLflow server where
+    the LoRAJob sets none: observed.effective_spec), the MLflow experiment and run named after the LoRAJob's namespace
+    and name unless set, and the LoRAJob, which the runs record. Empty without trackers."""
+    mlflow, wandb = spec.tracking.mlflow, spec.tracking.wandb
+    if mlflow is None and wandb is None:
+        return TrackingConfig()
+    values = {"job_name": job.name, "job_namespace": job.namespace, "job_uid": job.uid}
+    if mlflow is not None:
+        values |= {
+            "mlflow_tracking_uri": mlflow.tracking_uri, "mlflow_experiment": mlflow.experiment or job.namespace,
+            "mlflow_run_name": mlflow.run_name or job.name, "mlflow_tags": mlflow.tags,
+        }
+    if wandb is not None:  # offline: wandb_dir left to the trainer (under the run directory where it is local)
+        values |= {"wandb_project": wandb.project, "wandb_entity": wandb.entity or "", "wandb_mode": wandb.mode,
+                   "wandb_tags": wandb.tags}
+    return TrackingConfig.model_validate(values)
+
+
+def train_command(spec: api.LoRAJobSpec, run: str, job: Job) -> list[str]:
+    """The train step: the train config, with the trackers it reports to (the checks before it report to none)."""
+    config = train_config(spec, run).model_copy(update={"tracking": tracking_config(spec, job)})
+    return ["python", "-m", "lorajob_trainer.train", *config.to_args()]
 
 
 def accelerator_count(spec: api.LoRAJobSpec) -> int:

@@ -130,6 +130,11 @@ def _check_schema(value: Any, schema: dict, path: str, errors: list[FieldError])
             errors.append(FieldError(path, "Invalid value", f"{len(value)}: {path} in body should have at least {schema['minItems']} items"))
         for index, item in enumerate(value):
             _check_schema(item, schema.get("items", {}), f"{path}[{index}]", errors)
+    if kind == "object" and "maxProperties" in schema and len(value) > schema["maxProperties"]:
+        errors.append(FieldError(path, "Too many", f"{len(value)}: must have at most {schema['maxProperties']} items"))
+    if kind == "object" and isinstance(schema.get("additionalProperties"), dict):  # a map: its values' schema
+        for name, item in value.items():
+            _check_schema(item, schema["additionalProperties"], _join(path, name), errors)
     if kind == "object" and "properties" in schema:
         for name in schema.get("required", []):
             if name not in value:

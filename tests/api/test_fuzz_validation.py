@@ -74,7 +74,8 @@ def _fields(schema: dict, path: tuple = ()) -> list[tuple[tuple, dict]]:
 
 
 FIELDS = [(("spec", *path), schema) for path, schema in _fields(SCHEMA["properties"]["spec"])]
-OBJECTS = [(("spec",), SCHEMA["properties"]["spec"])] + [field for field in FIELDS if field[1].get("type") == "object"]
+OBJECTS = [(("spec",), SCHEMA["properties"]["spec"])] + [field for field in FIELDS if "properties" in field[1]]
+"""The objects with fields, where an extra one is unknown (a map, e.g. tracking.mlflow.tags, takes any key)."""
 
 
 def _near_limits(schema: dict) -> list:

@@ -37,6 +37,7 @@ def test_render_prints_every_step_of_every_example_as_the_operator_renders_it():
         "gemma4-26b-gsm8k-convert", "gemma4-26b-gsm8k", "gemma4-26b-gsm8k-to-hf",
         "llama31-ultrachat-check", "llama31-ultrachat",
         "llama31-dpo-convert", "llama31-dpo", "llama31-dpo-to-hf",
+        "qwen3-gsm8k-tracked-convert", "qwen3-gsm8k-tracked", "qwen3-gsm8k-tracked-to-hf",
         "qwen3-30b-a3b-gsm8k-convert", "qwen3-30b-a3b-gsm8k", "qwen3-30b-a3b-gsm8k-to-hf",
         "qwen3-4b-orpo-convert", "qwen3-4b-orpo", "qwen3-4b-orpo-to-hf",
         "qwen3-gsm8k-convert", "qwen3-gsm8k", "qwen3-gsm8k-to-hf",
@@ -47,6 +48,11 @@ def test_render_prints_every_step_of_every_example_as_the_operator_renders_it():
         assert f"method={method}" in yaml.safe_dump(step["spec"]), name
         checks = next(doc for doc in printed if doc["metadata"]["name"] == f"{name}-convert")
         assert yaml.safe_dump(checks["spec"]).count(f"method={method}") == 2, name  # the data check and the fit check
+    # The tracking example's train step reports to its trackers as its LoRAJob; its checks report to none.
+    tracked = yaml.safe_dump(next(doc for doc in printed if doc["metadata"]["name"] == "qwen3-gsm8k-tracked")["spec"])
+    assert "tracking.mlflow_tracking_uri=https://mlflow.example.com" in tracked and "tracking.job_uid=<uid>" in tracked
+    checks = next(doc for doc in printed if doc["metadata"]["name"] == "qwen3-gsm8k-tracked-convert")
+    assert "tracking." not in yaml.safe_dump(checks["spec"]).replace("LORAJOB_", "")
 
 
 def test_render_does_not_need_a_kubernetes_client():

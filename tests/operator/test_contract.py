@@ -164,11 +164,26 @@ def test_a_plan_record_reads_back_as_written_and_a_garbled_one_not_at_all():
 
 
 def test_a_named_token_that_did_not_arrive_is_reported_by_name():
-    source = {environment.HF_TOKEN_SOURCE_ENV: "hf-token/token"}
-    assert environment.missing_token(source).startswith("the Hugging Face token is missing: no Secret hf-token with a non-empty key token")
-    assert environment.missing_token({**source, environment.HF_TOKEN_ENV: ""}) is not None
-    assert environment.missing_token({**source, environment.HF_TOKEN_ENV: "hf_x"}) is None
-    assert environment.missing_token({}) is None  # no token named
+    source = {"LORAJOB_HF_TOKEN_SECRET": "hf-token/token"}
+    assert environment.missing_credentials(source) == (
+        "the Hugging Face token is missing: no Secret hf-token with a non-empty key token in the LoRAJob's namespace "
+        "(spec.credentials.huggingFaceToken)")
+    assert environment.missing_credentials({**source, environment.HF_TOKEN_ENV: ""}) is not None
+    assert environment.missing_credentials({**source, environment.HF_TOKEN_ENV: "hf_x"}) is None
+    assert environment.missing_credentials({}) is None  # no token named
+
+
+def test_every_credential_that_did_not_arrive_is_reported_by_name():
+    named = {credential.source_variable: f"s-{credential.variable.lower()}/k" for credential in environment.CREDENTIALS}
+    missing = environment.missing_credentials(named).split("; ")
+    assert [m.split(" is missing")[0] for m in missing] == [c.what for c in environment.CREDENTIALS]
+    assert all(f"(spec.credentials.{c.field})" in m for c, m in zip(environment.CREDENTIALS, missing))
+    arrived = {**named, **{credential.variable: "x" for credential in environment.CREDENTIALS[1:]}}
+    assert environment.missing_credentials(arrived).startswith("the Hugging Face token is missing")
+
+
+def test_the_credentials_the_api_names_are_the_contract_s():
+    assert [field.alias for field in api.Credentials.model_fields.values()] == [c.field for c in environment.CREDENTIALS]
 
 
 def test_non_finite_numbers_are_written_as_unknown():

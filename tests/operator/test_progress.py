@@ -9,7 +9,7 @@ from datetime import datetime, UTC
 from pathlib import Path
 
 import pytest
-from builders import UID, compute, condition, jobset, lorajob, spec_dict, workload
+from builders import UID, compute, condition, jobset, lorajob, owner, spec_dict, workload
 
 from lorajob_operator.reconcile.decide import decide
 from lorajob_operator.reconcile.observed import Observed, lead_pod_selector, observe_child
@@ -151,7 +151,7 @@ def test_a_person_running_the_trainer_sees_no_json_but_the_progress_file_is_writ
 
 
 def test_the_rendered_train_pods_turn_the_progress_lines_on():
-    assert "progress_lines=true" in train_command(api.LoRAJobSpec.model_validate(spec_dict()), "run-1")
+    assert "progress_lines=true" in train_command(api.LoRAJobSpec.model_validate(spec_dict()), "run-1", owner(lorajob()))
 
 
 # --- A log tail -------------------------------------------------------------------------------------------

@@ -337,7 +337,7 @@ def test_the_fit_check_tries_the_cheapest_changes_first():
 def test_lora_variants_reach_the_trainer(field, option):
     spec = parsed(lorajob(spec=spec_dict(lora={"rank": 64, "alpha": 16, field: True})))
     assert getattr(step_commands.train_config(spec, "r").lora, option)
-    assert f"lora.{option}=true" in step_commands.train_command(spec, "r")
+    assert f"lora.{option}=true" in step_commands.train_command(spec, "r", owner(lorajob()))
     assert not getattr(step_commands.train_config(parsed(lorajob()), "r").lora, option)
 
 
@@ -411,10 +411,10 @@ def test_a_preference_method_and_its_settings_reach_the_train_step_and_both_chec
 
 def test_orpo_takes_its_lambda_and_unset_preference_settings_the_trainers_defaults():
     orpo = parsed(lorajob(spec=spec_dict(dataset=PREFERENCE_DATASET, method="orpo", preference={"orpoLambda": 0.5})))
-    command = step_commands.train_command(orpo, "r")
+    command = step_commands.train_command(orpo, "r", owner(lorajob()))
     assert "method=orpo" in command and "preference.orpo_lambda=0.5" in command
     assert not any(arg.startswith("preference.beta=") for arg in command)
     dpo = step_commands.train_config(parsed(lorajob(spec=spec_dict(dataset=PREFERENCE_DATASET, method="dpo"))), "r")
     assert dpo.method == "dpo" and dpo.preference == TrainConfig.model_fields["preference"].default
-    sft = step_commands.train_command(parsed(lorajob()), "r")
+    sft = step_commands.train_command(parsed(lorajob()), "r", owner(lorajob()))
     assert not any(arg.startswith(("method=", "preference.")) for arg in sft)  # sft is the trainer's default

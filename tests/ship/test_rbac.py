@@ -33,6 +33,7 @@ OPERATOR_CALLS = [
     ("list", "lorajobs.lorajob.dev"),  # cache
     ("watch", "lorajobs.lorajob.dev"),
     ("delete", "lorajobs.lorajob.dev"),  # ttlSecondsAfterFinished
+    ("patch", "lorajobs.lorajob.dev"),  # the Argo CD links to the tracker runs (metadata.annotations only)
     ("patch", "lorajobs.lorajob.dev/status"),  # status written as a whole
     ("get", "jobsets.jobset.x-k8s.io"),  # who holds a step's name when creating it conflicts (409)
     ("list", "jobsets.jobset.x-k8s.io"),  # cache
@@ -62,8 +63,7 @@ LEASE_CALLS = [
     ("create", "leases.coordination.k8s.io"),  # the first replica ever
 ]
 NOT_ALLOWED = [
-    ("update", "lorajobs.lorajob.dev"),  # the operator never writes spec (Git stays the truth)
-    ("patch", "lorajobs.lorajob.dev"),
+    ("update", "lorajobs.lorajob.dev"),  # the operator never writes spec (Git stays the truth; its patches are annotations)
     ("create", "lorajobs.lorajob.dev"),
     ("update", "lorajobs.lorajob.dev/status"),
     ("patch", "jobsets.jobset.x-k8s.io"),  # never fights Kueue over a created JobSet

@@ -24,7 +24,7 @@ from lorajob_trainer.contract import exit_codes
 from lorajob_trainer.contract.config import TrainConfig, parse_or_report
 from lorajob_trainer.console import configure_logging
 from lorajob_trainer.contract.records import DataRecord
-from lorajob_trainer.contract.environment import missing_token
+from lorajob_trainer.contract.environment import missing_credentials
 
 log = logging.getLogger("lorajob_trainer.datacheck")  # not __name__: run as __main__
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_or_report(args.config)
     if config is None:
         return exit_codes.CONFIG
-    missing = missing_token(os.environ)
+    missing = missing_credentials(os.environ)
     if missing:
         print(f"config error: {missing}", file=sys.stderr)
         return exit_codes.CONFIG

@@ -85,4 +85,5 @@ def observe(
         policies=policies,
         namespace_labels=namespace_labels,
         render=render_settings,
+        annotations=metadata.get("annotations") or {},
     )

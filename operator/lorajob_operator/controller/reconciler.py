@@ -69,6 +69,8 @@ class Reconciler:
             return
         if decision.status != observed.status:
             self.writes.status(observed, decision.status)
+        if decision.annotations:
+            self.writes.annotations(observed, decision.annotations)
         for event in decision.events:
             self.writes.event(body, event.type, event.reason, event.message)
         if decision.delete_self:

@@ -1,4 +1,5 @@
-"""Carrying out a decision: the LoRAJob's status (a merge patch of what changed), JobSets created and deleted, events."""
+"""Carrying out a decision: the LoRAJob's status (a merge patch of what changed) and its links to the tracker runs
+(annotations), JobSets created and deleted, events."""
 
 from __future__ import annotations
 
@@ -38,6 +39,13 @@ class Writes:
     def status(self, observed: Observed, status: dict) -> None:
         written = self.cluster.custom.patch_namespaced_custom_object_status(
             *LORAJOB[:2], observed.namespace, LORAJOB[2], observed.name, {"status": status_patch(observed.status, status)}
+        )
+        self.view.stores[caches.LORAJOBS].upsert(written)
+
+    def annotations(self, observed: Observed, annotations: dict[str, str]) -> None:
+        """Set these annotations on the LoRAJob: a merge patch of its metadata only (its spec is Git's)."""
+        written = self.cluster.custom.patch_namespaced_custom_object(
+            *LORAJOB[:2], observed.namespace, LORAJOB[2], observed.name, {"metadata": {"annotations": annotations}}
         )
         self.view.stores[caches.LORAJOBS].upsert(written)
 

@@ -6,17 +6,18 @@ import dataclasses
 from datetime import timedelta
 
 from lorajob_operator import api, policy, rules
-from lorajob_operator.names import TRAINER_CONTAINER, child_name, run_name
+from lorajob_operator.names import TRAINER_CONTAINER, child_name, run_name, tracker_link
 from lorajob_operator.reconcile.conditions import format_time, parse_time
 from lorajob_operator.reconcile.observed import ChildState, Observed, resolved_status
 from lorajob_operator.reconcile.status_text import failure_text, retries_text, waiting_for_quota
 from lorajob_operator.reconcile.trainer_output import (
-    checkpoints_status, data_status, evaluation_status, exported_step, plan_status, progress_status, watched,
+    checkpoints_status, data_status, evaluation_status, exported_step, plan_status, progress_status, tracking_status,
+    watched,
 )
 from lorajob_operator.settings import ReconcileSettings
 from lorajob_operator.step_commands import run_paths
 from lorajob_trainer.contract import exit_codes
-from lorajob_trainer.contract.records import STOPPED_EARLY, last_progress
+from lorajob_trainer.contract.records import STOPPED_EARLY
 
 
 RUNNING_PHASE = {step: api.Phase(phase) for step, phase in rules.PHASE_WHILE_RUNNING.items()}
@@ -27,6 +28,9 @@ TERMINAL_PHASES = (api.Phase.Succeeded.value, api.Phase.Failed.value)
 
 STALLED = "Stalled"
 """Reason of a train step restarted (or the LoRAJob failed) by the stall watchdog."""
+
+TRACKING_DEGRADED = "TrackingDegraded"
+"""The condition that an experiment tracker does not take what the trainer sends it (training goes on)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +55,8 @@ class Decision:
     events: list[Event] = dataclasses.field(default_factory=list)
     requeue_after: float | None = None
     delete_self: bool = False
+    annotations: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Annotations to set on the LoRAJob: its Argo CD links to the tracker runs, where they are new or changed."""
 
 
 @dataclasses.dataclass
@@ -83,7 +89,7 @@ class _Draft:
 
     def status(self) -> dict:
         o = self.observed
-        record = last_progress(o.train_log) if o.train_log else None
+        record = o.progress_record
         previous = {c["type"]: c for c in o.status.get("conditions") or []}
         conditions = []
         for condition_type in api.CONDITION_TYPES:
@@ -122,7 +128,8 @@ class _Draft:
         progress = watched(progress_status(o, record), self.advanced_time)
         if progress:
             status["progress"] = progress
-        for key, lifted in (("data", data_status(o)), ("plan", plan_status(o)), ("evaluation", evaluation_status(o))):
+        for key, lifted in (("data", data_status(o)), ("plan", plan_status(o)), ("evaluation", evaluation_status(o)),
+                            ("tracking", tracking_status(o))):
             if lifted:
                 status[key] = lifted
         if o.spec is not None:
@@ -194,23 +201,49 @@ def decide(o: Observed, settings: ReconcileSettings) -> Decision:
         _blocked(draft, o.problems)
     else:
         _advance(o, draft, settings, decision)
+    _tracking_degraded(o, draft)
     decision.status = draft.status()
+    decision.annotations = _tracker_links(o, decision.status)
     previous_phase = o.status.get("phase")
     if draft.phase != previous_phase:
         kind = "Warning" if draft.phase == api.Phase.Failed.value else "Normal"
         decision.events.append(Event(kind, draft.phase, draft.message))
-    blocked = _blocked_by(decision.status)
-    if blocked and blocked != _blocked_by(o.status):
+    blocked = _true(decision.status, "Blocked")
+    if blocked and blocked != _true(o.status, "Blocked"):
         decision.events.append(Event("Warning", *blocked))
+    degraded = _true(decision.status, TRACKING_DEGRADED)
+    if degraded and not _true(o.status, TRACKING_DEGRADED):
+        decision.events.append(Event("Warning", TRACKING_DEGRADED, degraded[1]))
     return decision
 
 
-def _blocked_by(status: dict) -> tuple[str, str] | None:
-    """(reason, message) of a True Blocked condition."""
+def _true(status: dict, condition_type: str) -> tuple[str, str] | None:
+    """(reason, message) of the condition when it is True."""
     for condition in status.get("conditions") or []:
-        if condition.get("type") == "Blocked" and condition.get("status") == "True":
+        if condition.get("type") == condition_type and condition.get("status") == "True":
             return condition.get("reason", ""), condition.get("message", "")
     return None
+
+
+def _tracking_degraded(o: Observed, draft: _Draft) -> None:
+    """TrackingDegraded from the trainer's last progress record: True with its problem (which tracker fails, and how),
+    False while every tracker takes what it is sent; as it was when this pass read no record that says (a run without
+    trackers never has it)."""
+    record = o.progress_record
+    if record is None or record.tracking_problem is None:
+        return
+    problem = record.tracking_problem
+    draft.condition(TRACKING_DEGRADED, bool(problem), "TrackerFailing" if problem else "TrackersReporting", problem)
+
+
+def _tracker_links(o: Observed, status: dict) -> dict[str, str]:
+    """The Argo CD links (names.tracker_link) to the runs in status.tracking that the LoRAJob lacks or holds another
+    address for."""
+    links = {
+        tracker_link(tracker): f"{api.TRACKER_TITLES[tracker]} run|{run['url']}"
+        for tracker, run in (status.get("tracking") or {}).items() if run.get("url")
+    }
+    return {key: value for key, value in links.items() if o.annotations.get(key) != value}
 
 
 def _finished(o: Observed, draft: _Draft, decision: Decision) -> None:
@@ -309,7 +342,7 @@ def _advance(o: Observed, draft: _Draft, settings: ReconcileSettings, decision: 
         return
     draft.phase, draft.message = api.Phase.Succeeded.value, "all steps completed"
     draft.completion_time = draft.completion_time or format_time(o.now)
-    progress = progress_status(o, last_progress(o.train_log) if o.train_log else None) or {}
+    progress = progress_status(o, o.progress_record) or {}
     if progress.get("state") == STOPPED_EARLY:
         step, total = progress.get("step"), o.spec.training.steps
         draft.message = f"stopped early at step {step} of {total} ({total - step} steps not run)"
@@ -379,7 +412,7 @@ def _watch_progress(o: Observed, draft: _Draft, decision: Decision, child: Child
     when the step changes, so an operator restart keeps the clock), and wakes the LoRAJob at the deadline."""
     deadline = o.spec.scheduling.progress_deadline_seconds
     previous = o.status.get("progress") or {}
-    record = last_progress(o.train_log) if o.train_log else None
+    record = o.progress_record
     advanced = previous.get("advancedTime")
     changed = record is not None and (record.step != previous.get("step") or record.state != previous.get("state"))
     if advanced is None or changed:

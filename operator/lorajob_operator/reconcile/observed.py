@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from datetime import datetime
 from collections.abc import Mapping
 
@@ -16,6 +17,7 @@ from lorajob_operator.reconcile.conditions import find_condition, is_true, parse
 from lorajob_operator.reconcile.kueue import QueuePosition, WorkloadState, observe_workload
 from lorajob_operator.settings import RenderSettings
 from lorajob_trainer.contract import exit_codes
+from lorajob_trainer.contract.records import ProgressRecord, last_progress
 
 
 DISRUPTED_POD_REASONS = ("Evicted", "NodeLost", "Preempting", "Shutdown", "Terminated", "UnexpectedAdmissionError")
@@ -94,6 +96,13 @@ class Observed:
     """The tail of the lead trainer's log when this pass read it (see `train_log_wanted`)."""
     checks_log: str | None = None
     """The check or convert pod's log when this pass read it, for the checks' figures (see `checks_log_wanted`)."""
+    annotations: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """The LoRAJob's links to its tracker runs (names.tracker_link; the caches keep no other annotation)."""
+
+    @functools.cached_property
+    def progress_record(self) -> ProgressRecord | None:
+        """The last progress record in this pass's train log (None: the log was not read, or holds none)."""
+        return last_progress(self.train_log) if self.train_log else None
 
     @property
     def defaults(self) -> policy.ResolvedDefaults:
@@ -110,6 +119,7 @@ def effective_spec(spec: api.LoRAJobSpec, defaults: policy.ResolvedDefaults) -> 
         "scheduling": spec.scheduling.model_copy(update={"queue_name": defaults.queue_name}),
         "compute": spec.compute.model_copy(update={"cpu_node_pool": defaults.cpu_node_pool}),
         "images": defaults.images,
+        "tracking": spec.tracking.model_copy(update={"mlflow": defaults.mlflow}),
     })
 
 
@@ -122,6 +132,7 @@ def resolved_status(spec: api.LoRAJobSpec, defaults: policy.ResolvedDefaults, se
         queue_name=defaults.queue_name,
         cpu_node_pool=defaults.cpu_node_pool or settings.cpu_node_pool,
         images=api.ResolvedImages(**images),
+        mlflow_tracking_uri=defaults.mlflow.tracking_uri if defaults.mlflow else None,
         policies=list(defaults.policies),
     )
     return resolved.model_dump(by_alias=True, exclude_none=True)

@@ -1,5 +1,6 @@
 """What the trainer printed, lifted into status: progress lines from the lead trainer's log tail, the data-check,
-plan and evaluation lines, the checkpoints its last progress record lists, and when each log is worth reading."""
+plan and evaluation lines, the checkpoints and tracker runs its last progress record lists, and when each log is
+worth reading."""
 
 from __future__ import annotations
 
@@ -130,6 +131,16 @@ def progress_status(o: Observed, record: ProgressRecord | None) -> dict | None:
     if record is None:
         return o.status.get("progress")
     return _status_progress(record).model_dump(by_alias=True, exclude_none=True)
+
+
+def tracking_status(o: Observed) -> dict | None:
+    """status.tracking: the tracker runs' addresses in this pass's last progress record, else kept (a run's address
+    stays once known)."""
+    urls = o.progress_record.tracking_urls if o.progress_record else None
+    if not urls:
+        return o.status.get("tracking")
+    runs = {tracker: api.TrackedRun(url=url).model_dump(exclude_none=True) for tracker, url in urls.items() if url}
+    return {**(o.status.get("tracking") or {}), **runs} or None
 
 
 def watched(progress: dict | None, advanced_time: str | None) -> dict | None:
