@@ -390,7 +390,7 @@ def render_phase(
     if phase == "convert":
         return _cpu_step(phase, convert_command(spec, run), settings.resources.convert, spec, owner, run, settings, attempt)
     if phase == "export":
-        return _cpu_step(phase, export_command(spec, run), settings.resources.export, spec, owner, run, settings, attempt)
+        return _cpu_step(phase, export_command(spec, run, owner), settings.resources.export, spec, owner, run, settings, attempt)
     raise ValueError(f"unknown phase {phase!r}; phases are {', '.join(rules.PHASES)}")
 
 

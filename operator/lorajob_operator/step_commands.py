@@ -262,7 +262,8 @@ def convert_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
     return _chained(commands)
 
 
-def export_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
+def export_command(spec: api.LoRAJobSpec, run: str, job: Job) -> list[str]:
+    """The export step; with trackers, it logs the adapter to the runs the train step kept in <run>/tracking.json."""
     paths = run_paths(spec, run)
     command = [
         "python", "-m", "lorajob_trainer.export",
@@ -281,4 +282,7 @@ def export_command(spec: api.LoRAJobSpec, run: str) -> list[str]:
         command += ["--require-improvement"] if gate.require_improvement else []
         command += ["--minimum-score", str(gate.minimum_score)] if gate.minimum_score is not None else []
         command += ["--minimum-stop-rate", str(gate.minimum_stop_rate)] if gate.minimum_stop_rate is not None else []
+    tracking = tracking_config(spec, job)
+    if tracking.trackers:
+        command += ["--tracking-record", RunLayout(spec.output.base_output_directory, run).tracking, *tracking.to_args()]
     return command

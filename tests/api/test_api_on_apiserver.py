@@ -103,8 +103,9 @@ def running_job(custom):
         ({"scheduling": {"queueName": "other"}}, "spec.scheduling.queueName"),
         ({"credentials": {"huggingFaceToken": {"name": "tok"}}}, "spec.credentials"),
         ({"method": "dpo", "dataset": {"columns": ["chosen", "rejected"]}}, "spec.method"),
+        ({"tracking": {"mlflow": {"trackingUri": "https://mlflow.example.com"}}}, "spec.tracking"),
     ],
-    ids=["lora", "training", "compute", "runName-added", "queue", "credentials-added", "method"],
+    ids=["lora", "training", "compute", "runName-added", "queue", "credentials-added", "method", "tracking-added"],
 )
 def test_spec_is_immutable_except_suspend_and_lifetime(custom, running_job, patch, field):
     with pytest.raises(ApiException) as rejected:
@@ -155,6 +156,22 @@ def test_kubectl_get_wide_shows_a_preference_runs_reward_accuracy(kube, custom):
     assert row[header.index("REWARD ACC"):].split()[0] == "0.8125"
     stored = custom.get_namespaced_custom_object(api.GROUP, api.VERSION, NAMESPACE, api.PLURAL, doc["metadata"]["name"])
     assert api.LoRAJobStatus.model_validate(stored["status"]).progress.eval_preference_accuracy == 0.75
+
+
+def test_kubectl_get_wide_links_the_mlflow_run(kube, custom):
+    doc = yaml.safe_load((REPO / "examples" / "lorajob-tracking.yaml").read_text())
+    _create(custom, doc)
+    url = "https://mlflow.example.com/#/experiments/3/runs/9f1c"
+    custom.patch_namespaced_custom_object_status(
+        api.GROUP, api.VERSION, NAMESPACE, api.PLURAL, doc["metadata"]["name"],
+        {"status": {"phase": "Training", "tracking": {"mlflow": {"url": url}, "wandb": {"url": "https://wandb.ai/t/p/runs/x"}}}},
+    )
+    header, row = kube.kubectl("get", "lj", "-n", NAMESPACE, doc["metadata"]["name"]).stdout.splitlines()[:2]
+    assert "MLFLOW RUN" not in header  # -o wide only
+    header, row = kube.kubectl("get", "lj", "-n", NAMESPACE, doc["metadata"]["name"], "-o", "wide").stdout.splitlines()[:2]
+    assert row[header.index("MLFLOW RUN"):].split()[0] == url
+    stored = custom.get_namespaced_custom_object(api.GROUP, api.VERSION, NAMESPACE, api.PLURAL, doc["metadata"]["name"])
+    assert api.LoRAJobStatus.model_validate(stored["status"]).tracking.wandb.url == "https://wandb.ai/t/p/runs/x"
 
 
 def test_the_server_refuses_the_same_method_layout_and_preference_combinations_with_the_same_reasons(custom):

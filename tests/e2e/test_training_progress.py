@@ -81,3 +81,37 @@ def test_without_a_readable_log_the_job_runs_on_and_the_operator_says_why(lorajo
     obj = lorajobs.get("unlogged")
     assert obj["status"]["phase"] == "Training" and "progress" not in obj["status"]
     assert "Traceback" not in operator.log_path.read_text()
+
+
+def test_the_tracker_runs_are_linked_from_status_kubectl_and_argo_cd(lorajobs, operator, trainer_log):
+    """The trainer's progress lines carry its tracker runs' addresses and any tracking problem: the operator puts the
+    addresses in status.tracking and in Argo CD's link annotations on the LoRAJob (a metadata patch), and the problem in
+    TrackingDegraded, which never changes the phase."""
+    urls = {"mlflow": "https://mlflow.example.com/#/experiments/3/runs/9f1c", "wandb": "https://wandb.ai/team/p/runs/x7"}
+    problem = "mlflow: https://mlflow.example.com unreachable (ConnectionError); 12 updates wait to be sent"
+    trainer_log.write_text(cri_log([progress_line(6, tracking_urls=urls, tracking_problem=problem)]))
+    body = sample("tracked-runs", train_only=True, images=every_image(HANG_IMAGE))
+    body["spec"]["tracking"] = {"mlflow": {"trackingUri": "https://mlflow.example.com"},
+                                "wandb": {"project": "p", "mode": "offline"}}
+    lorajobs.apply(body)
+
+    def linked(obj: dict | None) -> bool:
+        return len(((obj or {}).get("metadata") or {}).get("annotations") or {}) >= 3  # kubectl's own, and both links
+
+    running = lorajobs.wait("tracked-runs", linked, "the links to the tracker runs", timeout=60)
+    assert running["status"]["phase"] == "Training"
+    assert running["status"]["tracking"] == {"mlflow": {"url": urls["mlflow"]}, "wandb": {"url": urls["wandb"]}}
+    annotations = running["metadata"]["annotations"]
+    assert annotations["link.argocd.argoproj.io/mlflow-run"] == f"MLflow run|{urls['mlflow']}"
+    assert annotations["link.argocd.argoproj.io/wandb-run"] == f"Weights & Biases run|{urls['wandb']}"
+    assert "tracking" in running["spec"] and running["metadata"]["generation"] == 1  # the spec untouched
+    (degraded,) = [c for c in running["status"]["conditions"] if c["type"] == "TrackingDegraded"]
+    assert (degraded["status"], degraded["message"]) == ("True", problem)
+    columns, row = table_row(lorajobs, "tracked-runs", "-o", "wide")
+    assert urls["mlflow"] in row.split() and "MLFLOW" in columns
+
+    with trainer_log.open("a") as log:  # the tracker is back
+        log.write(cri_log([progress_line(7, tracking_urls=urls, tracking_problem="")]))
+    lorajobs.wait("tracked-runs", lambda obj: any(
+        c["type"] == "TrackingDegraded" and c["status"] == "False" for c in obj["status"].get("conditions") or []),
+        "TrackingDegraded False", timeout=30)

@@ -99,6 +99,9 @@ def test_cached_objects_share_their_field_names_and_short_values_and_drop_what_n
     cached = caches.Store(caches.LORAJOBS).upsert(applied)
     assert "annotations" not in cached["metadata"] and "managedFields" not in cached["metadata"]
     assert cached["spec"] == applied["spec"]
+    link = {"link.argocd.argoproj.io/mlflow-run": "MLflow run|https://mlflow.example.com/#/runs/1"}
+    linked = applied | {"metadata": applied["metadata"] | {"annotations": {**applied["metadata"]["annotations"], **link}}}
+    assert caches.Store(caches.LORAJOBS).upsert(linked)["metadata"]["annotations"] == link  # what decide compares with
 
 
 def test_an_older_version_never_replaces_a_newer_one_and_a_deletion_drops_it_from_its_index():

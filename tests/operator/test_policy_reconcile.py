@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from datetime import datetime, UTC
 
+import pytest
 from builders import UID, jobset, lorajob, owner, spec_dict
 
 from lorajob_operator import jobsets, names, policy, validation
 from lorajob_operator.reconcile.decide import Create, decide
 from lorajob_operator.reconcile.observed import Observed, observe_child
 from lorajob_operator.settings import ReconcileSettings, RenderSettings
+from lorajob_trainer.contract.config import TrainConfig
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 SETTINGS = ReconcileSettings()
@@ -137,3 +139,53 @@ def test_a_finished_lorajob_keeps_what_it_ran_with_when_policies_change():
     finished = lorajob(spec=spec_dict(scheduling={}), status={"phase": "Succeeded", "resolved": ran})
 
     assert decide(_observe(finished, []), SETTINGS).status["resolved"] == ran
+
+
+TEAM_MLFLOW = {"trackingUri": "https://mlflow.team-a.example.com", "experiment": "team-a-runs", "tags": {"team": "a"}}
+
+
+def _train_tracking(observed: Observed):
+    train = jobsets.render_phase("train", observed.effective_spec, owner(lorajob()), RenderSettings(), 0)
+    (trainer,) = train["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"]
+    return TrainConfig.from_args(trainer["command"][3:]).tracking
+
+
+def test_a_policy_default_mlflow_server_is_where_a_lorajob_without_one_reports():
+    observed = _observe(lorajob(), [_policy("team-mlflow", {"defaults": {"mlflow": TEAM_MLFLOW}})])
+
+    tracking = _train_tracking(observed)
+
+    assert (tracking.mlflow_tracking_uri, tracking.mlflow_experiment, tracking.mlflow_tags) == (
+        "https://mlflow.team-a.example.com", "team-a-runs", {"team": "a"})
+    assert tracking.mlflow_run_name == "qwen3-gsm8k"  # the policy's server, the LoRAJob's run
+    assert decide(observed, SETTINGS).status["resolved"]["mlflowTrackingUri"] == "https://mlflow.team-a.example.com"
+    assert observed.spec.tracking.mlflow is None  # never written into the spec
+
+
+def test_the_lorajob_own_mlflow_server_wins_over_the_policy_default():
+    own = {"mlflow": {"trackingUri": "https://mlflow.mine.example.com"}}
+    observed = _observe(lorajob(spec=spec_dict(tracking=own)), [_policy("team-mlflow", {"defaults": {"mlflow": TEAM_MLFLOW}})])
+
+    tracking = _train_tracking(observed)
+
+    assert (tracking.mlflow_tracking_uri, tracking.mlflow_experiment) == ("https://mlflow.mine.example.com", "team-a")
+
+
+@pytest.mark.parametrize("tracking, policy_spec, violation", [
+    ({}, {"tracking": {"required": ["mlflow"]}},
+     'LoRAJobPolicy "tracked" rule tracking.required: the runs of this namespace must report to MLflow: set '
+     "spec.tracking.mlflow (the policy sets no default server in defaults.mlflow)"),
+    ({"mlflow": {"trackingUri": "https://mlflow.example.com"}}, {"tracking": {"required": ["mlflow", "wandb"]}},
+     'LoRAJobPolicy "tracked" rule tracking.required: the runs of this namespace must report to Weights & Biases: set '
+     "spec.tracking.wandb"),
+    ({}, {"tracking": {"required": ["mlflow"]}, "defaults": {"mlflow": TEAM_MLFLOW}}, None),
+    ({"wandb": {"project": "p", "mode": "offline"}}, {"tracking": {"required": ["wandb"]}}, None),
+], ids=["mlflow-missing", "wandb-missing", "mlflow-by-default", "wandb-set"])
+def test_a_lorajob_without_a_required_tracker_fails_naming_the_rule(tracking, policy_spec, violation):
+    decision = decide(_observe(lorajob(spec=spec_dict(tracking=tracking)), [_policy("tracked", policy_spec)]), SETTINGS)
+
+    if violation is None:
+        assert decision.create == [Create("convert", 0)]
+    else:
+        assert decision.create == [] and _failed(decision)["reason"] == policy.VIOLATION_REASON
+        assert _failed(decision)["message"] == violation

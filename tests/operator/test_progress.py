@@ -279,6 +279,77 @@ def test_on_success_progress_shows_the_final_step_the_trainer_reported():
     assert decide(_observed(later, None, None), SETTINGS).status["progress"] == decision.status["progress"]
 
 
+# --- status.tracking, TrackingDegraded and the Argo CD links to the runs -----------------------------------
+
+TRACKED = spec_dict(model=TRAIN_ONLY["model"], export={"enabled": False},
+                    tracking={"mlflow": {"trackingUri": "https://mlflow.example.com"}, "wandb": {"project": "p", "mode": "offline"}})
+URLS = {"mlflow": "https://mlflow.example.com/#/experiments/3/runs/9f1c", "wandb": "https://wandb.ai/team/p/runs/x7"}
+DOWN = "mlflow: https://mlflow.example.com unreachable (ConnectionError); 12 updates wait to be sent"
+
+
+def _tracking_line(step: int, problem: str | None, urls: dict | None = URLS) -> str:
+    return line(step=step, total_steps=500, loss=1.0, state="running", tracking_urls=urls, tracking_problem=problem)
+
+
+def _degraded(status: dict) -> dict | None:
+    return next((c for c in status["conditions"] if c["type"] == "TrackingDegraded"), None)
+
+
+def test_the_tracker_runs_reach_status_and_argo_cd_links_and_a_healthy_tracking_says_so():
+    body = lorajob(spec=TRACKED, status={"phase": "Training"})
+    decision = decide(_observed(body, _train(body), _tracking_line(12, "")), SETTINGS)
+    assert decision.status["tracking"] == {"mlflow": {"url": URLS["mlflow"]}, "wandb": {"url": URLS["wandb"]}}
+    degraded = _degraded(decision.status)
+    assert (degraded["status"], degraded["reason"], degraded["message"]) == ("False", "TrackersReporting", "")
+    assert decision.annotations == {
+        "link.argocd.argoproj.io/mlflow-run": f"MLflow run|{URLS['mlflow']}",
+        "link.argocd.argoproj.io/wandb-run": f"Weights & Biases run|{URLS['wandb']}",
+    }
+    assert not [event for event in decision.events if event.reason == "TrackingDegraded"]
+
+
+def test_a_failing_tracker_degrades_tracking_but_never_the_phase_and_warns_once():
+    body = lorajob(spec=TRACKED, status={"phase": "Training"})
+    healthy = decide(_observed(body, _train(body), _tracking_line(12, "")), SETTINGS)
+    failing = decide(_observed(body, _train(body), _tracking_line(12, DOWN)), SETTINGS)
+    degraded = _degraded(failing.status)
+    assert (degraded["status"], degraded["reason"], degraded["message"]) == ("True", "TrackerFailing", DOWN)
+    assert (failing.status["phase"], failing.status["message"]) == (healthy.status["phase"], healthy.status["message"])
+    assert (failing.create, failing.delete, failing.requeue_after) == (healthy.create, healthy.delete, healthy.requeue_after)
+    assert [(e.type, e.reason, e.message) for e in failing.events] == [("Warning", "TrackingDegraded", DOWN)]
+    still = lorajob(spec=TRACKED, status=failing.status)  # the next pass: still failing, no second warning
+    again = decide(_observed(still, _train(still), _tracking_line(13, DOWN)), SETTINGS)
+    assert _degraded(again.status)["status"] == "True" and not again.events
+    recovered = decide(_observed(still, _train(still), _tracking_line(14, "")), SETTINGS)
+    assert _degraded(recovered.status)["status"] == "False"
+
+
+def test_a_run_without_trackers_has_no_tracking_status_condition_or_link():
+    body = lorajob(spec=TRAIN_ONLY, status={"phase": "Training"})
+    decision = decide(_observed(body, _train(body), _tracking_line(12, None, urls=None)), SETTINGS)
+    assert "tracking" not in decision.status and _degraded(decision.status) is None
+    assert decision.annotations == {}
+
+
+def test_links_are_written_only_where_the_lorajob_lacks_them_or_holds_another_address():
+    body = lorajob(spec=TRACKED, status={"phase": "Training"})
+    observed = dataclasses.replace(_observed(body, _train(body), _tracking_line(12, "")), annotations={
+        "link.argocd.argoproj.io/mlflow-run": f"MLflow run|{URLS['mlflow']}",
+        "link.argocd.argoproj.io/wandb-run": "Weights & Biases run|https://wandb.ai/team/p/runs/old",
+    })
+    assert decide(observed, SETTINGS).annotations == {
+        "link.argocd.argoproj.io/wandb-run": f"Weights & Biases run|{URLS['wandb']}"}
+
+
+@pytest.mark.parametrize("train_log", [None, "", line(step=13, total_steps=500, loss=1.0)])
+def test_a_log_without_tracking_news_keeps_the_runs_and_the_condition(train_log):
+    body = lorajob(spec=TRACKED, status={"phase": "Training"})
+    failing = decide(_observed(body, _train(body), _tracking_line(12, DOWN)), SETTINGS).status
+    later = lorajob(spec=TRACKED, status=failing)
+    decision = decide(_observed(later, _train(later), train_log), SETTINGS)
+    assert decision.status["tracking"] == failing["tracking"] and _degraded(decision.status) == _degraded(failing)
+
+
 # --- status.checkpoints and the exported step -------------------------------------------------------------
 
 WITH_EXPORT = spec_dict(model={"name": "qwen3-0.6b", "maxtextCheckpoint": "gs://bucket/qwen3/0/items"},
@@ -315,7 +386,7 @@ def test_once_training_finished_outputs_name_the_step_export_takes(step, exporte
     final = _checkpoint_line(30, state="succeeded")
     decision = decide(_observed(body, _train(body, conditions=[COMPLETED]), final), SETTINGS)
     assert decision.status["outputs"].get("exportedStep") == exported
-    assert "--step" in (command := export_command(parse_spec(body)[0], "qwen3-gsm8k")) and step in command
+    assert "--step" in (command := export_command(parse_spec(body)[0], "qwen3-gsm8k", owner(body))) and step in command
 
 
 def test_a_run_that_stopped_early_succeeds_with_reason_early_stopped_and_exports_the_best_step():
@@ -332,7 +403,7 @@ def test_a_run_that_stopped_early_succeeds_with_reason_early_stopped_and_exports
     assert succeeded["reason"] == "EarlyStopped"
     assert succeeded["message"].endswith(": eval loss did not improve on 1.2000")
     assert decision.status["outputs"]["exportedStep"] == 20  # best by eval loss, export.step's default here
-    command = export_command(parse_spec(body)[0], "qwen3-gsm8k")
+    command = export_command(parse_spec(body)[0], "qwen3-gsm8k", owner(body))
     assert command[command.index("--step") + 1] == "best"
 
 

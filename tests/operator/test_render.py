@@ -12,7 +12,7 @@ from builders import GPU, NAMESPACE, UID, compute, lorajob, owner, parsed, spec_
 
 from lorajob_operator import accelerators, jobsets, names, rules, step_commands, validation
 from lorajob_operator.settings import Images, RenderSettings
-from lorajob_trainer.contract.config import TrainConfig
+from lorajob_trainer.contract.config import TrackingConfig, TrainConfig
 
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 SETTINGS = RenderSettings()
@@ -365,11 +365,11 @@ def test_evaluation_reaches_the_trainer_and_the_export_gate_the_export_step():
     settings = step_commands.train_config(spec, "r").generation_eval
     assert (settings.enabled, settings.scorer, settings.max_new_tokens, settings.examples, settings.samples) == (
         True, "gsm8k", 300, 100, 3)
-    command = step_commands.export_command(spec, "r")
+    command = step_commands.export_command(spec, "r", owner(lorajob()))
     gate = command[command.index("--evaluation"):]
     assert gate == ["--evaluation", "/runs/r/evaluation.json", "--require-improvement", "--minimum-stop-rate", "0.95"]
     assert not step_commands.train_config(parsed(lorajob()), "r").generation_eval.enabled
-    assert "--evaluation" not in step_commands.export_command(parsed(lorajob()), "r")
+    assert "--evaluation" not in step_commands.export_command(parsed(lorajob()), "r", owner(lorajob()))
 
 
 @pytest.mark.parametrize("backend", ["mcjax", "gpu"])
@@ -418,3 +418,72 @@ def test_orpo_takes_its_lambda_and_unset_preference_settings_the_trainers_defaul
     assert dpo.method == "dpo" and dpo.preference == TrainConfig.model_fields["preference"].default
     sft = step_commands.train_command(parsed(lorajob()), "r", owner(lorajob()))
     assert not any(arg.startswith(("method=", "preference.")) for arg in sft)  # sft is the trainer's default
+
+
+TRACKED = {"mlflow": {"trackingUri": "https://mlflow.example.com", "tags": {"team": "a"}},
+           "wandb": {"project": "gsm8k", "mode": "offline", "tags": ["lora"]}}
+
+
+def test_the_train_step_reports_to_the_trackers_as_its_lorajob():
+    body = lorajob(spec=spec_dict(tracking=TRACKED))
+    train = _commands(_pod_templates(_rendered(body)["train"])["pathways-head"]["spec"]["containers"][0])[0]
+    tracking = TrainConfig.from_args(train[3:]).tracking
+    assert (tracking.mlflow_tracking_uri, tracking.mlflow_tags) == ("https://mlflow.example.com", {"team": "a"})
+    # Unset experiment and run name: the LoRAJob's namespace and name.
+    assert (tracking.mlflow_experiment, tracking.mlflow_run_name) == (NAMESPACE, "qwen3-gsm8k")
+    assert (tracking.wandb_project, tracking.wandb_entity, tracking.wandb_mode, tracking.wandb_tags) == (
+        "gsm8k", "", "offline", ["lora"])
+    assert tracking.wandb_dir == ""  # the trainer's choice: under the run directory where it is local
+    assert (tracking.job_name, tracking.job_namespace, tracking.job_uid) == ("qwen3-gsm8k", NAMESPACE, UID)
+
+
+def test_set_experiment_and_run_name_are_kept_and_without_trackers_nothing_is_rendered():
+    mlflow = {"trackingUri": "http://mlflow:5000", "experiment": "shared", "runName": "try-3"}
+    tracking = step_commands.tracking_config(parsed(lorajob(spec=spec_dict(tracking={"mlflow": mlflow}))), owner(lorajob()))
+    assert (tracking.trackers, tracking.mlflow_experiment, tracking.mlflow_run_name) == (("mlflow",), "shared", "try-3")
+    plain = parsed(lorajob())
+    assert not any(arg.startswith("tracking.") for arg in step_commands.train_command(plain, "r", owner(lorajob())))
+    assert "--tracking-record" not in step_commands.export_command(plain, "r", owner(lorajob()))
+
+
+def test_the_checks_report_to_no_tracker_and_the_export_logs_to_the_train_step_s_runs():
+    body = lorajob(spec=spec_dict(tracking=TRACKED))
+    rendered = _rendered(body)
+    checks = _commands(_pod_templates(rendered["convert"])["convert"]["spec"]["containers"][0])
+    assert not any(arg.startswith("tracking.") for command in checks for arg in command)
+    (export,) = _commands(_pod_templates(rendered["export"])["export"]["spec"]["containers"][0])
+    record = export[export.index("--tracking-record") + 1]
+    assert record == "gs://bucket/runs/qwen3-gsm8k/tracking.json"
+    # What the export entry point parses back (contract.config.TrackingConfig.from_args) is the train step's section.
+    tracking = TrackingConfig.from_args(export[export.index("--tracking-record") + 2:])
+    assert tracking == TrainConfig.from_args(_commands(
+        _pod_templates(rendered["train"])["pathways-head"]["spec"]["containers"][0])[0][3:]).tracking
+    assert tracking.trackers == ("mlflow", "wandb")
+
+
+TRACKER_CREDENTIALS = {
+    "mlflowToken": {"name": "mlflow"}, "wandbApiKey": {"name": "wandb", "key": "api-key"},
+}
+BASIC_AUTH = {"mlflowUsername": {"name": "mlflow-basic", "key": "user"}, "mlflowPassword": {"name": "mlflow-basic"}}
+
+
+@pytest.mark.parametrize("credentials, expected", [
+    (TRACKER_CREDENTIALS, {"MLFLOW_TRACKING_TOKEN": ("mlflow", "MLFLOW_TRACKING_TOKEN"), "WANDB_API_KEY": ("wandb", "api-key")}),
+    (BASIC_AUTH, {"MLFLOW_TRACKING_USERNAME": ("mlflow-basic", "user"),
+                  "MLFLOW_TRACKING_PASSWORD": ("mlflow-basic", "MLFLOW_TRACKING_PASSWORD")}),
+], ids=["token-and-wandb", "basic-auth"])
+def test_tracker_credentials_only_travel_as_secret_key_references_to_every_trainer_container(credentials, expected):
+    """Every step's trainer gets them: the first CPU step checks they arrived (as it does the Hugging Face token)."""
+    body = lorajob(spec=spec_dict(credentials=credentials, tracking=TRACKED))
+    for jobset in _rendered(body).values():
+        for template in _pod_templates(jobset).values():
+            for container in template["spec"]["containers"] + template["spec"].get("initContainers", []):
+                env = _env(container)
+                for variable, (secret, key) in expected.items():
+                    if container["name"] != names.TRAINER_CONTAINER:
+                        assert variable not in env
+                        continue
+                    assert env[variable] == {
+                        "name": variable, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}}
+                    source = f"LORAJOB_{variable}_SECRET"
+                    assert env[source] == {"name": source, "value": f"{secret}/{key}"}

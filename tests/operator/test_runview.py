@@ -89,6 +89,21 @@ def test_a_tiny_models_plan_says_megabytes_and_no_roofline_figures():
     assert lines[4].endswith("loss 0.4286  1,234 tok/s  ETA 2m05s")
 
 
+def test_status_text_links_the_tracker_runs_and_says_why_tracking_is_degraded():
+    runs = {"mlflow": {"url": "https://mlflow.example.com/#/experiments/3/runs/9f1c"},
+            "wandb": {"url": "https://wandb.ai/team/p/runs/x7"}}
+    problem = "wandb: 401 Unauthorized (the API key was refused); 4 updates wait to be sent"
+    degraded = condition("TrackingDegraded", reason="TrackerFailing", message=problem)
+    lines = runview.format_status(runview.RunView(_training(tracking=runs, conditions=[degraded])), now=NOW).splitlines()
+    assert "mlflow run:  https://mlflow.example.com/#/experiments/3/runs/9f1c" in lines
+    assert "wandb run:   https://wandb.ai/team/p/runs/x7" in lines
+    assert f"tracking degraded (training goes on): {problem}" in lines
+    healthy = condition("TrackingDegraded", status="False", reason="TrackersReporting")
+    text = runview.format_status(runview.RunView(_training(tracking=runs, conditions=[healthy])), now=NOW)
+    assert "mlflow run:" in text and "degraded" not in text
+    assert "run:" not in runview.format_status(runview.RunView(_training()), now=NOW)  # no trackers, no lines
+
+
 def test_a_failed_step_is_marked_where_it_failed():
     body = _training(phase="Failed", conditions=[condition("Failed", reason="TrainFailed", message="the train step failed")])
     assert "steps     ✓ convert   ✗ train (1 retries)   · export   (10m00s)" in runview.format_status(

@@ -130,6 +130,61 @@ def test_namespaces_outside_the_selector_are_not_governed(kube, governed):
     assert server_verdict(kube, lorajob("elsewhere", UNGOVERNED, scheduling__queueName="anything")) is None
 
 
+TRACKED = {"ship-policy-tracked": "tracked", "ship-policy-tracked-default": "tracked-default"}
+"""Namespaces (and their TEAM_LABEL value) governed by TRACKING_POLICIES."""
+TRACKING_POLICIES = [
+    {
+        "apiVersion": f"{api.GROUP}/{api.VERSION}",
+        "kind": policy.KIND,
+        "metadata": {"name": "ship-tracking-required"},
+        "spec": {"namespaceSelector": {"matchLabels": {TEAM_LABEL: "tracked"}}, "tracking": {"required": ["mlflow", "wandb"]}},
+    },
+    {
+        "apiVersion": f"{api.GROUP}/{api.VERSION}",
+        "kind": policy.KIND,
+        "metadata": {"name": "ship-tracking-default"},
+        "spec": {
+            "namespaceSelector": {"matchLabels": {TEAM_LABEL: "tracked-default"}},
+            "tracking": {"required": ["mlflow"]},
+            "defaults": {"mlflow": {"trackingUri": "https://mlflow.example.com"}},
+        },
+    },
+]
+MLFLOW = {"trackingUri": "https://mlflow.example.com"}
+WANDB = {"project": "gsm8k", "mode": "offline"}
+
+
+@pytest.fixture(scope="module")
+def tracked(kube, installed_release):
+    for namespace, team in TRACKED.items():
+        kube.kubectl("create", "namespace", namespace, check=False)
+        kube.kubectl("label", "--overwrite", "namespace", namespace, f"{TEAM_LABEL}={team}")
+    kube.apply_documents(TRACKING_POLICIES)
+    probe = lorajob("probe", "ship-policy-tracked")
+    deadline = time.monotonic() + 60
+    while server_verdict(kube, probe) is None:
+        assert time.monotonic() < deadline, "the ValidatingAdmissionPolicy never started denying"
+        time.sleep(0.5)
+    stored = json.loads(kube.kubectl("get", "lorajobpolicies", "-o", "json").stdout)["items"]
+    yield [policy.LoRAJobPolicy.from_object(p) for p in stored]
+    kube.kubectl("delete", "lorajobpolicies", *(p["metadata"]["name"] for p in TRACKING_POLICIES), check=False)
+
+
+@pytest.mark.parametrize("namespace, tracking", [
+    ("ship-policy-tracked", {}),
+    ("ship-policy-tracked", {"mlflow": MLFLOW}),
+    ("ship-policy-tracked", {"wandb": WANDB}),
+    ("ship-policy-tracked", {"mlflow": MLFLOW, "wandb": WANDB}),
+    ("ship-policy-tracked-default", {}),  # the policy's default MLflow server meets its requirement
+], ids=["none", "mlflow-only", "wandb-only", "both", "mlflow-by-default"])
+def test_admission_and_operator_agree_on_required_trackers(kube, tracked, namespace, tracking):
+    job = lorajob("tracking", namespace, tracking=tracking)
+    labels = json.loads(kube.kubectl("get", "namespace", namespace, "-o", "json").stdout)["metadata"]["labels"]
+    expected = [v.message for v in policy.violations(tracked, labels, api.LoRAJobSpec.model_validate(job["spec"]))]
+    verdict = server_verdict(kube, job)
+    assert (verdict is None) == (not expected) and (verdict is None or verdict in expected), (verdict, expected)
+
+
 @pytest.mark.cluster  # the status (type-checking) controller runs in kube-controller-manager
 def test_policy_expressions_type_check_cleanly(sim_cluster, kube, installed_release, governed):
     name = "lorajob-policy"

@@ -74,3 +74,14 @@ def test_argocd_cm_example_carries_the_same_script():
     cm = yaml.safe_load((REPO / "examples" / "gitops" / "argocd-cm-lorajob.yaml").read_text())
     script = (REPO / "argocd" / "resource_customizations" / "lorajob.dev" / "LoRAJob" / "health.lua").read_text()
     assert cm["data"]["resource.customizations.health.lorajob.dev_LoRAJob"] == script
+
+
+@pytest.mark.parametrize("phase, health", [("Succeeded", "Healthy"), ("Failed", "Degraded"), ("Queued", "Progressing")])
+def test_a_degraded_tracker_never_changes_the_health_and_a_failure_s_message_stays_its_own(phase, health):
+    degraded = next(c for c in CASES if c.input_path.stem == "training-tracking-degraded")
+    obj = yaml.safe_load(degraded.input_path.read_text())
+    obj["status"] |= {"phase": phase, "message": f"{phase} message"}
+    got = runner.run_health(degraded.script, obj)
+    assert got.status == health
+    assert (got.message == f"{phase} message") == (health == "Degraded")
+    assert got.message.startswith(f"{phase} message")

@@ -169,9 +169,32 @@ def test_defaults_come_from_the_lorajob_first_then_policies_by_name():
         queue_name="q-a",
         images=api.ImagesSpec(trainer="img/a", pathways_server="server/own", pathways_proxy="proxy/b"),
         cpu_node_pool="pool-a",
+        mlflow=None,
         policies=("a-defaults", "b-defaults"),
     )
     assert policy.resolve_defaults([first], {}, lorajob_spec()).queue_name == "lorajob"
+
+
+MLFLOW_A = {"trackingUri": "https://mlflow-a.example.com"}
+
+
+def test_the_mlflow_server_comes_from_the_lorajob_first_then_policies_by_name():
+    first = team_policy("a-mlflow", defaults={"mlflow": MLFLOW_A})
+    second = team_policy("b-mlflow", defaults={"mlflow": {"trackingUri": "https://mlflow-b.example.com"}})
+    assert policy.resolve_defaults([second, first], {}, lorajob_spec()).mlflow == api.MLflowTracking(**MLFLOW_A)
+    own = lorajob_spec(tracking={"mlflow": {"trackingUri": "https://mine.example.com"}})
+    assert policy.resolve_defaults([first], {}, own).mlflow.tracking_uri == "https://mine.example.com"
+    assert policy.resolve_defaults([], {}, lorajob_spec()).mlflow is None
+
+
+def test_a_required_tracker_is_met_by_the_lorajob_or_that_policy_s_own_default():
+    required = team_policy("tracked", tracking={"required": ["mlflow"]})
+    defaulting = team_policy("defaulting", defaults={"mlflow": MLFLOW_A})
+    # Each policy on its own, as admission sees them: another policy's default server does not count.
+    assert [v.policy for v in policy.violations([required, defaulting], {}, lorajob_spec())] == ["tracked"]
+    assert policy.violations([team_policy("tracked", tracking={"required": ["mlflow"]}, defaults={"mlflow": MLFLOW_A})],
+                             {}, lorajob_spec()) == []
+    assert policy.violations([required], {}, lorajob_spec(tracking={"mlflow": MLFLOW_A})) == []
 
 
 def test_policy_objects_reject_unknown_fields():

@@ -5,6 +5,8 @@
 --   Progressing  Pending, Queued, Converting, Training, Exporting, and whenever the status is older
 --                than the spec (status.observedGeneration < metadata.generation), so a stale
 --                phase is never reported for a changed spec
+-- A True TrackingDegraded (an experiment tracker does not take what the trainer sends it) never changes the
+-- health, as it never stops training: it is appended to the message of any health but Degraded.
 local hs = {}
 
 local RUNNING_PHASES = {
@@ -63,5 +65,9 @@ elseif RUNNING_PHASES[phase] then
 else
   hs.status = "Unknown"
   hs.message = "Unknown LoRAJob phase " .. tostring(phase)
+end
+local tracking = condition_message(status, "TrackingDegraded")
+if tracking ~= nil and hs.status ~= "Degraded" then
+  hs.message = hs.message .. "; tracking degraded: " .. tracking
 end
 return hs
