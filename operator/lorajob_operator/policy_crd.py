@@ -32,8 +32,9 @@ def openapi_schema() -> dict:
     return {
         "type": "object",
         "description": "LoRAJobPolicy sets what the LoRAJobs of the namespaces it selects may use: Kueue queues, "
-        "TPU machine types, topologies and sizes, and output locations, plus defaults for images and the CPU "
-        "node pool. It is enforced at admission (ValidatingAdmissionPolicy) and again by the operator.",
+        "TPU machine types, topologies and sizes, and output locations; the experiment trackers they must report "
+        "to; and defaults for images, the CPU node pool and the MLflow server. It is enforced at admission "
+        "(ValidatingAdmissionPolicy) and again by the operator.",
         "required": ["spec"],
         "properties": {
             "apiVersion": {"type": "string"},

@@ -182,6 +182,11 @@ def test_every_credential_that_did_not_arrive_is_reported_by_name():
     assert environment.missing_credentials(arrived).startswith("the Hugging Face token is missing")
 
 
+def test_every_tracker_of_the_contract_has_its_spec_status_and_name():
+    assert tuple(api.TrackingSpec.model_fields) == tuple(api.TrackingStatus.model_fields) == records.TRACKERS
+    assert tuple(api.TRACKER_TITLES) == records.TRACKERS
+
+
 def test_the_credentials_the_api_names_are_the_contract_s():
     assert [field.alias for field in api.Credentials.model_fields.values()] == [c.field for c in environment.CREDENTIALS]
 

@@ -37,7 +37,7 @@ Mechanisms, in one place:
 * LoRAJobPolicy: the policies governing the namespace are checked until the first step's JobSet exists
   (status.startTime unset); a violation fails the LoRAJob with reason PolicyViolation and creates
   nothing. A policy changed later does not stop a running LoRAJob (as admission would not): its
-  steps keep going. The policies' defaults (queue, images, CPU node pool) are resolved on every pass
+  steps keep going. The policies' defaults (queue, images, CPU node pool, MLflow server) are resolved on every pass
   into an in-memory copy of the spec (`effective_spec`) that the steps are rendered from, and
   recorded in status.resolved; the object's spec is never written.
 * Training progress: the trainer's lead process prints a progress line per step to stdout; the tail
@@ -47,6 +47,10 @@ Mechanisms, in one place:
 * Data and plan figures: the data check and the fit check (the check step, or first in the convert step) print
   one data line and (TPU backends) one plan line; the completed step's pod log is read once (on a resync
   pass, while status.data is unset) and the lines lifted into status.data and status.plan.
+* Experiment tracking (spec.tracking): the trainer's progress records carry its tracker runs' addresses and how
+  tracking goes; they are lifted into status.tracking and the TrackingDegraded condition (never the phase), and the
+  addresses into the LoRAJob's Argo CD link annotations (`Decision.annotations`, a metadata patch made only when one
+  is missing or changed: the one write outside status).
 * Evaluation (spec.evaluation): the train step evaluates base and adapter after its last step (progress state
   evaluating, which is not final, so the log is read again after the step ends) and prints one evaluation line,
   lifted into status.evaluation. The export gate is the export step's: it exits NoImprovement (a user error, so
