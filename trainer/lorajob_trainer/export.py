@@ -2,6 +2,7 @@
 
     python -m lorajob_trainer.export --checkpoint CKPT --out DIR [--merged [--base BASE] [--base-config CFG]]
         [--hub-repo ORG/NAME] [--require-improvement] [--minimum-score S] [--minimum-stop-rate R] [--evaluation EVAL]
+        [--tracking-record RUN/tracking.json tracking.KEY=VALUE...]
 
 CKPT is a step directory (`.../checkpoints/<step>`) or a checkpoint root (its latest step is
 used); the checkpoint metadata supplies rank, alpha, target modules, family and base model.
@@ -13,6 +14,9 @@ takes config.json and the tokenizer from CFG (default: the run's tokenizer_path 
 CKPT, DIR, BASE and CFG are local directories or gs:// URIs (CFG also a Hub repo id). `--hub-repo`
 also pushes DIR to that Hugging Face Hub model repo with the token in HF_TOKEN. The gate options refuse the
 export (exit 10, nothing written) unless EVAL, the train step's evaluation of base and adapter, shows them.
+With `tracking.KEY=VALUE` (the train command line's tracking section), the adapter's files are also logged to the
+experiment trackers' runs that training kept in RUN/tracking.json, with its lineage; a tracker that is down never
+fails the export.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from lorajob_trainer import evaluate, lora, stages, storage
+from lorajob_trainer import evaluate, lora, stages, storage, tracking
 from lorajob_trainer.contract import catalog, exit_codes
+from lorajob_trainer.contract.config import ConfigError, TrackingConfig
 from lorajob_trainer.checkpoint import CheckpointError, CheckpointMetadata, complete_checkpoints
 from lorajob_trainer.console import configure_logging
 from lorajob_trainer.contract.records import ExportGate, choose_checkpoint, join
@@ -137,8 +142,10 @@ def export(
     base: str | Path | None = None,
     base_config: str | Path | None = None,
     hub_repo: str | None = None,
+    trackers: tracking.Trackers | None = None,
 ) -> None:
-    """Export `checkpoint` to `out` (adapter, and `out`/merged if `merged`); push `out` to `hub_repo` if set."""
+    """Export `checkpoint` to `out` (adapter, and `out`/merged if `merged`); push `out` to `hub_repo` if set; log the
+    adapter to `trackers` if given."""
     if hub_repo:
         storage.hf_token()  # a missing token fails before any work
     checkpoint = select_checkpoint(checkpoint, step)
@@ -148,10 +155,20 @@ def export(
         storage.local_output(out) as local_out,
     ):
         export_adapter(local_checkpoint, local_out, base_name=base_name)
+        if trackers is not None:
+            trackers.log_adapter(local_out, adapter_lineage(local_out, checkpoint, out, trackers.lineage))
         if merged:
             export_merged(local_checkpoint, local_out / "merged", base=base, base_config=base_config)
         if hub_repo:
             storage.upload_to_hub(local_out, hub_repo)
+
+
+def adapter_lineage(adapter: Path, checkpoint: str, out: str | Path, trained: dict[str, str]) -> dict[str, str]:
+    """What the trackers record with the exported adapter: what its run trained on (`trained`: base model, dataset),
+    the checkpoint it came from, where it went and the base it names."""
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    return {**trained, "checkpoint": str(checkpoint), "location": str(out),
+            "base_model_name_or_path": config["base_model_name_or_path"]}
 
 
 def export_merged(
@@ -271,12 +288,22 @@ def main(argv: list[str] | None = None) -> None:
     gate.add_argument("--minimum-score", type=float, help="the adapter's score is at least this (0 to 1)")
     gate.add_argument("--minimum-stop-rate", type=float, help="the adapter's stop rate is at least this (0 to 1)")
     gate.add_argument("--evaluation", help="the evaluation record, <run>/evaluation.json (needed with the above)")
+    parser.add_argument("--tracking-record", help="the trackers' runs training kept, <run>/tracking.json")
+    parser.add_argument("tracking", nargs="*", metavar="tracking.KEY=VALUE",
+                        help="the train config's tracking section (the trackers to log the adapter to)")
     args = parser.parse_args(argv)
     export_gate = ExportGate(args.require_improvement, args.minimum_score, args.minimum_stop_rate)
     if export_gate.active and not args.evaluation:
         parser.error("--require-improvement, --minimum-score and --minimum-stop-rate need --evaluation")
+    try:
+        tracking_settings = TrackingConfig.from_args(args.tracking)
+    except ConfigError as error:
+        parser.error(str(error))
+    if tracking_settings.trackers and not args.tracking_record:
+        parser.error("tracking.* keys need --tracking-record")
     configure_logging()
     _gate(export_gate, args.evaluation)
+    trackers = tracking.Trackers.for_export(tracking_settings, args.tracking_record) if args.tracking_record else None
     try:
         export(
             args.checkpoint,
@@ -287,9 +314,13 @@ def main(argv: list[str] | None = None) -> None:
             base=args.base,
             base_config=args.base_config,
             hub_repo=args.hub_repo,
+            trackers=trackers,
         )
     except ValueError as error:  # ExportError, LoraError, StorageError, WeightsError
         raise SystemExit(f"export failed: {error}") from error
+    finally:
+        if trackers is not None:
+            trackers.close()
     print(args.out)
 
 

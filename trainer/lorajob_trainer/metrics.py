@@ -1,4 +1,5 @@
-"""Training metrics: LoRA FLOPs model, MFU, JSON lines, TensorBoard, the progress file and progress lines.
+"""Training metrics: LoRA FLOPs model, MFU, JSON lines, TensorBoard, experiment trackers, the progress file and
+progress lines.
 
 MFU counts model FLOPs of LoRA training, not full fine-tuning's 6N: per token, the frozen
 weights cost a forward (2N) and an activation-gradient backward (2N) but no weight gradient;
@@ -22,9 +23,12 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lorajob_trainer.contract.records import CheckpointRecord, ProgressRecord, RunLayout
+from lorajob_trainer.contract.records import CheckpointRecord, EvalRecord, ProgressRecord, RunLayout
+
+if TYPE_CHECKING:
+    from lorajob_trainer.tracking import Trackers
 
 PEAK_BF16_FLOPS = {
     # Dense bf16 peak per device, by a substring of jax.Device.device_kind.
@@ -223,15 +227,20 @@ class StepTimer:
 
 
 class MetricsWriter:
-    """Writes metrics on the lead process: `metrics.jsonl`, TensorBoard events and `progress.json`."""
+    """Writes metrics on the lead process: `metrics.jsonl`, TensorBoard events, the experiment trackers (`trackers`,
+    which it closes) and `progress.json`."""
 
     def __init__(self, layout: RunLayout, total_steps: int, *, enabled: bool, tensorboard: bool,
-                 progress_lines: bool):
+                 progress_lines: bool, trackers: Trackers | None = None):
+        self.layout = layout
         self.total_steps = total_steps
         self.enabled = enabled
         self.progress_lines = progress_lines
         self.metrics_path = Path(layout.metrics)
         self.progress_path = Path(layout.progress)
+        self.trackers = trackers
+        self.last_state: str | None = None
+        """The state of the last progress record: how the run ended, once it has."""
         self._tensorboard = None
         if enabled:
             Path(layout.run_directory).mkdir(parents=True, exist_ok=True)
@@ -246,10 +255,17 @@ class MetricsWriter:
         record = {"step": step, "time": time.time(), **values}
         with self.metrics_path.open("a") as stream:
             stream.write(json.dumps(record) + "\n")
+        numbers = finite_numbers(values)
         if self._tensorboard is not None:
-            for name, value in values.items():
-                if isinstance(value, (int, float)) and value is not None and math.isfinite(value):
-                    self._tensorboard.add_scalar(name, value, step)
+            for name, value in numbers.items():
+                self._tensorboard.add_scalar(name, value, step)
+        if self.trackers is not None:
+            self.trackers.log_metrics(step, numbers, record["time"])
+
+    def evaluation(self, record: EvalRecord) -> None:
+        """The evaluation of base and adapter, to the trackers (the run directory's evaluation.json holds it)."""
+        if self.enabled and self.trackers is not None:
+            self.trackers.log_evaluation(record)
 
     def progress(
         self, step: int, *, loss: float | None, tokens_per_second: float, eta_seconds: float, state: str, message: str = "",
@@ -263,7 +279,10 @@ class MetricsWriter:
         record = ProgressRecord(step=step, total_steps=self.total_steps, loss=loss, tokens_per_second=tokens_per_second,
                                 eta_seconds=eta_seconds, state=state, message=message, eval_loss=eval_loss,
                                 eval_step=eval_step, checkpoints=checkpoints, expert_rows_dropped=expert_rows_dropped,
+                                tracking_urls=self.trackers.urls() if self.trackers else None,
+                                tracking_problem=self.trackers.problem() if self.trackers else None,
                                 updated=time.time(), **preference)
+        self.last_state = state
         partial = self.progress_path.with_suffix(".json.tmp")
         partial.write_text(record.to_json())
         os.replace(partial, self.progress_path)
@@ -273,8 +292,17 @@ class MetricsWriter:
         print(record.line(), file=sys.stdout, flush=True)
 
     def close(self) -> None:
+        """Close TensorBoard's file and end the trackers' runs as the last progress state says."""
         if self._tensorboard is not None:
             self._tensorboard.close()
+        if self.trackers is not None:
+            self.trackers.finish_training(self.last_state, self.layout)
+
+
+def finite_numbers(values: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers among `values` (None, NaN, text dropped)."""
+    return {name: float(value) for name, value in values.items()
+            if isinstance(value, (int, float)) and math.isfinite(value)}
 
 
 def read_metrics(metrics_path: Path) -> list[dict[str, Any]]:

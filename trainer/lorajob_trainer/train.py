@@ -30,7 +30,7 @@ from lorajob_trainer import lora as lora_lib
 from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import metrics as metrics_lib
 from lorajob_trainer import feed as feed_lib
-from lorajob_trainer import loading, models, storage, weights
+from lorajob_trainer import loading, models, storage, tracking, weights
 from lorajob_trainer import run as run_lib
 from lorajob_trainer import plan as plan_lib
 from lorajob_trainer.contract.config import TrainConfig, describe_keys, parse_or_report
@@ -119,12 +119,13 @@ class Trainer:
             feed_lib.load_split(config, data_lib.eval_source(config), self.tokenizer) if config.eval_interval else None
         )
         self.is_lead = jax.process_index() == 0
-        self.writer = metrics_lib.MetricsWriter(
-            config.layout, config.steps, enabled=self.is_lead, tensorboard=config.enable_tensorboard,
-            progress_lines=config.progress_lines,
-        )
         self.peak_flops = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind, config.peak_tflops_per_device)
         self.checkpointer = ckpt.for_run(config)
+        # Last of what can fail here: the trackers' runs start with it, and only `close` ends them.
+        self.writer = metrics_lib.MetricsWriter(
+            config.layout, config.steps, enabled=self.is_lead, tensorboard=config.enable_tensorboard,
+            progress_lines=config.progress_lines, trackers=self._trackers(train_split[0]) if self.is_lead else None,
+        )
         self.stop = preemption.StopSignal()
         self.current_step = 0
         self.last_tokens_per_second = 0.0
@@ -137,6 +138,12 @@ class Trainer:
         self.kept_checkpoints: tuple[CheckpointRecord, ...] = ()
         """The complete checkpoints the run keeps, reported in every progress record."""
         self.plateau = Plateau(config.early_stopping_patience, config.early_stopping_min_delta)
+
+    def _trackers(self, train_dataset: Any) -> tracking.Trackers | None:
+        """The experiment trackers the config names (None: none), told what this run trains with."""
+        lineage = tracking.dataset_lineage(self.config, train_dataset)
+        params = tracking.run_params(self.config, dict(self.mesh.shape), self.run.remat_policy, lineage)
+        return tracking.Trackers.for_training(self.config, params, lineage)
 
     def metadata(self, step: int) -> ckpt.CheckpointMetadata:
         c = self.config
@@ -202,10 +209,10 @@ class Trainer:
         result = RunResult(final_step=start, final_loss=None, resumed_from=start or None)
         if start >= total:
             log.info("nothing to do: checkpoint step %d >= steps=%d", start, total)
+            loss = next((c.train_loss for c in self.kept_checkpoints if c.step == start), None)
             if self.config.generation_eval.enabled:
-                loss = next((c.train_loss for c in self.kept_checkpoints if c.step == start), None)
                 self._evaluate_generations(start, loss)
-                self.report_progress(start, loss=loss, tokens_per_second=0.0, eta_seconds=0.0, state="succeeded")
+            self.report_progress(start, loss=loss, tokens_per_second=0.0, eta_seconds=0.0, state="succeeded")
             return result
         self.report_progress(start, loss=None, tokens_per_second=0.0, eta_seconds=float("nan"), state=COMPILING,
                              message="compiling the train step; its first step follows")
@@ -381,8 +388,9 @@ class Trainer:
                 accuracy = {name: self._chosen_likelier(values, step) for name, values in adapters.items()}
             else:
                 examples = [data_lib.to_messages(row, columns) for row in rows]
-            evaluate_lib.evaluate(self.run, self.tokenizer, settings, examples, adapters, step,
-                                  self.config.layout if self.is_lead else None, preference_accuracy=accuracy)
+            record = evaluate_lib.evaluate(self.run, self.tokenizer, settings, examples, adapters, step,
+                                           self.config.layout if self.is_lead else None, preference_accuracy=accuracy)
+        self.writer.evaluation(record)
 
     def _chosen_likelier(self, adapters: dict[str, jax.Array], step: int) -> float:
         """The share of the evaluation split's pairs (eval_steps batches) whose chosen answer the model with

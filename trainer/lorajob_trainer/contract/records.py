@@ -252,6 +252,9 @@ class TrackedRun:
 
     run_id: str
     url: str = ""
+    logged_step: int = 0
+    """The highest step whose metrics the tracker has taken, as kept now and then while the run goes and at its end:
+    a resumed run sends none at or below it (where the tracker cannot say so itself, as an offline W&B run)."""
 
 
 @dataclass(frozen=True)
