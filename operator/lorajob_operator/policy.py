@@ -14,8 +14,9 @@ same parts, so a rejected `kubectl apply` and a Failed LoRAJob say the same thin
 
 Every matching policy applies on its own: a LoRAJob must satisfy all of them, and a LoRAJob without
 a queue name is checked against each policy's own default queue (as the VAP sees one policy at a
-time; so is a required MLflow tracker, against each policy's own default server). Defaults are resolved here for the operator to record in status; they are never written
-into the LoRAJob's spec, so Git stays the truth.
+time), one without an MLflow server against each policy's own default server. Defaults are resolved
+here for the operator to record in status; they are never written into the LoRAJob's spec, so Git
+stays the truth.
 """
 
 from __future__ import annotations
