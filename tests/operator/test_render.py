@@ -487,3 +487,16 @@ def test_tracker_credentials_only_travel_as_secret_key_references_to_every_train
                         "name": variable, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}}
                     source = f"LORAJOB_{variable}_SECRET"
                     assert env[source] == {"name": source, "value": f"{secret}/{key}"}
+
+
+def test_the_export_entry_point_takes_the_tracking_it_is_rendered_with(monkeypatch):
+    export = pytest.importorskip("lorajob_trainer.export", reason="needs the trainer extra (JAX)")
+    seen = {}
+    monkeypatch.setattr(export.tracking.Trackers, "for_export",
+                        lambda settings, record: seen.update(settings=settings, record=record))  # None: no runs kept
+    monkeypatch.setattr(export, "export", lambda *a, **k: None)
+    body = lorajob(spec=spec_dict(tracking=TRACKED))
+    (command,) = _commands(_pod_templates(_rendered(body)["export"])["export"]["spec"]["containers"][0])
+    export.main(command[3:])
+    assert seen["settings"] == step_commands.tracking_config(parsed(body), owner(body))
+    assert seen["record"] == "gs://bucket/runs/qwen3-gsm8k/tracking.json"
