@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import abc
 import functools
-import importlib.util
 import json
 import logging
 import os
@@ -47,14 +46,21 @@ QUEUE_BOUND = 10_000
 oldest are dropped."""
 RECORDS_PER_CALL = 50
 """Metric records sent in one call when several wait (MLflow: one log_batch)."""
+SEND_INTERVAL_SECONDS = 1.0
+"""The least time from one call of metrics to the next: the records that come meanwhile go in one call. A call a
+step would keep the tracker's thread busy in Python, and the trainer's thread waits for the GIL meanwhile."""
 RETRY_FIRST_SECONDS = 0.5
 RETRY_MAX_SECONDS = 15.0
 """Backoff between attempts of a failed call: doubling from the first to the most."""
 FLUSH_DEADLINE_SECONDS = 60.0
+"""How long the end of a run waits for the queues to drain before it gives up what is left."""
+PREEMPTED_FLUSH_DEADLINE_SECONDS = 10.0
+"""The same for a run stopped by SIGTERM, which has the rest of its pod's grace period (after its checkpoint) to
+exit with the code saying it was preempted before SIGKILL."""
 RECORD_PERIOD_SECONDS = 30.0
 """How often a tracker's high-water mark (TrackedRun.logged_step) is kept in the record while the run goes; it is
-kept at the end too. A run killed outright may send again what it sent since."""
-"""How long the end of a run waits for the queues to drain before it gives up what is left."""
+kept at the end too. Where the tracker cannot tell its last step itself (W&B offline), a run killed outright may
+send again what it sent since."""
 MLFLOW_CLIENT_ENVIRONMENT = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 """MLflow's own HTTP retries off and its timeout short: the queue retries, and a call that hangs holds only the
 tracker's thread, which must see a dead server soon to report it."""
@@ -217,10 +223,7 @@ class MlflowBackend(Backend):
             self.client.log_batch(self.run_id, metrics=chunk)
 
     def log_table(self, name: str, step: int, columns: list[str], rows: list[list[str]]) -> None:
-        """A table MLflow's UI shows (log_table needs pandas, which mlflow-skinny lacks: else the same JSON)."""
-        if importlib.util.find_spec("pandas") is None:
-            self.client.log_dict(self.run_id, {"columns": columns, "data": rows}, f"{name}.json")
-            return
+        """A table artifact, which MLflow's UI shows (log_table needs pandas, which the trainer has for datasets)."""
         table = {column: [row[i] for row in rows] for i, column in enumerate(columns)}
         self.client.log_table(self.run_id, data=table, artifact_file=f"{name}.json")
 
@@ -243,8 +246,10 @@ class MlflowBackend(Backend):
 
         if isinstance(error, (ImportError, LookupError)):
             return True
-        return isinstance(error, MlflowException) and 400 <= error.get_http_status_code() < 500 and \
-            error.get_http_status_code() not in (401, 403, 408, 429)
+        if not isinstance(error, MlflowException):
+            return False
+        status = error.get_http_status_code()  # a refused request, except those a later attempt may pass
+        return 400 <= status < 500 and status not in (401, 403, 408, 429)
 
 
 class WandbBackend(Backend):
@@ -398,8 +403,11 @@ class TrackerQueue:
         self._keep(self.name, self._run)
         kept_at = time.monotonic()
         while (batch := self._take()) is not None:
+            started = time.monotonic()
             self._attempt(_describe_batch(batch), lambda: self._send(batch, logged_step))
             self._sent(batch)
+            if isinstance(batch[0], MetricRecord):
+                self._linger(started + SEND_INTERVAL_SECONDS)
             if time.monotonic() - kept_at >= RECORD_PERIOD_SECONDS:
                 self._keep(self.name, self._run)
                 kept_at = time.monotonic()
@@ -428,6 +436,11 @@ class TrackerQueue:
         if fresh:
             self.backend.log_metrics(fresh)
             self._run = replace(self._run, logged_step=max(self._run.logged_step, fresh[-1].step))
+
+    def _linger(self, until: float) -> None:
+        """Let records gather until `until` (time.monotonic()), or until the queue is closed."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._closing, timeout=max(until - time.monotonic(), 0.0))
 
     def _sent(self, batch: list) -> None:
         with self._changed:
@@ -525,8 +538,7 @@ class Trackers:
         if not settings.trackers:
             return None
         location = config.layout.tracking
-        kept = read_record(location)
-        kept = TrackingRecord(kept.runs, lineage)
+        kept = TrackingRecord(read_record(location).runs, lineage)
         run_name = settings.mlflow_run_name or settings.job_name or config.run_name
         backends = []
         if "mlflow" in settings.trackers:
@@ -589,7 +601,8 @@ class Trackers:
         files = run_files(layout, self._scratch)
         if files:
             self._put(Action("the run's files", lambda backend: backend.log_files(files)))
-        self.close(outcome_of(state))
+        outcome = outcome_of(state)
+        self.close(outcome, PREEMPTED_FLUSH_DEADLINE_SECONDS if outcome == "killed" else FLUSH_DEADLINE_SECONDS)
 
     def close(self, outcome: str | None = None, deadline_seconds: float = FLUSH_DEADLINE_SECONDS) -> bool:
         """End the runs as `outcome` (None: leave their status) once what waits is sent, or give it up at the
