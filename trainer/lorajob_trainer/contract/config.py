@@ -177,9 +177,11 @@ class TrackingConfig(_Section):
     wandb_dir: str = ""
     """A local directory for W&B's files; empty = <run directory>/wandb when it is local, else a temporary one."""
     job_name: str = ""
-    """The LoRAJob's name, namespace and uid, recorded with the run (the operator sets them)."""
+    """The LoRAJob's name, recorded with the run (the operator sets it, with its namespace and uid)."""
     job_namespace: str = ""
+    """The LoRAJob's namespace, recorded with the run; the MLflow experiment where mlflow_experiment is empty."""
     job_uid: str = ""
+    """The LoRAJob's uid, recorded with the run."""
 
     @property
     def trackers(self) -> tuple[str, ...]:
