@@ -65,9 +65,10 @@ MLFLOW_CLIENT_ENVIRONMENT = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTT
 """MLflow's own HTTP retries off and its timeout short: the queue retries, and a call that hangs holds only the
 tracker's thread, which must see a dead server soon to report it."""
 MLFLOW_PARAM_CHARACTERS = 6000
-"""MLflow's longest param value."""
-MLFLOW_BATCH = {"metrics": 1000, "params": 100}
-"""MLflow's most metrics and params in one log_batch."""
+MLFLOW_TAG_CHARACTERS = 5000
+"""MLflow's longest param and tag values (tags: 8000 since MLflow 2.x, 5000 before)."""
+MLFLOW_BATCH = {"metrics": 1000, "params": 100, "tags": 100}
+"""MLflow's most metrics, params and tags in one log_batch."""
 OUTCOMES = ("finished", "failed", "killed")
 """How a run ended, for its trackers (`outcome_of`)."""
 
@@ -203,7 +204,8 @@ class MlflowBackend(Backend):
         """Params are immutable: a resumed run logs only those its run lacks (a changed value stays as first logged)."""
         from mlflow.entities import Param
 
-        missing = [Param(key, _param_text(value)) for key, value in self.params.items() if key not in logged]
+        missing = [Param(key, _text(value, MLFLOW_PARAM_CHARACTERS)) for key, value in self.params.items()
+                   if key not in logged]
         for chunk in _chunks(missing, MLFLOW_BATCH["params"]):
             self.client.log_batch(self.run_id, params=chunk)
 
@@ -232,10 +234,13 @@ class MlflowBackend(Backend):
             self.client.log_artifact(self.run_id, str(path))
 
     def log_adapter(self, files: list[Path], lineage: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
         for path in files:
             self.client.log_artifact(self.run_id, str(path), artifact_path="adapter")
-        for key, value in lineage.items():
-            self.client.set_tag(self.run_id, f"lorajob.adapter.{key}", value)
+        tags = [RunTag(f"lorajob.adapter.{key}", _text(value, MLFLOW_TAG_CHARACTERS)) for key, value in lineage.items()]
+        for chunk in _chunks(tags, MLFLOW_BATCH["tags"]):
+            self.client.log_batch(self.run_id, tags=chunk)
 
     def finish(self, outcome: str | None) -> None:
         if outcome is not None:
@@ -456,7 +461,7 @@ class TrackerQueue:
         while not self._abandoned.is_set():
             try:
                 result = call()
-            except Exception as error:  # the tracker's errors are its own: none may reach training
+            except Exception as error:  # noqa: BLE001 - a tracker's errors are its own: none may reach training
                 if self.backend.rejects(error):
                     log.warning("%s: %s refused, dropped: %s", self.name, what, _reason(error))
                     self._recovered()
@@ -708,9 +713,10 @@ def job_tags(settings: TrackingConfig) -> dict[str, str]:
         ("job", settings.job_name), ("namespace", settings.job_namespace), ("uid", settings.job_uid)) if value}
 
 
-def _param_text(value: Any) -> str:
+def _text(value: Any, longest: int) -> str:
+    """`value` as text (JSON unless it is text), cut to `longest` characters."""
     text = value if isinstance(value, str) else json.dumps(value)
-    return text if len(text) <= MLFLOW_PARAM_CHARACTERS else text[: MLFLOW_PARAM_CHARACTERS - 1] + "…"
+    return text if len(text) <= longest else text[: longest - 1] + "…"
 
 
 def _chunks(items: list, size: int) -> list[list]:

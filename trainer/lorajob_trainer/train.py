@@ -405,10 +405,12 @@ class Trainer:
         return self.eval_data
 
     def close(self) -> None:
-        self.train_feed.close()
-        if self.checkpointer:
-            self.checkpointer.close()
-        self.writer.close()
+        try:
+            self.train_feed.close()
+            if self.checkpointer:
+                self.checkpointer.close()
+        finally:
+            self.writer.close()  # ends the trackers' runs whatever happened before
 
 
 def remat_for_run(config: TrainConfig, hf_config: dict[str, Any], devices: list[jax.Device]) -> str:
