@@ -11,13 +11,15 @@ under DIR and applies a LoRAJob over them (DIR/lorajob.yaml): convert, multi-con
 pod runner's nodes, with exactly the command lines the operator renders. `kubectl get lj -o wide -w`
 shows the phase, progress and loss; at the end the demo writes the loss curve and prints where the
 PEFT adapter and the curve are, and the evaluation the train step ran after its last step: base model
-against adapter on the eval prompts (score, stop rate, samples side by side), which gates the export. `--fast` applies examples/qwen3-gsm8k.yaml instead, whose pods kwok
-plays (nothing is trained).
+against adapter on the eval prompts (score, stop rate, samples side by side), which gates the export. The run reports
+to a real MLflow tracking server started beside the cluster (DIR/mlflow; spec.tracking.mlflow): the demo prints its
+URL and the run's. `--fast` applies examples/qwen3-gsm8k.yaml instead, whose pods kwok plays (nothing is trained).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -56,7 +58,7 @@ def _watch_until_final(kubectl: list[str], name: str, timeout: float) -> str:
     return final
 
 
-def _real_lorajob(out: Path, steps: int) -> tuple[str, Path, object]:
+def _real_lorajob(out: Path, steps: int, mlflow_url: str) -> tuple[str, Path, object]:
     from lorajob_devcluster import localjob
 
     assets = localjob.write_assets(out)
@@ -68,12 +70,13 @@ def _real_lorajob(out: Path, steps: int) -> tuple[str, Path, object]:
     # the adapter only if it beats the base.
     body["spec"]["evaluation"] = {"scorer": "regex", "pattern": EVALUATED_FORM, "maxNewTokens": 16, "examples": 40}
     body["spec"]["export"] = {"requireImprovement": True}
+    body["spec"]["tracking"] = {"mlflow": {"trackingUri": mlflow_url, "tags": {"source": "make demo"}}}
     manifest.write_text(yaml.safe_dump(body, sort_keys=False))
     return RUN, manifest, assets
 
 
-def _report(assets, run: str, out: Path) -> None:
-    from lorajob_trainer import evaluate, metrics
+def _report(assets, run: str, out: Path, mlflow) -> None:
+    from lorajob_trainer import evaluate, metrics, tracking
 
     losses = [record["loss"] for record in metrics.read_metrics(assets.metrics(run)) if "loss" in record]
     png = metrics.plot_loss_curve(assets.metrics(run), out / "loss.png")
@@ -86,6 +89,10 @@ def _report(assets, run: str, out: Path) -> None:
     print(f"PEFT adapter: {assets.adapter(run)}")
     print(f"loss curve:   {png}")
     print(f"checkpoints:  {assets.layout(run).checkpoints}")
+    kept = tracking.read_record(assets.layout(run).tracking).runs.get("mlflow")
+    if kept is not None:
+        print(f"MLflow run:   {kept.url}\n  (its params, metrics, loss plot, evaluation samples and adapter; after the "
+              f"demo: {' '.join(mlflow.command(port=5000))}, then open the run at port 5000)")
 
 
 def main() -> int:
@@ -96,14 +103,34 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the LoRAJob to finish")
     args = parser.parse_args()
 
+    started = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        mlflow = None if args.fast else stack.enter_context(_mlflow_server(args.out.absolute() / "mlflow"))
+        final, chain, cluster_ready = _run(args, started, mlflow)
+    total = time.monotonic() - started
+    print(f"\nLoRAJob {final or 'did not finish'}: apply -> {final or 'timeout'} {chain:.1f} s; "
+          f"cluster start {cluster_ready:.1f} s; demo wall time {total:.1f} s (incl. teardown)")
+    return 0 if final == "Succeeded" else 1
+
+
+def _mlflow_server(directory: Path):
+    """The MLflow tracking server the demo's LoRAJob reports to (spec.tracking.mlflow), beside the cluster."""
+    from lorajob_devcluster.mlflow_server import MlflowServer
+
+    server = MlflowServer(directory)
+    print(f"MLflow tracking server: {server.url} (store {directory})", flush=True)
+    return server
+
+
+def _run(args, started: float, mlflow) -> tuple[str, float, float]:
+    """The cluster, the operator and the LoRAJob: its final phase, apply -> final and cluster start in seconds."""
     from lorajob_devcluster import ControlPlaneConfig, SimCluster
     from lorajob_operator.local import OperatorProcess
 
-    started = time.monotonic()
     if args.fast:
         name, manifest, assets = "qwen3-gsm8k", SAMPLE, None
     else:
-        name, manifest, assets = _real_lorajob(args.out.absolute(), args.steps)
+        name, manifest, assets = _real_lorajob(args.out.absolute(), args.steps, mlflow.url)
         print(f"tiny model, tokenizer and dataset in {args.out} ({time.monotonic() - started:.1f} s)", flush=True)
     plane_config = ControlPlaneConfig(crd_dirs=(REPO_ROOT / "crds",))
     if not args.fast:  # kept after the demo: the pods' logs and directories are under podrunner/
@@ -130,11 +157,8 @@ def main() -> int:
         if assets is not None:
             print(f"pod logs and directories: {cluster.state_dir / 'podrunner' / 'pods' / NAMESPACE}")
     if final == "Succeeded" and assets is not None:
-        _report(assets, name, args.out.absolute())
-    total = time.monotonic() - started
-    print(f"\nLoRAJob {final or 'did not finish'}: apply -> {final or 'timeout'} {chain:.1f} s; "
-          f"cluster start {cluster_ready:.1f} s; demo wall time {total:.1f} s (incl. teardown)")
-    return 0 if final == "Succeeded" else 1
+        _report(assets, name, args.out.absolute(), mlflow)
+    return final, chain, cluster_ready
 
 
 if __name__ == "__main__":

@@ -33,6 +33,16 @@ CRD_DIR = REPO_ROOT / "crds"
 
 
 @pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow tracking server (SQLite store, artifacts it serves) on loopback, one per test worker; a test that
+    stops it starts it again."""
+    from lorajob_devcluster.mlflow_server import MlflowServer
+
+    with MlflowServer(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def _control_plane():
     config = ControlPlaneConfig(crd_dirs=(CRD_DIR,), keep_state=bool(os.environ.get("LORAJOB_DEVCLUSTER_KEEP")))
     plane = ControlPlane.start(config)

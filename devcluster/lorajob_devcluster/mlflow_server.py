@@ -30,18 +30,20 @@ class MlflowServer:
     def __init__(self, directory: Path, *, python: str = sys.executable):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.python = python
         self.port = free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.process = ManagedProcess("mlflow-server", self._argv(python), self.directory / "mlflow-server.log")
+        self.process = ManagedProcess("mlflow-server", self.command(), self.directory / "mlflow-server.log")
         self.start()
 
-    def _argv(self, python: str) -> list[str]:
+    def command(self, port: int | None = None) -> list[str]:
+        """The server's command line; `port`: the same store served on another port (after this one stopped)."""
         return [
-            python, "-m", "mlflow", "server",
+            self.python, "-m", "mlflow", "server",
             "--backend-store-uri", f"sqlite:///{self.directory / 'mlflow.db'}",
             "--artifacts-destination", str(self.directory / "artifacts"),
             "--host", "127.0.0.1",
-            "--port", str(self.port),
+            "--port", str(port or self.port),
             "--workers", "1",
         ]
 

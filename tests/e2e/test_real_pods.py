@@ -259,13 +259,18 @@ def test_an_int8_qlora_lorajob_trains_and_evaluates_and_the_gate_keeps_its_adapt
 
 
 @pytest.mark.torch
-def test_a_dpo_lorajob_learns_its_preference_and_exports_an_adapter_peft_loads(lorajobs, operator, assets):
+def test_a_dpo_lorajob_learns_its_preference_reports_to_mlflow_and_exports_an_adapter_peft_loads(
+        lorajobs, operator, assets, mlflow_server):
     """spec.method dpo on generated pairs whose chosen answers are learnable (demo.preference_rows: the right sum,
     worded as the question/answer rows are; the rejected ones a bare wrong sum): the train step's reward accuracy
     and the eval split's preference accuracy reach status.progress and rise above 90 %; the evaluation ranks the
-    adapter above the base by preference accuracy, so export.requireImprovement lets the export run; the exported
-    adapter loads in PEFT and changes the base model's output."""
+    adapter above the base by preference accuracy, so export.requireImprovement lets the export run. The run reports
+    to a real MLflow server (spec.tracking.mlflow): status.tracking links its run, which holds the resolved config,
+    one point per step of each metric, the loss plot and the exported adapter, which loads from there in PEFT and
+    changes the base model's output."""
     import torch
+    from mlflow.artifacts import download_artifacts
+    from mlflow.tracking import MlflowClient
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -276,6 +281,7 @@ def test_a_dpo_lorajob_learns_its_preference_and_exports_an_adapter_peft_loads(l
     body["spec"]["training"]["learningRate"] = 3e-3
     body["spec"]["evaluation"] = {"scorer": "contains", "maxNewTokens": 8, "examples": 6, "samples": 1}
     body["spec"]["export"] = {"requireImprovement": True}
+    body["spec"]["tracking"] = {"mlflow": {"trackingUri": mlflow_server.url, "tags": {"suite": "e2e"}}}
     lorajobs.apply(body)
     succeeded = lorajobs.wait_phase(run, "Succeeded", timeout=TIMEOUT)
     evaluation = succeeded["status"]["evaluation"]
@@ -290,9 +296,23 @@ def test_a_dpo_lorajob_learns_its_preference_and_exports_an_adapter_peft_loads(l
     print(f"reward accuracy by step {accuracies}; eval preference accuracy {evaluations}; preference accuracy base "
           f"{evaluation['base']['preferenceAccuracy']}, adapter {evaluation['adapter']['preferenceAccuracy']}")
 
+    url = succeeded["status"]["tracking"]["mlflow"]["url"]
+    assert url.startswith(f"{mlflow_server.url}/#/experiments/"), succeeded["status"]["tracking"]
+    client = MlflowClient(mlflow_server.url)
+    tracked = client.get_run(url.rsplit("/", 1)[-1])
+    assert tracked.info.status == "FINISHED" and tracked.data.tags["suite"] == "e2e", tracked.info
+    assert tracked.data.params["method"] == "dpo" and tracked.data.params["tracking.job_name"] == run, tracked.data.params
+    for name in ("loss", "reward_accuracy", "learning_rate"):
+        assert [m.step for m in client.get_metric_history(tracked.info.run_id, name)] == list(range(1, STEPS + 1)), name
+    assert [m.value for m in client.get_metric_history(tracked.info.run_id, "reward_accuracy")] == accuracies
+    artifacts = {artifact.path for artifact in client.list_artifacts(tracked.info.run_id)}
+    assert {"adapter", "loss.png"} <= artifacts, artifacts
+    adapter = download_artifacts(run_id=tracked.info.run_id, artifact_path="adapter", tracking_uri=mlflow_server.url,
+                                 dst_path=str(assets.outputs / f"{run}-from-mlflow"))
+
     base = AutoModelForCausalLM.from_pretrained(assets.model, dtype=torch.float32)
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     with torch.no_grad():
         before = base(input_ids=ids).logits
-        after = PeftModel.from_pretrained(base, assets.adapter(run))(input_ids=ids).logits
+        after = PeftModel.from_pretrained(base, adapter)(input_ids=ids).logits
     assert torch.isfinite(after).all() and (after - before).abs().max() > 1e-3

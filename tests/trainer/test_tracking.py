@@ -24,7 +24,6 @@ from mlflow.tracking import MlflowClient
 from trainer_testkit import arithmetic_rows, base_args, tiny_checkpoint, trainer_env, write_jsonl
 
 from lorajob_devcluster.controlplane import wait_for
-from lorajob_devcluster.mlflow_server import MlflowServer
 from lorajob_trainer import tracking
 from lorajob_trainer.contract.config import TrackingConfig
 from lorajob_trainer.contract.records import ProgressRecord, RunLayout, TrackingRecord
@@ -37,14 +36,8 @@ TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with MlflowServer(tmp_path_factory.mktemp("mlflow")) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(server) -> MlflowClient:
-    return MlflowClient(tracking_uri=server.url)
+def client(mlflow_server) -> MlflowClient:
+    return MlflowClient(tracking_uri=mlflow_server.url)
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +69,9 @@ def loss_steps(client: MlflowClient, run_id: str, key: str = "loss") -> list[int
 
 
 @pytest.fixture(scope="module")
-def settings(server, tmp_path_factory) -> TrackingConfig:
+def settings(mlflow_server, tmp_path_factory) -> TrackingConfig:
     return TrackingConfig(
-        mlflow_tracking_uri=server.url, mlflow_experiment="tracking-test", mlflow_tags={"team": "llm"},
+        mlflow_tracking_uri=mlflow_server.url, mlflow_experiment="tracking-test", mlflow_tags={"team": "llm"},
         wandb_project="lorajob-test", wandb_mode="offline", wandb_dir=str(tmp_path_factory.mktemp("wandb")),
         wandb_tags=["test"], job_name="job-a", job_namespace="team-a", job_uid="uid-1",
     )
@@ -274,13 +267,13 @@ def test_a_resumed_run_appends_to_the_same_runs_and_sends_no_step_twice(resumed,
 # ------------------------------------------------------------------- the server goes away and comes back
 
 
-def mlflow_only(server, experiment: str) -> TrackingConfig:
-    return TrackingConfig(mlflow_tracking_uri=server.url, mlflow_experiment=experiment)
+def mlflow_only(mlflow_server, experiment: str) -> TrackingConfig:
+    return TrackingConfig(mlflow_tracking_uri=mlflow_server.url, mlflow_experiment=experiment)
 
 
-def trackers_of(server, tmp_path: Path, **queue_options) -> tracking.Trackers:
+def trackers_of(mlflow_server, tmp_path: Path, **queue_options) -> tracking.Trackers:
     """MLflow's queue alone, retrying at least every 0.2 s."""
-    backend = tracking.MlflowBackend(mlflow_only(server, tmp_path.name), "fault", {"learning_rate": 0.01})
+    backend = tracking.MlflowBackend(mlflow_only(mlflow_server, tmp_path.name), "fault", {"learning_rate": 0.01})
     return tracking.Trackers(str(tmp_path / "tracking.json"), TrackingRecord({}), [(backend, None)],
                              retry_max_seconds=0.2, **queue_options)
 
@@ -295,18 +288,18 @@ def drained(trackers: tracking.Trackers) -> bool:
     return queue.url() != "" and queue.waiting() == 0 and trackers.problem() == ""
 
 
-def test_metrics_wait_while_the_server_is_down_and_all_arrive_when_it_is_back(server, client, tmp_path):
-    trackers = trackers_of(server, tmp_path)
+def test_metrics_wait_while_the_server_is_down_and_all_arrive_when_it_is_back(mlflow_server, client, tmp_path):
+    trackers = trackers_of(mlflow_server, tmp_path)
     log_steps(trackers, range(1, 4))
     wait_for(lambda: drained(trackers), 60, "steps 1-3 sent")
-    server.stop()
+    mlflow_server.stop()
     try:
         log_steps(trackers, range(4, 7))
         problem = wait_for(trackers.problem, 30, "the problem reported")
         assert re.fullmatch(r"mlflow: unreachable since \d\d:\d\d:\d\d \(.*Connection refused.*\), 3 records waiting",
                             problem), problem
     finally:
-        server.start()
+        mlflow_server.start()
     wait_for(lambda: drained(trackers), 60, "the waiting steps sent")
     log_steps(trackers, [7])
     assert trackers.close("finished")
@@ -315,29 +308,29 @@ def test_metrics_wait_while_the_server_is_down_and_all_arrive_when_it_is_back(se
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
-def test_a_full_queue_drops_its_oldest_records_and_says_so(server, client, tmp_path):
-    trackers = trackers_of(server, tmp_path, bound=3)
+def test_a_full_queue_drops_its_oldest_records_and_says_so(mlflow_server, client, tmp_path):
+    trackers = trackers_of(mlflow_server, tmp_path, bound=3)
     wait_for(lambda: drained(trackers), 60, "the run open")
-    server.stop()
+    mlflow_server.stop()
     try:
         log_steps(trackers, [1])
         wait_for(trackers.problem, 30, "step 1 failing")  # it is the call retried meanwhile
         log_steps(trackers, range(2, 6))
         assert trackers.problem().endswith("3 records waiting, 2 oldest dropped (queue full at 3)"), trackers.problem()
     finally:
-        server.start()
+        mlflow_server.start()
     wait_for(lambda: drained(trackers), 60, "the kept steps sent")
     assert trackers.close("finished")
     (run,) = TrackingRecord.from_json((tmp_path / "tracking.json").read_text()).runs.values()
     assert loss_steps(client, run.run_id) == [1, 4, 5]
 
 
-def test_a_run_whose_server_is_down_says_so_and_loses_no_step_once_it_is_back(server, client, inputs, tmp_path):
+def test_a_run_whose_server_is_down_says_so_and_loses_no_step_once_it_is_back(mlflow_server, client, inputs, tmp_path):
     steps = 6
-    settings = mlflow_only(server, "server-down")
+    settings = mlflow_only(mlflow_server, "server-down")
     args = train_args(inputs, tmp_path, settings, f"steps={steps}")
     log = tmp_path / "stderr.log"
-    server.stop()
+    mlflow_server.stop()
     with log.open("w") as errors:
         process = subprocess.Popen([sys.executable, "-m", "lorajob_trainer.train", *args], env=trainer_env(),
                                    stdout=subprocess.PIPE, stderr=errors, text=True)
@@ -346,7 +339,7 @@ def test_a_run_whose_server_is_down_says_so_and_loses_no_step_once_it_is_back(se
                     if (record := ProgressRecord.from_line(line)) and record.tracking_problem)
         assert "mlflow: unreachable since" in next(problems, ""), log.read_text()[-3000:]
     finally:
-        server.start()
+        mlflow_server.start()
     try:
         rest, _ = process.communicate(timeout=TIMEOUT_S)
     finally:
