@@ -214,7 +214,8 @@ def test_the_rendered_export_command_passes_uris_and_hub_repo_through(monkeypatc
     body["spec"]["export"] = {"hubRepo": "org/adapter"}
     spec, errors = validation.parse_spec(body)
     assert spec is not None, errors
-    command = step_commands.export_command(spec, names.run_name(spec, body["metadata"]["name"]))
+    job = step_commands.Job(body["metadata"]["name"], "team-a", "uid-1")
+    command = step_commands.export_command(spec, names.run_name(spec, body["metadata"]["name"]), job)
     assert command[:3] == ["python", "-m", "lorajob_trainer.export"]
     calls = []
     monkeypatch.setattr(export, "export", lambda *args, **kwargs: calls.append((args, kwargs)))

@@ -21,7 +21,7 @@ import resource
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -239,8 +239,8 @@ class MetricsWriter:
         self.metrics_path = Path(layout.metrics)
         self.progress_path = Path(layout.progress)
         self.trackers = trackers
-        self.last_state: str | None = None
-        """The state of the last progress record: how the run ended, once it has."""
+        self.last_record: ProgressRecord | None = None
+        """The last progress record: its state says how the run ended, once it has."""
         self._tensorboard = None
         if enabled:
             Path(layout.run_directory).mkdir(parents=True, exist_ok=True)
@@ -279,10 +279,16 @@ class MetricsWriter:
         record = ProgressRecord(step=step, total_steps=self.total_steps, loss=loss, tokens_per_second=tokens_per_second,
                                 eta_seconds=eta_seconds, state=state, message=message, eval_loss=eval_loss,
                                 eval_step=eval_step, checkpoints=checkpoints, expert_rows_dropped=expert_rows_dropped,
-                                tracking_urls=self.trackers.urls() if self.trackers else None,
-                                tracking_problem=self.trackers.problem() if self.trackers else None,
                                 updated=time.time(), **preference)
-        self.last_state = state
+        self._publish(self._with_tracking(record))
+
+    def _with_tracking(self, record: ProgressRecord) -> ProgressRecord:
+        if self.trackers is None:
+            return record
+        return replace(record, tracking_urls=self.trackers.urls(), tracking_problem=self.trackers.problem())
+
+    def _publish(self, record: ProgressRecord) -> None:
+        self.last_record = record
         partial = self.progress_path.with_suffix(".json.tmp")
         partial.write_text(record.to_json())
         os.replace(partial, self.progress_path)
@@ -292,11 +298,17 @@ class MetricsWriter:
         print(record.line(), file=sys.stdout, flush=True)
 
     def close(self) -> None:
-        """Close TensorBoard's file and end the trackers' runs as the last progress state says."""
+        """Close TensorBoard's file and end the trackers' runs as the last progress state says; the last progress
+        record again where the trackers' links or problem changed meanwhile (a short run can end before a tracker's
+        run is open, and the operator learns the links from progress records only)."""
         if self._tensorboard is not None:
             self._tensorboard.close()
-        if self.trackers is not None:
-            self.trackers.finish_training(self.last_state, self.layout)
+        if self.trackers is None:
+            return
+        last = self.last_record
+        self.trackers.finish_training(last.state if last else None, self.layout)
+        if last is not None and (updated := self._with_tracking(last)) != last:
+            self._publish(updated)
 
 
 def finite_numbers(values: dict[str, Any]) -> dict[str, float]:
