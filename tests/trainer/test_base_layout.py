@@ -35,11 +35,12 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import jax, numpy as np
     from flax import nnx
-    from lorajob_trainer import mesh as mesh_lib, run as run_lib
+    from lorajob_trainer import mesh as mesh_lib, run as run_lib, train
     from lorajob_trainer.contract.config import TrainConfig
     from lorajob_trainer.optim import build_optimizer
 
     config = TrainConfig.from_args(sys.argv[1:])
+    train.configure_compilation_cache(config)  # as the trainer: no persistent cache on several CPU devices
     mesh = mesh_lib.build_mesh(config.mesh)
     dtype = run_lib.compute_dtype(config)
     rng = np.random.default_rng(0)
@@ -104,10 +105,7 @@ def test_layers_second_base_computes_what_the_plain_base_does(tmp_path):
     train_file = write_jsonl(tmp_path / "train.jsonl", arithmetic_rows(8))
     args = base_args(model_dir, tmp_path / "out", train_file, "steps=2", "per_device_batch_size=1",
                      "max_target_length=32", "gradient_accumulation_steps=2")
-    # Without the tests' persistent compilation cache: this two-device step, loaded from it on CPU, deadlocked in its
-    # first collectives (each device waiting in a different one; jax 0.10.2, 2026-12-07), compiled anew it never did.
-    env = {key: value for key, value in trainer_env(devices=2).items() if key != "JAX_COMPILATION_CACHE_DIR"}
-    result = subprocess.run([sys.executable, "-c", SCRIPT, *args], env=env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", SCRIPT, *args], env=trainer_env(devices=2), capture_output=True, text=True,
                             timeout=600, cwd=Path(__file__).parent)
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout)
