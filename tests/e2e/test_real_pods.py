@@ -34,7 +34,8 @@ SLOW_STEPS = {"steps": 30, "perDeviceBatchSize": 8, "maxTargetLength": 256, "gra
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> localjob.Assets:
-    """The runs share the tests' JAX compilation cache (tests/conftest.py), as runs under one output directory do."""
+    """The runs share the tests' JAX compilation cache (tests/conftest.py), as runs under one output directory do; their
+    train steps, on several CPU devices each, compile anyway (train.configure_compilation_cache)."""
     return localjob.write_assets(tmp_path_factory.mktemp("real-pods"), train_rows=200, eval_rows=8,
                                  compilation_cache=Path(os.environ["JAX_COMPILATION_CACHE_DIR"]))
 
