@@ -232,6 +232,19 @@ class ControlPlane:
         if documents:
             self.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=as_kubectl_input(documents))
 
+    def service_account_token(self, namespace: str, name: str, rules: list[dict]) -> str:
+        """A ServiceAccount `name` in `namespace`, bound to a Role of its own there with `rules`: a bearer token for
+        it (valid 2 hours), as a tenant of the cluster holds one."""
+        meta = {"name": name, "namespace": namespace}
+        self.apply_documents([
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta, "rules": rules},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]},
+        ])
+        return self.kubectl("-n", namespace, "create", "token", name, "--duration=2h").stdout.strip()
+
     def apply_crds(self, directory: Path) -> list[str]:
         """Apply every YAML file in `directory` and wait until its CRDs are Established; return their names."""
         documents = [doc for path in yaml_files(directory) for doc in load_documents(path)] if directory.is_dir() else []

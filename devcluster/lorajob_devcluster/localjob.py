@@ -94,3 +94,13 @@ def lorajob(name: str, assets: Assets, *, steps: int = 30, checkpoint_period: in
             "scheduling": {"queueName": queue, "terminationGracePeriodSeconds": 30},
         },
     }
+
+
+def fine_tuning_offer(assets: Assets) -> dict:
+    """The tiny model as the fine-tuning API's model (openai_api.config.ModelOffer): `lorajob`'s spec without what
+    each request decides."""
+    spec = lorajob("template", assets)["spec"]
+    del spec["dataset"], spec["output"]["baseOutputDirectory"]
+    for decided in ("steps", "checkpointPeriod", "evalInterval"):
+        del spec["training"][decided]
+    return {"template": spec}

@@ -277,6 +277,10 @@ class TrainingSpec(_Model):
     """schedule of the learning rate after warmup."""
     gradient_accumulation_steps: int = Field(default=DEFAULTS.gradient_accumulation_steps, ge=1, le=1024)
     """gradientAccumulationSteps accumulates gradients over this many micro-batches per step."""
+    packing: bool = True
+    """packing fills each sequence with several short examples (attention never crosses them); false gives each example a sequence of its own, so that a batch counts examples (as the fine-tuning API's batch_size does). A preference method packs nothing either way."""
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    """seed of the adapters' initialisation and of the order the examples are read in."""
     remat: RematSetting = DEFAULTS.remat_policy
     """remat is what the backward pass recomputes per decoder layer: none keeps every activation; minimal keeps the weight matmuls' and the attention kernel's outputs; attention keeps the query, key and value projections and the attention kernel's output and recomputes the MLP; full keeps only each layer's input, for about a third more compute and far less memory. auto (the default) runs the first of none, minimal, attention, full whose step fits the chips, as the TPU compiler judges it in the fit check (status.plan.remat says which)."""
     checkpoint_period: int = Field(default=DEFAULTS.checkpoint_period, ge=1, le=10_000_000)

@@ -228,9 +228,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     plan.add_argument("files", nargs="+", type=Path, metavar="FILE", help="YAML files holding LoRAJob documents")
     plan.add_argument("--json", action="store_true", help="print the plans as JSON")
     plan.set_defaults(run=lambda args: plan_files(args.files, args.json), failure_exit_code=NO_PLAN)
-    from lorajob_operator import runview
+    from lorajob_operator import openai_api, runview
 
     runview.add_commands(commands)
+    openai_api.add_command(commands)
     return parser
 
 

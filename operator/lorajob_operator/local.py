@@ -1,7 +1,9 @@
-"""Run the operator as a child process against a kubeconfig (e2e tests, the demo, the benchmark)."""
+"""Run the operator, or the fine-tuning API server, as a child process against a kubeconfig (e2e tests, the demo,
+the benchmarks)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -25,48 +27,34 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class OperatorProcess:
-    """`python -m lorajob_operator` watching `namespaces`, with LORAJOB_* `settings` in its environment.
+class LocalProcess:
+    """A child process with a kubeconfig and a health URL: `start` returns once the URL answers 200."""
 
-    Its Lease is in the first watched namespace unless `settings` say otherwise, and its name in the Lease
-    stays the same across `kill` and `start` (as a pod's name does across container restarts), so a
-    restarted operator resumes at once where no other replica took over."""
+    name = "process"
+    health_url: str
 
-    def __init__(
-        self, kubeconfig: Path, namespaces: list[str], log_path: Path, settings: dict[str, str] | None = None,
-        verbose: bool = False,
-    ):
+    def __init__(self, kubeconfig: Path, log_path: Path):
         self.kubeconfig = kubeconfig
-        self.namespaces = namespaces
         self.log_path = log_path
-        self.settings = settings or {}
-        self.verbose = verbose
-        self.liveness_url = f"http://127.0.0.1:{_free_port()}/healthz"
-        metrics_port = int(self.settings.get("LORAJOB_METRICS_PORT", "0"))
-        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None
-        """The Prometheus endpoint, when `settings` give LORAJOB_METRICS_PORT (off by default: a fixed port
-        would clash between test sessions sharing a machine)."""
-        self.identity = self.settings.get("LORAJOB_LEADER_IDENTITY") or f"local-{uuid.uuid4().hex[:8]}"
         self._process: subprocess.Popen | None = None
 
-    def start(self) -> OperatorProcess:
-        environment = {key: value for key, value in os.environ.items() if not key.startswith("LORAJOB_")}
-        environment |= {"KUBECONFIG": str(self.kubeconfig), "LORAJOB_METRICS_PORT": "0",
-                        "LORAJOB_LEADER_IDENTITY": self.identity, **self.settings}
-        command = [sys.executable, "-m", "lorajob_operator", "--liveness", self.liveness_url]
-        for namespace in self.namespaces:
-            command += ["--namespace", namespace]
-        if self.verbose:
-            command.append("--verbose")
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def environment(self) -> dict[str, str]:
+        return {key: value for key, value in os.environ.items() if not key.startswith("LORAJOB_")} | {
+            "KUBECONFIG": str(self.kubeconfig)}
+
+    def start(self):
         log = self.log_path.open("ab")
-        self._process = subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT)
+        self._process = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT)
         log.close()
         self._wait_healthy()
         return self
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.liveness_url, timeout=2) as response:
+            with urllib.request.urlopen(self.health_url, timeout=2) as response:
                 return response.status == 200
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
@@ -75,15 +63,75 @@ class OperatorProcess:
         deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                raise RuntimeError(f"the operator exited with {self._process.returncode}; log: {self.log_path}\n{self.log_tail()}")
+                raise RuntimeError(f"the {self.name} exited with {self._process.returncode}; log: {self.log_path}\n{self.log_tail()}")
             if self.healthy():
                 return
             time.sleep(0.2)
         self.kill()
-        raise RuntimeError(f"the operator was not healthy within {STARTUP_TIMEOUT_SECONDS:.0f} s; log: {self.log_path}\n{self.log_tail()}")
+        raise RuntimeError(f"the {self.name} was not healthy within {STARTUP_TIMEOUT_SECONDS:.0f} s; log: {self.log_path}\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, nothing cleaned up."""
+        if self._process and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+    def stop(self) -> None:
+        if self._process and self._process.poll() is None:
+            self._process.send_signal(signal.SIGTERM)
+            try:
+                self._process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class OperatorProcess(LocalProcess):
+    """`python -m lorajob_operator` watching `namespaces`, with LORAJOB_* `settings` in its environment.
+
+    Its Lease is in the first watched namespace unless `settings` say otherwise, and its name in the Lease
+    stays the same across `kill` and `start` (as a pod's name does across container restarts), so a
+    restarted operator resumes at once where no other replica took over."""
+
+    name = "operator"
+
+    def __init__(
+        self, kubeconfig: Path, namespaces: list[str], log_path: Path, settings: dict[str, str] | None = None,
+        verbose: bool = False,
+    ):
+        super().__init__(kubeconfig, log_path)
+        self.namespaces = namespaces
+        self.settings = settings or {}
+        self.verbose = verbose
+        self.liveness_url = self.health_url = f"http://127.0.0.1:{_free_port()}/healthz"
+        metrics_port = int(self.settings.get("LORAJOB_METRICS_PORT", "0"))
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None
+        """The Prometheus endpoint, when `settings` give LORAJOB_METRICS_PORT (off by default: a fixed port
+        would clash between test sessions sharing a machine)."""
+        self.identity = self.settings.get("LORAJOB_LEADER_IDENTITY") or f"local-{uuid.uuid4().hex[:8]}"
+
+    def environment(self) -> dict[str, str]:
+        return super().environment() | {"LORAJOB_METRICS_PORT": "0", "LORAJOB_LEADER_IDENTITY": self.identity,
+                                        **self.settings}
+
+    def command(self) -> list[str]:
+        command = [sys.executable, "-m", "lorajob_operator", "--liveness", self.liveness_url]
+        for namespace in self.namespaces:
+            command += ["--namespace", namespace]
+        if self.verbose:
+            command.append("--verbose")
+        return command
 
     def metrics(self) -> dict[str, float]:
         """The samples of its Prometheus endpoint, `name{labels}` -> value (needs LORAJOB_METRICS_PORT)."""
@@ -97,18 +145,9 @@ class OperatorProcess:
         prefix = 'lorajob_operator_api_requests_total{verb="'
         return {key[len(prefix):].split('"', 1)[0]: value for key, value in self.metrics().items() if key.startswith(prefix)}
 
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
-
     def looked_at_lease(self) -> bool:
         """It has read the Lease at least once (a standby sends no other get: it reconciles nothing)."""
         return self.requests_by_verb().get("get", 0) >= 1
-
-    def kill(self) -> None:
-        """SIGKILL: a crash, nothing cleaned up."""
-        if self._process and self._process.poll() is None:
-            self._process.kill()
-            self._process.wait()
 
     def crash(self) -> float:
         """SIGKILL, then a new process: returns time.monotonic() once an operator serves again."""
@@ -116,19 +155,21 @@ class OperatorProcess:
         self.start()
         return time.monotonic()
 
-    def stop(self) -> None:
-        if self._process and self._process.poll() is None:
-            self._process.send_signal(signal.SIGTERM)
-            try:
-                self._process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.kill()
+class ApiServerProcess(LocalProcess):
+    """`lorajob api` serving `config` (openai_api.config.ServerConfig, as a dict) on a free loopback port."""
 
-    def __enter__(self) -> OperatorProcess:
-        return self.start()
+    name = "fine-tuning API server"
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __init__(self, kubeconfig: Path, config: dict, directory: Path):
+        super().__init__(kubeconfig, directory / "api-server.log")
+        self.config_path = directory / "api-server.yaml"
+        self.config_path.write_text(json.dumps(config))
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.health_url = f"{self.url}/healthz"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "lorajob_operator.cli", "api", "--config", str(self.config_path),
+                "--listen", self.url.removeprefix("http://")]
 
 
 class OperatorReplicas:

@@ -44,9 +44,10 @@ def start_operator(sim_cluster, namespace, tmp_path):
     """Starts an operator watching the test's namespace; every one started is stopped at the end."""
     started: list[OperatorProcess] = []
 
-    def start(settings: dict[str, str] | None = None) -> OperatorProcess:
-        """`settings`: LORAJOB_* overrides of FAST_OPERATOR."""
-        process = OperatorProcess(sim_cluster.kubeconfig, [namespace], tmp_path / "operator.log", FAST_OPERATOR | (settings or {}))
+    def start(settings: dict[str, str] | None = None, namespaces: list[str] | None = None) -> OperatorProcess:
+        """`settings`: LORAJOB_* overrides of FAST_OPERATOR; `namespaces`: those watched (the test's by default)."""
+        process = OperatorProcess(sim_cluster.kubeconfig, namespaces or [namespace], tmp_path / "operator.log",
+                                  FAST_OPERATOR | (settings or {}))
         started.append(process.start())
         return process
 

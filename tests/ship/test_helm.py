@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
-from shipkit import CHART, FULLNAME, RELEASE_NAMESPACE, TEMPLATE_KUBE_VERSION
+from shipkit import API_FULLNAME, CHART, FULLNAME, RELEASE_NAMESPACE, api_values, set_args
 from lorajob_operator import accelerators, policy
+from lorajob_operator.openai_api.config import REQUEST_FIELDS, Limits, ModelOffer, ServerConfig
 from lorajob_operator.settings import OperatorSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,8 +31,9 @@ def defaults(helm) -> list[dict]:
     return helm.template(include_crds=True)
 
 
-def test_lint_is_clean(helm):
-    result = helm.run("lint", "--strict", str(CHART))
+@pytest.mark.parametrize("values", [[], api_values("team-a")], ids=["defaults", "api"])
+def test_lint_is_clean(helm, values):
+    result = helm.run("lint", "--strict", str(CHART), *set_args(*values))
     assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
 
 
@@ -232,8 +235,230 @@ def test_schema_accelerators_are_the_catalogues():
     ],
 )
 def test_bad_values_fail_with_the_field_named(helm, value, complaint):
-    args = ["template", "x", str(CHART), "--namespace", RELEASE_NAMESPACE, "--kube-version", TEMPLATE_KUBE_VERSION]
-    args += ["--set-json" if value.startswith("json:") else "--set", value.removeprefix("json:")]
-    result = helm.run(*args, check=False)
-    assert result.returncode != 0
-    assert "values don't meet the specifications of the schema" in result.stderr and complaint in result.stderr, result.stderr
+    refusal = helm.refusal(value)
+    assert "values don't meet the specifications of the schema" in refusal and complaint in refusal, refusal
+
+
+# --- The fine-tuning API server (api.*) -------------------------------------------------------------------
+
+API_NAMESPACES = ["team-a", "team-b"]
+API_SUBJECTS = [{"kind": "ServiceAccount", "name": API_FULLNAME, "namespace": RELEASE_NAMESPACE}]
+
+
+@pytest.fixture(scope="module")
+def api_objects(helm) -> list[dict]:
+    return helm.template(*api_values(*API_NAMESPACES))
+
+
+def api_part(objects: list[dict]) -> list[dict]:
+    return [o for o in objects if o["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "api"]
+
+
+def named(objects: list[dict], kind: str, name: str = API_FULLNAME) -> dict:
+    (found,) = [o for o in by_kind(objects, kind) if o["metadata"]["name"] == name]
+    return found
+
+
+def test_the_api_is_off_by_default(defaults):
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["api"]["enabled"] is False
+    assert api_part(defaults) == []
+    assert not [o for o in defaults if o["metadata"]["name"].startswith(API_FULLNAME)]
+
+
+def test_enabling_the_api_adds_its_own_objects_and_changes_no_other(defaults, api_objects):
+    assert [o for o in api_objects if o not in api_part(api_objects)] == [
+        o for o in defaults if o["kind"] != "CustomResourceDefinition"
+    ]
+    placed = sorted((o["kind"], o["metadata"]["name"], o["metadata"].get("namespace")) for o in api_part(api_objects))
+    assert placed == sorted([
+        ("ServiceAccount", API_FULLNAME, RELEASE_NAMESPACE), ("ConfigMap", API_FULLNAME, RELEASE_NAMESPACE),
+        ("Deployment", API_FULLNAME, RELEASE_NAMESPACE), ("Service", API_FULLNAME, RELEASE_NAMESPACE),
+        ("ClusterRole", API_FULLNAME, None), ("ClusterRoleBinding", API_FULLNAME, None),
+        ("ClusterRoleBinding", f"{API_FULLNAME}-auth-delegator", None),
+        ("Role", API_FULLNAME, "team-a"), ("RoleBinding", API_FULLNAME, "team-a"),
+        ("Role", API_FULLNAME, "team-b"), ("RoleBinding", API_FULLNAME, "team-b"),
+    ])
+
+
+def test_api_deployment_runs_the_server_as_hardened_as_the_operator(api_objects):
+    operator = named(api_objects, "Deployment", FULLNAME)["spec"]["template"]["spec"]
+    (operator_container,) = operator["containers"]
+    deployment = named(api_objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 1
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == operator_container["image"]
+    assert container["ports"] == [{"name": "http", "containerPort": 8080}]
+    assert container["command"] == ["lorajob", "api", "--config", "/etc/lorajob-api/config.yaml", "--listen", "0.0.0.0:8080"]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert pod["serviceAccountName"] == named(api_objects, "ServiceAccount")["metadata"]["name"] == API_FULLNAME
+    assert pod["securityContext"] == operator["securityContext"] and pod["securityContext"]["runAsNonRoot"] is True
+    security = container["securityContext"]
+    assert security == operator_container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert container["resources"]["requests"]["cpu"] and container["resources"]["limits"]["memory"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert "emptyDir" in volumes[mounts["/tmp"]["name"]]  # uploads are spooled there
+    assert mounts["/etc/lorajob-api"]["readOnly"] is True
+    assert volumes[mounts["/etc/lorajob-api"]["name"]]["configMap"]["name"] == named(api_objects, "ConfigMap")["metadata"]["name"]
+
+
+def test_api_service_reaches_the_server_and_no_selector_crosses_over(api_objects):
+    api = named(api_objects, "Deployment")["spec"]
+    operator = named(api_objects, "Deployment", FULLNAME)["spec"]
+    service = named(api_objects, "Service")["spec"]
+    assert service["type"] == "ClusterIP"
+    assert service["ports"] == [{"name": "http", "port": 80, "targetPort": "http"}]
+    api_pods, operator_pods = api["template"]["metadata"]["labels"], operator["template"]["metadata"]["labels"]
+    assert service["selector"].items() <= api_pods.items() and api["selector"]["matchLabels"].items() <= api_pods.items()
+    # The operator's Deployment, PodDisruptionBudget and metrics Service select on its selector labels.
+    assert not operator["selector"]["matchLabels"].items() <= api_pods.items()
+    assert not named(api_objects, "Service", f"{FULLNAME}-metrics")["spec"]["selector"].items() <= api_pods.items()
+    assert not api["selector"]["matchLabels"].items() <= operator_pods.items()
+
+
+def test_api_config_is_a_server_config(api_objects):
+    config = ServerConfig.model_validate(yaml.safe_load(named(api_objects, "ConfigMap")["data"]["config.yaml"]))
+    assert config.storage == "gs://ship-bucket/api"
+    assert config.namespaces == API_NAMESPACES
+    assert list(config.models) == ["qwen3-0.6b"] and config.models["qwen3-0.6b"].owned_by == "ship"
+    assert config.limits == Limits()  # none set: the server's defaults
+
+
+def test_a_config_change_and_only_that_rolls_the_api_pods(helm, api_objects):
+    def checksum(objects: list[dict]) -> str:
+        return named(objects, "Deployment")["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+
+    changed = helm.template(*api_values(*API_NAMESPACES), "api.config.limits.fileLines=10", "api.config.limits.lineErrors=5")
+    limits = ServerConfig.model_validate(yaml.safe_load(named(changed, "ConfigMap")["data"]["config.yaml"])).limits
+    assert (limits.file_lines, limits.line_errors) == (10, 5)
+    assert checksum(changed) != checksum(api_objects)
+    assert checksum(helm.template(*api_values(*API_NAMESPACES), "api.replicas=2")) == checksum(api_objects)
+
+
+def test_api_rbac_is_exactly_the_servers_calls(api_objects):
+    bindings = {b["roleRef"]["name"]: b for b in by_kind(api_part(api_objects), "ClusterRoleBinding")}
+    assert set(bindings) == {"system:auth-delegator", API_FULLNAME}  # tokenreviews, subjectaccessreviews: create
+    assert all(b["roleRef"]["kind"] == "ClusterRole" and b["subjects"] == API_SUBJECTS for b in bindings.values())
+    assert named(api_objects, "ClusterRole")["rules"] == [
+        {"apiGroups": [""], "resources": ["namespaces"], "resourceNames": API_NAMESPACES, "verbs": ["get"]},
+        {"apiGroups": ["lorajob.dev"], "resources": ["lorajobpolicies"], "verbs": ["list"]},
+    ]
+    roles = by_kind(api_part(api_objects), "Role")
+    role_bindings = by_kind(api_part(api_objects), "RoleBinding")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == sorted(b["metadata"]["namespace"] for b in role_bindings) == API_NAMESPACES
+    for role in roles:
+        assert role["rules"] == [
+            {"apiGroups": ["lorajob.dev"], "resources": ["lorajobs"], "verbs": ["get", "list", "create", "patch"]},
+            {"apiGroups": [""], "resources": ["events"], "verbs": ["list"]},
+        ]
+    for binding in role_bindings:
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": API_FULLNAME}
+        assert binding["subjects"] == API_SUBJECTS
+
+
+def test_api_values_reach_its_objects(helm):
+    objects = helm.template(
+        *api_values("team-a"), "api.replicas=2", "api.port=9000", "api.service.type=LoadBalancer", "api.service.port=443",
+        'json:api.serviceAccount.annotations={"iam.gke.io/gcp-service-account": "api@p.iam.gserviceaccount.com"}',
+        'json:api.extraVolumes=[{"name": "data", "persistentVolumeClaim": {"claimName": "lorajob-data"}}]',
+        'json:api.extraVolumeMounts=[{"name": "data", "mountPath": "/data"}]',
+        "api.tmpSizeLimit=8Gi", "api.podAnnotations.team=ml",
+    )
+    deployment = named(objects, "Deployment")["spec"]
+    pod = deployment["template"]["spec"]
+    (container,) = pod["containers"]
+    assert deployment["replicas"] == 2
+    assert container["ports"] == [{"name": "http", "containerPort": 9000}] and container["command"][-1] == "0.0.0.0:9000"
+    assert named(objects, "Service")["spec"]["type"] == "LoadBalancer"
+    assert named(objects, "Service")["spec"]["ports"] == [{"name": "http", "port": 443, "targetPort": "http"}]
+    annotations = named(objects, "ServiceAccount")["metadata"]["annotations"]
+    assert annotations == {"iam.gke.io/gcp-service-account": "api@p.iam.gserviceaccount.com"}
+    assert {"name": "data", "persistentVolumeClaim": {"claimName": "lorajob-data"}} in pod["volumes"]
+    assert {"name": "data", "mountPath": "/data"} in container["volumeMounts"]
+    assert {"name": "tmp", "emptyDir": {"sizeLimit": "8Gi"}} in pod["volumes"]
+    assert deployment["template"]["metadata"]["annotations"]["team"] == "ml"
+
+
+def test_api_with_an_existing_service_account_and_no_rbac(helm):
+    objects = helm.template(*api_values("team-a"), "api.serviceAccount.create=false", "api.serviceAccount.name=fine-tuning")
+    assert not by_kind(api_part(objects), "ServiceAccount")
+    assert named(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "fine-tuning"
+    bindings = by_kind(api_part(objects), "ClusterRoleBinding") + by_kind(api_part(objects), "RoleBinding")
+    assert {s["name"] for b in bindings for s in b["subjects"]} == {"fine-tuning"}
+    # rbac.create=false leaves every role and binding, the server's too, to the cluster's admins.
+    objects = helm.template(*api_values("team-a"), "rbac.create=false")
+    assert sorted(o["kind"] for o in api_part(objects)) == ["ConfigMap", "Deployment", "Service", "ServiceAccount"]
+
+
+def test_api_namespaces_must_be_ones_the_operator_watches(helm):
+    refusal = helm.refusal(*api_values("team-a", "team-b"), "operator.watchNamespaces={team-a,team-c}")
+    assert "api.config.namespaces has team-b, which operator.watchNamespaces leaves out" in refusal, refusal
+    objects = helm.template(*api_values("team-a"), "operator.watchNamespaces={team-a,team-c}")
+    assert [r["metadata"]["namespace"] for r in by_kind(api_part(objects), "Role")] == ["team-a"]
+
+
+def test_schema_api_config_has_the_servers_fields():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    config = schema["properties"]["api"]["properties"]["config"]["properties"]
+
+    def aliases(model) -> set[str]:
+        return {field.alias for field in model.model_fields.values()}
+
+    assert set(config) == aliases(ServerConfig)
+    assert set(config["limits"]["properties"]) == aliases(Limits)
+    assert set(config["models"]["additionalProperties"]["properties"]) == aliases(ModelOffer)
+
+
+# Fields of a model's template: what each request decides (the server refuses them there), and others it takes.
+TEMPLATE_FIELDS = [*REQUEST_FIELDS, "training.steps", "training.packing", "output.baseOutputDirectory",
+                   "training.learningRate", "output.compilationCache", "lora.rank", "model.name"]
+
+
+@pytest.mark.parametrize("field", TEMPLATE_FIELDS)
+def test_schema_refuses_in_a_models_template_what_the_server_refuses(helm, field):
+    *parents, leaf = field.split(".")
+    template = {leaf: "x"}
+    for parent in reversed(parents):
+        template = {parent: template}
+    try:
+        ModelOffer.model_validate({"template": template})
+        server_refuses = False
+    except ValidationError:
+        server_refuses = True
+    models = json.dumps({"m": {"template": template}})
+    refusal = helm.refusal(*api_values("team-a"), f"json:api.config.models={models}")
+    assert bool(refusal) == server_refuses, refusal
+    assert not refusal or f"/template/{field.replace('.', '/')}': false schema" in refusal, refusal
+
+
+def test_enabling_the_api_without_its_config_names_what_is_missing(helm):
+    refusal = helm.refusal("api.enabled=true")
+    assert "values don't meet the specifications of the schema" in refusal
+    assert all(f"at '/api/config/{field}'" in refusal for field in ("storage", "namespaces", "models")), refusal
+
+
+@pytest.mark.parametrize(
+    "value, complaint",
+    [
+        ("api.config.storage=", "at '/api/config/storage'"),
+        ("api.config.storage=s3://bucket/api", "at '/api/config/storage'"),
+        ("json:api.config.namespaces=[]", "at '/api/config/namespaces'"),
+        ('json:api.config.namespaces=["Team_A"]', "at '/api/config/namespaces/0'"),
+        ("json:api.config.models={}", "at '/api/config/models'"),
+        ('json:api.config.models={"m": {"ownedBy": "me"}}', "missing property 'template'"),
+        ("api.config.limits.lineErrors=5000", "at '/api/config/limits/lineErrors'"),
+        ("api.config.limits.fileBytes=0", "at '/api/config/limits/fileBytes'"),
+        ("api.config.limits.perHour=3", "'perHour' not allowed"),
+        ("api.config.colour=blue", "'colour' not allowed"),
+        ("api.service.type=ExternalName", "at '/api/service/type'"),
+        ("api.port=80", "at '/api/port'"),
+        ("api.tmpSizeLimit=lots", "at '/api/tmpSizeLimit'"),
+    ],
+)
+def test_bad_api_values_fail_with_the_field_named(helm, value, complaint):
+    refusal = helm.refusal(*api_values("team-a"), value)
+    assert "values don't meet the specifications of the schema" in refusal and complaint in refusal, refusal

@@ -4,7 +4,8 @@ token of that ServiceAccount, started with the arguments of the chart's Deployme
 
 The release is switched to `operator.watchNamespaces: [ship-rbac]` for this module, so the checks
 also cover the per-namespace bindings (allowed in the watched namespace, denied in any other);
-test_helm.py covers the cluster-wide rendering."""
+test_helm.py covers the cluster-wide rendering. The fine-tuning API server (`api.enabled`, serving
+ship-rbac) is on too: its ServiceAccount gets exactly the server's calls, in the served namespace only."""
 
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ import pytest
 import yaml
 
 from lorajob_devcluster.process import free_loopback_port
-from shipkit import CHART, FULLNAME, RELEASE, RELEASE_NAMESPACE, REPO, SERVICE_ACCOUNT
+from shipkit import (
+    API_FULLNAME, API_SERVICE_ACCOUNT, CHART, FULLNAME, RELEASE, RELEASE_NAMESPACE, REPO, SERVICE_ACCOUNT, api_values,
+    set_args,
+)
 
 pytestmark = pytest.mark.apiserver
 
@@ -83,9 +87,46 @@ NOT_ALLOWED = [
     ("impersonate", "serviceaccounts"),
 ]
 
+# The fine-tuning API server's calls (operator/lorajob_operator/openai_api/server.py, Cluster), in a served namespace.
+API_CALLS = [
+    ("get", "lorajobs.lorajob.dev"),  # a job
+    ("list", "lorajobs.lorajob.dev"),  # the jobs
+    ("create", "lorajobs.lorajob.dev"),  # a new job
+    ("patch", "lorajobs.lorajob.dev"),  # cancel, pause, resume
+    ("list", "events"),  # a job's events
+]
+API_CLUSTER_CALLS = [
+    ("create", "tokenreviews.authentication.k8s.io"),  # who the caller is (system:auth-delegator)
+    ("create", "subjectaccessreviews.authorization.k8s.io"),  # what the caller may do there
+    ("list", "lorajobpolicies.lorajob.dev"),  # the policies a request must meet
+]
+API_NAMESPACE_READ = ("get", "namespaces")  # the served namespaces' labels, by name (policies select on them)
+API_NOT_ALLOWED = [
+    ("list", "events.events.k8s.io"),  # it reads the core group's events only
+    ("delete", "lorajobs.lorajob.dev"),
+    ("deletecollection", "lorajobs.lorajob.dev"),
+    ("update", "lorajobs.lorajob.dev"),
+    ("watch", "lorajobs.lorajob.dev"),
+    ("patch", "lorajobs.lorajob.dev/status"),
+    ("get", "secrets"),
+    ("list", "secrets"),
+    ("get", "configmaps"),
+    ("create", "events"),
+    ("create", "pods"),
+    ("get", "pods/log"),
+    ("create", "jobsets.jobset.x-k8s.io"),
+    ("create", "lorajobpolicies.lorajob.dev"),
+    ("list", "namespaces"),
+    ("create", "serviceaccounts/token"),
+    ("impersonate", "users"),
+    ("impersonate", "serviceaccounts"),
+    ("create", "clusterrolebindings.rbac.authorization.k8s.io"),
+]
 
-def allowed(kube, verb: str, resource: str, namespace: str | None, name: str | None = None) -> bool:
-    """A SubjectAccessReview for the operator's ServiceAccount (no discovery: CRDs need not exist)."""
+
+def allowed(kube, verb: str, resource: str, namespace: str | None, name: str | None = None,
+            user: str = SERVICE_ACCOUNT) -> bool:
+    """A SubjectAccessReview for a ServiceAccount, the operator's by default (no discovery: CRDs need not exist)."""
     kind, _, subresource = resource.partition("/")
     plural, _, group = kind.partition(".")
     attributes = {"verb": verb, "group": group, "resource": plural}
@@ -96,8 +137,8 @@ def allowed(kube, verb: str, resource: str, namespace: str | None, name: str | N
         "apiVersion": "authorization.k8s.io/v1",
         "kind": "SubjectAccessReview",
         "spec": {
-            "user": SERVICE_ACCOUNT,
-            "groups": ["system:serviceaccounts", f"system:serviceaccounts:{RELEASE_NAMESPACE}", "system:authenticated"],
+            "user": user,
+            "groups": ["system:serviceaccounts", f"system:serviceaccounts:{user.split(':')[2]}", "system:authenticated"],
             "resourceAttributes": attributes,
         },
     }
@@ -110,7 +151,8 @@ def scoped_release(kube, installed_release):
     for namespace in (NAMESPACE, OTHER_NAMESPACE):
         kube.kubectl("create", "namespace", namespace, check=False)
     installed_release.run(
-        "upgrade", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE, "--set", f"operator.watchNamespaces={{{NAMESPACE}}}"
+        "upgrade", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
+        *set_args(f"operator.watchNamespaces={{{NAMESPACE}}}", *api_values(NAMESPACE)),
     )
     yield installed_release
     installed_release.run("upgrade", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE, "--reset-values")
@@ -140,10 +182,14 @@ def test_nothing_else_is_allowed(kube, scoped_release, verb, resource):
     assert not allowed(kube, verb, resource, NAMESPACE)
 
 
-def _granted(kube) -> set[tuple[str, str]]:
+OPERATOR_ROLES = [("clusterrole", f"{FULLNAME}-namespaced"), ("clusterrole", f"{FULLNAME}-cluster"),
+                  ("role", f"{FULLNAME}-leader", "-n", RELEASE_NAMESPACE)]
+API_ROLES = [("clusterrole", "system:auth-delegator"), ("clusterrole", API_FULLNAME), ("role", API_FULLNAME, "-n", NAMESPACE)]
+
+
+def _granted(kube, roles: list[tuple[str, ...]]) -> set[tuple[str, str]]:
+    """(verb, resource) of each rule of these roles (resourceNames aside)."""
     granted = set()
-    roles = [("clusterrole", f"{FULLNAME}-namespaced"), ("clusterrole", f"{FULLNAME}-cluster"),
-             ("role", f"{FULLNAME}-leader", "-n", RELEASE_NAMESPACE)]
     for kind, role, *where in roles:
         rules = json.loads(kube.kubectl("get", kind, role, *where, "-o", "json").stdout)["rules"]
         for rule in rules:
@@ -157,14 +203,54 @@ def _granted(kube) -> set[tuple[str, str]]:
 
 
 def test_the_roles_grant_exactly_the_operator_calls(kube, scoped_release):
-    assert _granted(kube) == set(OPERATOR_CALLS) | set(CLUSTER_CALLS) | set(LEASE_CALLS)
+    assert _granted(kube, OPERATOR_ROLES) == set(OPERATOR_CALLS) | set(CLUSTER_CALLS) | set(LEASE_CALLS)
 
 
 def test_no_role_of_the_chart_can_read_secrets(kube, scoped_release):
-    reaching = {(verb, resource) for verb, resource in _granted(kube) if resource in ("secrets", "*") or verb == "*"}
+    granted = _granted(kube, OPERATOR_ROLES + API_ROLES)
+    reaching = {(verb, resource) for verb, resource in granted if resource in ("secrets", "*") or verb == "*"}
     assert reaching == set()
-    for namespace in (NAMESPACE, OTHER_NAMESPACE, None):
-        assert not any(allowed(kube, verb, "secrets", namespace) for verb in ("get", "list", "watch"))
+    for user in (SERVICE_ACCOUNT, API_SERVICE_ACCOUNT):
+        for namespace in (NAMESPACE, OTHER_NAMESPACE, None):
+            assert not any(allowed(kube, verb, "secrets", namespace, user=user) for verb in ("get", "list", "watch"))
+
+
+# --- The fine-tuning API server's ServiceAccount ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("verb, resource", API_CALLS, ids=lambda v: str(v))
+def test_api_calls_are_allowed_in_served_namespaces_only(kube, scoped_release, verb, resource):
+    assert allowed(kube, verb, resource, NAMESPACE, user=API_SERVICE_ACCOUNT)
+    assert not allowed(kube, verb, resource, OTHER_NAMESPACE, user=API_SERVICE_ACCOUNT)
+
+
+@pytest.mark.parametrize("verb, resource", API_CLUSTER_CALLS, ids=lambda v: str(v))
+def test_api_cluster_scoped_calls_are_allowed(kube, scoped_release, verb, resource):
+    assert allowed(kube, verb, resource, None, user=API_SERVICE_ACCOUNT)
+
+
+def test_api_reads_the_served_namespaces_only(kube, scoped_release):
+    verb, resource = API_NAMESPACE_READ
+    assert allowed(kube, verb, resource, None, name=NAMESPACE, user=API_SERVICE_ACCOUNT)
+    assert not allowed(kube, verb, resource, None, name=OTHER_NAMESPACE, user=API_SERVICE_ACCOUNT)
+    assert not allowed(kube, verb, resource, None, name=RELEASE_NAMESPACE, user=API_SERVICE_ACCOUNT)
+
+
+@pytest.mark.parametrize("verb, resource", API_NOT_ALLOWED, ids=lambda v: str(v))
+def test_api_may_do_nothing_else(kube, scoped_release, verb, resource):
+    for namespace in (NAMESPACE, None):
+        assert not allowed(kube, verb, resource, namespace, user=API_SERVICE_ACCOUNT)
+
+
+def test_the_api_roles_grant_exactly_the_servers_calls(kube, scoped_release):
+    assert _granted(kube, API_ROLES) == set(API_CALLS) | set(API_CLUSTER_CALLS) | {API_NAMESPACE_READ}
+
+
+def test_the_release_notes_say_how_to_reach_the_api(scoped_release):
+    notes = scoped_release.run("get", "notes", RELEASE, "--namespace", RELEASE_NAMESPACE).stdout
+    assert f"kubectl -n {RELEASE_NAMESPACE} port-forward svc/{API_FULLNAME} 8080:80" in notes
+    assert f"kubectl create token SERVICE_ACCOUNT -n {NAMESPACE}" in notes
+    assert f'OpenAI(base_url="http://localhost:8080/v1", api_key=os.environ["OPENAI_API_KEY"], project="{NAMESPACE}")' in notes
 
 
 # --- The operator itself, with the ServiceAccount's identity ------------------------------------------
@@ -194,7 +280,7 @@ def _healthy(port: int) -> bool:
 
 def _deployment_args(release) -> list[str]:
     manifest = release.run("get", "manifest", RELEASE, "--namespace", RELEASE_NAMESPACE).stdout
-    (deployment,) = [d for d in yaml.safe_load_all(manifest) if d and d["kind"] == "Deployment"]
+    (deployment,) = [d for d in yaml.safe_load_all(manifest) if d and d["kind"] == "Deployment" and d["metadata"]["name"] == FULLNAME]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     # The one variable the downward API fills is the replica's name in the Lease (the pod's name).
     return container["args"], {e["name"]: e.get("value", "operator-under-test") for e in container.get("env", [])}

@@ -32,3 +32,33 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "lorajob.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
+
+{{/* The fine-tuning API server (api.*): its objects' name, and its pods' labels, which the operator's selector
+(lorajob.selectorLabels) must not match. */}}
+{{- define "lorajob.api.fullname" -}}
+{{- printf "%s-api" (include "lorajob.fullname" .) -}}
+{{- end -}}
+
+{{- define "lorajob.api.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}-api
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "lorajob.api.labels" -}}
+{{ include "lorajob.labels" . }}
+app.kubernetes.io/component: api
+{{- end -}}
+
+{{- define "lorajob.api.serviceAccountName" -}}
+{{- if .Values.api.serviceAccount.create -}}
+{{- default (include "lorajob.api.fullname" .) .Values.api.serviceAccount.name -}}
+{{- else -}}
+{{- required "api.serviceAccount.name is required when api.serviceAccount.create is false" .Values.api.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The server's config file (operator/lorajob_operator/openai_api/config.py, ServerConfig): the ConfigMap's
+config.yaml, and the checksum on the pods that rolls them when it changes. */}}
+{{- define "lorajob.api.config" -}}
+{{- toYaml .Values.api.config -}}
+{{- end -}}
