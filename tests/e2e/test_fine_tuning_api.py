@@ -43,11 +43,36 @@ def other_namespace(sim_cluster, namespace):
 
 
 @pytest.fixture
-def api_server(sim_cluster, namespace, other_namespace, assets, tmp_path):
-    config = {"storage": str(tmp_path / "api-storage"), "namespaces": [namespace, other_namespace],
-              "models": {MODEL: localjob.fine_tuning_offer(assets)}, "limits": {"lineErrors": 3}}
-    with ApiServerProcess(sim_cluster.kubeconfig, config, tmp_path) as server:
-        yield server
+def serve(sim_cluster, namespace, other_namespace, assets, tmp_path):
+    """Starts the API server for both namespaces with `limits`; stopped at the end."""
+    started = []
+
+    def start(limits: dict) -> ApiServerProcess:
+        config = {"storage": str(tmp_path / "api-storage"), "namespaces": [namespace, other_namespace],
+                  "models": {MODEL: localjob.fine_tuning_offer(assets)}, "limits": limits}
+        started.append(ApiServerProcess(sim_cluster.kubeconfig, config, tmp_path).start())
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def api_server(serve) -> ApiServerProcess:
+    return serve({"lineErrors": 3})
+
+
+@pytest.fixture
+def small_chips_policy(sim_cluster, other_namespace):
+    """A LoRAJobPolicy allowing the second namespace's LoRAJobs 4 TPU chips (the model's template takes 8)."""
+    name = f"{other_namespace}-chips"
+    sim_cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "lorajob.dev/v1alpha1", "kind": "LoRAJobPolicy", "metadata": {"name": name},
+        "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": other_namespace}},
+                 "tpu": {"maxChipsPerJob": 4}}}))
+    yield name
+    sim_cluster.kubectl("delete", "lorajobpolicies.lorajob.dev", name)
 
 
 def client(server: ApiServerProcess, token: str, project: str | None = None) -> openai.OpenAI:
@@ -55,7 +80,7 @@ def client(server: ApiServerProcess, token: str, project: str | None = None) -> 
 
 
 def test_the_openai_client_trains_a_lorajob_cancels_another_gets_the_apis_errors_and_tenants_stay_apart(
-    sim_cluster, namespace, other_namespace, api_server, start_operator
+    sim_cluster, namespace, other_namespace, api_server, start_operator, small_chips_policy
 ):
     alice = client(api_server, sim_cluster.plane.service_account_token(namespace, "alice", [TENANT_ROLE]))
     bob = client(api_server, sim_cluster.plane.service_account_token(other_namespace, "bob", [TENANT_ROLE]))
@@ -68,7 +93,7 @@ def test_the_openai_client_trains_a_lorajob_cancels_another_gets_the_apis_errors
         len(chat_lines(demo.arithmetic_rows(64))), "fine-tune", "train.jsonl")
     assert {f.id for f in alice.files.list()} == {training.id, validation.id}
 
-    assert_refused_without_a_trace(api_server, alice, bob, other_namespace, lorajobs, training.id)
+    assert_refused_without_a_trace(api_server, alice, bob, other_namespace, lorajobs, training.id, small_chips_policy)
 
     job = alice.fine_tuning.jobs.create(
         model=MODEL, training_file=training.id, validation_file=validation.id, suffix="sums", seed=7,
@@ -118,7 +143,8 @@ def test_the_openai_client_trains_a_lorajob_cancels_another_gets_the_apis_errors
     assert [e.id for e in older] == [e.id for e in events[2:4]], "paged by after"
 
 
-def assert_refused_without_a_trace(server, alice, bob, bobs_namespace: str, lorajobs, training_id: str) -> None:
+def assert_refused_without_a_trace(server, alice, bob, bobs_namespace: str, lorajobs, training_id: str,
+                                   policy: str) -> None:
     """Bad input and bad credentials get the API's errors, and no LoRAJob comes of them."""
     with pytest.raises(openai.BadRequestError) as malformed:
         alice.files.create(file=("bad.jsonl", b'{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n'
@@ -145,6 +171,10 @@ def assert_refused_without_a_trace(server, alice, bob, bobs_namespace: str, lora
     bobs_file = bob.files.create(file=("b.jsonl", chat_lines(demo.arithmetic_rows(4))), purpose="fine-tune")
     with pytest.raises(openai.BadRequestError, match="no such file in project"):
         alice.fine_tuning.jobs.create(model=MODEL, training_file=bobs_file.id)
+    with pytest.raises(openai.BadRequestError, match=f"refused by policy: {policy}: .*4") as refused:
+        bob.fine_tuning.jobs.create(model=MODEL, training_file=bobs_file.id)
+    assert refused.value.code == "policy_violation"
+    assert not Lorajobs(lorajobs.cluster, bobs_namespace).kubectl("get", "lorajobs.lorajob.dev", "-o", "name").stdout.strip()
 
     with pytest.raises(openai.AuthenticationError):
         client(server, "not-a-token").fine_tuning.jobs.list()
@@ -162,3 +192,19 @@ def assert_tenants_apart(alice, bob, job_id: str, file_id: str) -> None:
         bob.fine_tuning.jobs.cancel(job_id)
     assert job_id not in {j.id for j in bob.fine_tuning.jobs.list().data}
     assert file_id not in {f.id for f in bob.files.list().data}
+
+
+def test_a_namespace_past_its_limits_gets_the_apis_errors(sim_cluster, namespace, serve):
+    server = serve({"requestsPerMinute": 4, "fileBytes": 1000})
+    alice = client(server, sim_cluster.plane.service_account_token(namespace, "alice", [TENANT_ROLE]))
+    with pytest.raises(openai.BadRequestError, match="larger than this API's limit of 1000 bytes") as refused:
+        alice.files.create(file=("big.jsonl", chat_lines(demo.arithmetic_rows(100))), purpose="fine-tune")
+    assert refused.value.param == "file"
+    with pytest.raises(openai.BadRequestError, match="purpose must be 'fine-tune'"):
+        alice.files.create(file=("a.jsonl", chat_lines(demo.arithmetic_rows(1))), purpose="batch")
+    listed = 0
+    with pytest.raises(openai.RateLimitError, match="over its limit of 4 requests a minute"):
+        while listed < 10:
+            assert alice.fine_tuning.jobs.list().data == []
+            listed += 1
+    assert 2 <= listed <= 3, "4 requests in all (a fifth where the bucket refilled one, 15 s on)"

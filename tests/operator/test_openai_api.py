@@ -13,7 +13,7 @@ from lorajob_operator import validation
 from lorajob_operator.openai_api import jobs
 from lorajob_operator.openai_api.config import ModelOffer, ServerConfig
 from lorajob_operator.openai_api.files import StoredFile, UploadCheck, UploadRefused, paginate
-from lorajob_operator.openai_api.server import RateLimits
+from lorajob_operator.openai_api.server import RateLimits, ReviewCache
 from lorajob_trainer.contract.rows import to_messages, to_preference_messages
 
 TEMPLATE = {
@@ -230,3 +230,23 @@ def test_the_jobs_end_is_its_newest_event_even_beside_an_event_of_the_same_secon
     events = jobs.job_events(obj, kube)
     assert events[0]["message"] == "The job has successfully completed: ft:qwen3-4b:team-a:sums:ftjob-abc"
     assert [e["created_at"] for e in events] == sorted((e["created_at"] for e in events), reverse=True)
+
+
+def test_review_answers_are_reused_for_their_time_and_the_oldest_go_past_the_bound():
+    asked = []
+
+    def ask(key):
+        return lambda: asked.append(key) or f"answer {key}"
+
+    kept = ReviewCache(seconds=60, size=2)
+    assert [kept.get((k,), ask(k)) for k in ("a", "a", "b", "c", "a")] == ["answer a"] * 2 + ["answer b", "answer c", "answer a"]
+    assert asked == ["a", "b", "c", "a"], "a was the oldest when c came"
+    expired = ReviewCache(seconds=0)
+    expired.get(("a",), ask("a")), expired.get(("a",), ask("a"))
+    assert asked[-2:] == ["a", "a"]
+
+
+def test_jobs_of_the_same_second_list_in_the_order_they_were_created():
+    first, second = lorajob(), lorajob()
+    second["metadata"]["name"] = "ftjob-aaa"  # sorts before the first's name
+    assert [o["metadata"]["name"] for o in jobs.newest_first([first, second])] == ["ftjob-aaa", "ftjob-abc"]

@@ -347,6 +347,13 @@ def test_base_quantization_reaches_the_trainer():
     assert step_commands.train_config(parsed(lorajob()), "r").lora.base_quantization == "none"
 
 
+def test_packing_and_the_seed_reach_the_trainer():
+    config = step_commands.train_config(parsed(lorajob(spec=spec_dict(training={"steps": 10, "packing": False, "seed": 7}))), "r")
+    assert (config.packing, config.seed, config.data_shuffle_seed) == (False, 7, 7)
+    default = step_commands.train_config(parsed(lorajob()), "r")
+    assert (default.packing, default.seed, default.data_shuffle_seed) == (True, 0, 0)
+
+
 def test_eval_interval_is_its_own_setting_and_defaults_to_the_checkpoint_period():
     dataset = {"name": "openai/gsm8k", "dataDir": "main", "columns": ["question", "answer"], "evalSplit": "test"}
     own = parsed(lorajob(spec=spec_dict(dataset=dataset, training={"steps": 20, "checkpointPeriod": 10, "evalInterval": 4})))

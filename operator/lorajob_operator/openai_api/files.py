@@ -17,7 +17,6 @@ import posixpath
 import secrets
 import string
 import time
-from collections.abc import Iterator
 from typing import IO, Any
 
 import fsspec
@@ -235,6 +234,11 @@ class FileStore:
     def job_folder(self, namespace: str, job_id: str) -> str:
         return posixpath.join(self.root, namespace, "jobs", job_id)
 
+    def remove_job_folder(self, folder: str) -> None:
+        """A job's folder whose LoRAJob was never created."""
+        if self.fs.exists(folder):
+            self.fs.rm(folder, recursive=True)
+
 
 def paginate(items: list[Any], after: str | None, limit: int, key=lambda item: item["id"]) -> tuple[list[Any], bool]:
     """The page after the item whose id is `after` (from the start when None), and whether more follow."""
@@ -244,7 +248,3 @@ def paginate(items: list[Any], after: str | None, limit: int, key=lambda item: i
     page = items[start:start + limit]
     return page, start + limit < len(items)
 
-
-def iter_chunks(stream: IO[bytes], size: int = 1 << 20) -> Iterator[bytes]:
-    while chunk := stream.read(size):
-        yield chunk

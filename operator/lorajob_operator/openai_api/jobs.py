@@ -7,6 +7,7 @@ import copy
 import hashlib
 import json
 import math
+import time
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -213,7 +214,7 @@ def build_lorajob(request: CreateJob, offer: ModelOffer, *, job_id: str, namespa
                             **({"lora_alpha": chosen.lora_alpha} if chosen.lora_alpha is not None else {})},
         "suffix": request.suffix, "seed": request.seed if request.seed is not None else training_spec.get("seed", 0),
         "metadata": request.metadata, "integrations": [i.model_dump(exclude_none=True) for i in request.integrations],
-        "user": user,
+        "user": user, "created": time.time(),
     }
     return {
         "apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND,
@@ -232,6 +233,12 @@ def _seconds(timestamp: str | None) -> int | None:
 
 def request_of(obj: dict) -> dict[str, Any]:
     return json.loads(obj["metadata"].get("annotations", {}).get(REQUEST_ANNOTATION, "{}"))
+
+
+def newest_first(objects: list[dict]) -> list[dict]:
+    """The API's jobs by creation, newest first (to the request's own sub-second time: the object's creationTimestamp
+    counts whole seconds)."""
+    return sorted(objects, key=lambda o: (request_of(o).get("created", 0), o["metadata"]["name"]), reverse=True)
 
 
 def cancelled_at(obj: dict) -> int | None:

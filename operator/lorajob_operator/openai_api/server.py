@@ -10,10 +10,14 @@ acts with its own service account, whose RBAC covers only the served namespaces.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import tempfile
+import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +25,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from lorajob_operator import api, policy, validation
+from lorajob_operator import api, policy
 from lorajob_operator.openai_api import jobs
 from lorajob_operator.openai_api.config import ServerConfig
 from lorajob_operator.openai_api.files import PURPOSE, FileStore, UploadCheck, UploadRefused, new_id, paginate
@@ -35,6 +39,8 @@ SERVICE_ACCOUNT_PREFIX = "system:serviceaccount:"
 JSON_BODY_MAX = 1 << 20
 UPLOAD_CHUNK = 1 << 20
 LIST_LIMIT_MAX = 100
+REVIEW_SECONDS = 10.0
+"""How long a TokenReview's or SubjectAccessReview's answer is reused."""
 
 
 class ApiError(Exception):
@@ -60,15 +66,20 @@ class Caller:
 class Cluster:
     """The server's Kubernetes calls (blocking; the handlers run them in threads)."""
 
-    def __init__(self):
+    def __init__(self, review_seconds: float = REVIEW_SECONDS):
         from kubernetes import client
 
         self.kube = Client()
         self.custom, self.core = self.kube.custom, self.kube.core
         self.authn, self.authz = client.AuthenticationV1Api(), client.AuthorizationV1Api()
         self.models = client
+        self.reviews = ReviewCache(review_seconds)
 
     def review_token(self, token: str) -> dict[str, Any] | None:
+        key = ("token", hashlib.sha256(token.encode()).hexdigest())
+        return self.reviews.get(key, lambda: self._review_token(token))
+
+    def _review_token(self, token: str) -> dict[str, Any] | None:
         review = self.authn.create_token_review(self.models.V1TokenReview(spec=self.models.V1TokenReviewSpec(token=token)))
         if not review.status.authenticated:
             return None
@@ -76,6 +87,10 @@ class Cluster:
         return {"username": user.username, "uid": user.uid, "groups": user.groups, "extra": user.extra}
 
     def allowed(self, user: dict[str, Any], namespace: str, verb: str) -> bool:
+        key = ("access", user["username"], user["uid"], tuple(user["groups"] or ()), namespace, verb)
+        return self.reviews.get(key, lambda: self._allowed(user, namespace, verb))
+
+    def _allowed(self, user: dict[str, Any], namespace: str, verb: str) -> bool:
         attributes = self.models.V1ResourceAttributes(namespace=namespace, verb=verb, group=api.GROUP, resource=api.PLURAL)
         spec = self.models.V1SubjectAccessReviewSpec(user=user["username"], uid=user["uid"], groups=user["groups"],
                                                      extra=user["extra"], resource_attributes=attributes)
@@ -97,8 +112,9 @@ class Cluster:
                                                            label_selector=f"{jobs.JOB_LABEL}=true")
         return listing["items"]
 
-    def create(self, namespace: str, body: dict) -> dict:
-        return self.custom.create_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, body)
+    def create(self, namespace: str, body: dict, dry_run: bool = False) -> dict:
+        return self.custom.create_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, body,
+                                                          **({"dry_run": "All"} if dry_run else {}))
 
     def patch(self, namespace: str, name: str, patch: dict) -> dict:
         return self.custom.patch_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, name, patch)
@@ -107,9 +123,36 @@ class Cluster:
         return self.kube.events(namespace, name)
 
     def policies_and_labels(self, namespace: str) -> tuple[list[policy.LoRAJobPolicy], dict[str, str]]:
-        listing = self.custom.list_cluster_custom_object(api.GROUP, api.VERSION, policy.PLURAL)
+        # From the API server's watch cache (resourceVersion 0): a consistent list would wait for that cache to
+        # catch up with the last write, tens of milliseconds after a create. The operator and the admission policy
+        # apply the policies again; this check only answers early.
+        listing = self.custom.list_cluster_custom_object(api.GROUP, api.VERSION, policy.PLURAL, resource_version="0")
         labels = self.core.read_namespace(namespace).metadata.labels or {}
         return [policy.LoRAJobPolicy.from_object(obj) for obj in listing["items"]], labels
+
+
+class ReviewCache:
+    """TokenReview and SubjectAccessReview answers, kept `seconds` (as the API server's own webhook authorizer keeps
+    its answers): a revoked token or role takes effect within that time. Bounded: the oldest answers go first."""
+
+    def __init__(self, seconds: float, size: int = 10_000):
+        self.seconds, self.size = seconds, size
+        self.answers: OrderedDict[tuple, tuple[float, Any]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key: tuple, ask: Callable[[], Any]) -> Any:
+        now = time.monotonic()
+        with self.lock:
+            kept = self.answers.get(key)
+        if kept is not None and kept[0] > now:
+            return kept[1]
+        answer = ask()
+        with self.lock:
+            self.answers[key] = (now + self.seconds, answer)
+            self.answers.move_to_end(key)
+            while len(self.answers) > self.size:
+                self.answers.popitem(last=False)
+        return answer
 
 
 @dataclass
@@ -308,33 +351,35 @@ class FineTuningApi:
                                   outputs=self.store.url(f"{folder}/runs"))
         await self._admissible(caller.namespace, body)
         await asyncio.to_thread(self._write_dataset, caller.namespace, folder, files)
-        created = await asyncio.to_thread(self._create, caller.namespace, body)
+        try:
+            created = await asyncio.to_thread(self._create, caller.namespace, body)
+        except BaseException:
+            await asyncio.to_thread(self.store.remove_job_folder, folder)
+            raise
         log.info("%s created LoRAJob %s/%s", caller.user["username"], caller.namespace, job_id)
         return web.json_response(jobs.job_object(created))
 
     async def _admissible(self, namespace: str, body: dict) -> None:
-        """The LoRAJob passes the API server's rules and the namespace's LoRAJobPolicies, or the request is refused
-        with their messages before anything is written."""
-        errors = validation.validate(body)
-        if errors:
-            raise ApiError(400, "the job's LoRAJob would be refused: " + "; ".join(map(str, errors)), code="invalid_job")
+        """The LoRAJob passes the namespace's LoRAJobPolicies and the API server's own rules (a dry run: the CRD's
+        rules and any admission policy), or the request is refused with their messages before anything is written."""
         spec = api.LoRAJobSpec.model_validate(body["spec"])
         policies, labels = await asyncio.to_thread(self.cluster.policies_and_labels, namespace)
         violations = policy.violations(policies, labels, spec)
         if violations:
             raise ApiError(400, "refused by policy: " + "; ".join(f"{v.policy}: {v.message}" for v in violations),
                            code="policy_violation")
+        await asyncio.to_thread(self._create, namespace, body, True)
 
     def _write_dataset(self, namespace: str, folder: str, files: dict) -> None:
         for param, split in (("training_file", "train"), ("validation_file", "test")):
             if files.get(param) is not None:
                 self.store.copy_to(namespace, files[param].id, f"{folder}/data/{split}.jsonl")
 
-    def _create(self, namespace: str, body: dict) -> dict:
+    def _create(self, namespace: str, body: dict, dry_run: bool = False) -> dict:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            return self.cluster.create(namespace, body)
+            return self.cluster.create(namespace, body, dry_run)
         except ApiException as error:
             if error.status in (400, 403, 422):  # admission: the CRD's rules, a ValidatingAdmissionPolicy, quota
                 message = json.loads(error.body or "{}").get("message", error.reason)
@@ -354,8 +399,7 @@ class FineTuningApi:
     async def list_jobs(self, request: web.Request) -> web.Response:
         caller = await self._caller(request, "list")
         items = await asyncio.to_thread(self.cluster.lorajobs, caller.namespace)
-        items.sort(key=lambda o: (o["metadata"]["creationTimestamp"], o["metadata"]["name"]), reverse=True)
-        return self._page(request, [jobs.job_object(o) for o in items], default_limit=20)
+        return self._page(request, [jobs.job_object(o) for o in jobs.newest_first(items)], default_limit=20)
 
     async def retrieve_job(self, request: web.Request) -> web.Response:
         _, obj = await self._job(request, "get")
