@@ -165,15 +165,21 @@ class ControlPlane:
         apiserver.wait_until(self.ready_probes[apiserver.name], STARTUP_TIMEOUT_SECONDS, "ready")
 
     def _write_kubeconfig(self) -> None:
+        self.write_kubeconfig(self.kubeconfig, {"client-certificate": str(self.pki.admin.cert),
+                                                "client-key": str(self.pki.admin.key)})
+
+    def write_kubeconfig(self, path: Path, user: dict[str, str]) -> Path:
+        """A kubeconfig for this API server as `user` (kubeconfig user fields: a client certificate, or a token)."""
         config = {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{"name": "lorajob-dev", "cluster": {"server": self.server, "certificate-authority": str(self.pki.ca.cert)}}],
-            "users": [{"name": "admin", "user": {"client-certificate": str(self.pki.admin.cert), "client-key": str(self.pki.admin.key)}}],
-            "contexts": [{"name": "lorajob-dev", "context": {"cluster": "lorajob-dev", "user": "admin"}}],
+            "users": [{"name": "user", "user": user}],
+            "contexts": [{"name": "lorajob-dev", "context": {"cluster": "lorajob-dev", "user": "user"}}],
             "current-context": "lorajob-dev",
         }
-        self.kubeconfig.write_text(yaml.safe_dump(config))
+        path.write_text(yaml.safe_dump(config))
+        return path
 
     def restart(self, name: str, crash: bool = True) -> float:
         """Stop component `name` (SIGKILL when `crash`, else SIGTERM) and start it again with the same

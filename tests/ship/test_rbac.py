@@ -256,18 +256,10 @@ def test_the_release_notes_say_how_to_reach_the_api(scoped_release):
 # --- The operator itself, with the ServiceAccount's identity ------------------------------------------
 
 
-def _service_account_kubeconfig(kube, path: Path) -> Path:
-    token = kube.kubectl("create", "token", FULLNAME, "-n", RELEASE_NAMESPACE, "--duration=1h").stdout.strip()
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "dev", "cluster": {"server": kube.server, "certificate-authority": str(kube.pki.ca.cert)}}],
-        "users": [{"name": "operator", "user": {"token": token}}],
-        "contexts": [{"name": "operator", "context": {"cluster": "dev", "user": "operator"}}],
-        "current-context": "operator",
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
+def _service_account_kubeconfig(kube, path: Path, account: str = FULLNAME) -> Path:
+    """A kubeconfig holding a token of the release's ServiceAccount `account` (the operator's by default)."""
+    token = kube.kubectl("create", "token", account, "-n", RELEASE_NAMESPACE, "--duration=1h").stdout.strip()
+    return kube.write_kubeconfig(path, {"token": token})
 
 
 def _healthy(port: int) -> bool:
@@ -365,3 +357,33 @@ def test_operator_creates_the_first_step_with_only_the_charts_permissions(sim_cl
         assert "Forbidden" not in text and " 403" not in text, text[-4000:]
     finally:
         kube.kubectl("delete", "lorajob", "rbac-chain", "-n", NAMESPACE, "--wait=false", check=False)
+
+
+def test_the_api_server_serves_a_tenant_with_only_the_charts_permissions(kube, scoped_release, tmp_path):
+    """`lorajob api` as the chart's API ServiceAccount: every call a tenant's requests make succeeds with the chart's
+    grants (a Forbidden from the API server would be a 500 here), and an unserved namespace stays refused."""
+    import openai
+
+    from lorajob_operator.local import ApiServerProcess
+
+    kubeconfig = _service_account_kubeconfig(kube, tmp_path / "kubeconfig", API_FULLNAME)
+    (values,) = [v for v in api_values(NAMESPACE) if v.startswith("json:api.config=")]
+    config = json.loads(values.removeprefix("json:api.config=")) | {"storage": str(tmp_path / "storage")}
+    tenant = kube.service_account_token(NAMESPACE, "ship-tenant", [
+        {"apiGroups": ["lorajob.dev"], "resources": ["lorajobs"], "verbs": ["get", "list", "create", "patch"]}])
+    with ApiServerProcess(kubeconfig, config, tmp_path) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=tenant, max_retries=0)  # project: its namespace
+        line = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+        training = client.files.create(file=("t.jsonl", (json.dumps(line) + "\n").encode() * 8), purpose="fine-tune")
+        job = client.fine_tuning.jobs.create(model="qwen3-0.6b", training_file=training.id)
+        assert kube.kubectl("get", "lorajob", job.id, "-n", NAMESPACE, "-o", "name").stdout.strip()
+        assert client.fine_tuning.jobs.retrieve(job.id).status == "validating_files"
+        assert [j.id for j in client.fine_tuning.jobs.list().data] == [job.id]
+        assert client.fine_tuning.jobs.list_events(job.id).data[-1].message == "Created fine-tuning job"
+        assert client.fine_tuning.jobs.checkpoints.list(job.id).data == []
+        assert client.fine_tuning.jobs.cancel(job.id).status == "cancelled"
+        with pytest.raises(openai.PermissionDeniedError, match="not served"):
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key=tenant, project=OTHER_NAMESPACE,
+                          max_retries=0).fine_tuning.jobs.list()
+        log = server.log_path.read_text()
+        assert "Forbidden" not in log and " 500 " not in log, log[-4000:]
