@@ -6,13 +6,14 @@ from __future__ import annotations
 import io
 import json
 
+import fsspec
 import pytest
 from pydantic import ValidationError
 
 from lorajob_operator import validation
 from lorajob_operator.openai_api import jobs
 from lorajob_operator.openai_api.config import ModelOffer, ServerConfig
-from lorajob_operator.openai_api.files import StoredFile, UploadCheck, UploadRefused, paginate
+from lorajob_operator.openai_api.files import FileStore, StoredFile, UploadCheck, UploadRefused, paginate
 from lorajob_operator.openai_api.server import RateLimits, ReviewCache
 from lorajob_trainer.contract.rows import to_messages, to_preference_messages
 
@@ -250,3 +251,44 @@ def test_jobs_of_the_same_second_list_in_the_order_they_were_created():
     first, second = lorajob(), lorajob()
     second["metadata"]["name"] = "ftjob-aaa"  # sorts before the first's name
     assert [o["metadata"]["name"] for o in jobs.newest_first([first, second])] == ["ftjob-aaa", "ftjob-abc"]
+
+
+@pytest.fixture(params=["folder", "memory"])
+def store(request, tmp_path) -> FileStore:
+    """A store in a local folder and one behind an fsspec URL (as gs:// is)."""
+    if request.param == "folder":
+        yield FileStore(str(tmp_path / "storage"))
+        return
+    root = f"memory://lorajob-api-{tmp_path.name}"
+    yield FileStore(root)
+    fsspec.filesystem("memory").rm(root.removeprefix("memory:/"), recursive=True)
+
+
+def test_the_store_keeps_each_namespaces_files_apart_and_copies_a_jobs_dataset(store, tmp_path):
+    spooled = tmp_path / "spooled.jsonl"
+    with spooled.open("wb") as sink:
+        upload = UploadCheck(sink, max_bytes=10_000, max_lines=100, errors_listed=3)
+        upload.feed((json.dumps(CHAT) + "\n").encode() * 3)
+        upload.finish()
+    first = store.put("team-a", str(spooled), "train.jsonl", upload)
+    second = store.put("team-a", str(spooled), "valid.jsonl", upload)
+    assert (first.lines, first.layout, first.bytes) == (3, "chat", upload.bytes)
+    assert [f.id for f in store.list("team-a")][0] in (first.id, second.id) and len(store.list("team-a")) == 2
+    assert store.get("team-b", first.id) is None and store.list("team-b") == []
+    assert store.get("team-a", "file-../../etc") is None
+
+    folder = store.job_folder("team-a", "ftjob-x")
+    store.copy_to("team-a", first.id, f"{folder}/data/train.jsonl")
+    with store.fs.open(f"{folder}/data/train.jsonl") as copied:
+        assert [json.loads(line) for line in copied.read().splitlines()] == [CHAT] * 3
+    assert store.url(folder).endswith("team-a/jobs/ftjob-x") and store.url(folder).startswith(("memory://", "/"))
+    store.remove_job_folder(folder)
+    assert not store.fs.exists(folder)
+    store.delete("team-a", first.id)
+    assert [f.id for f in store.list("team-a")] == [second.id]
+
+
+@pytest.mark.parametrize("text, valid", [("ftjob-abc123", True), ("ftjob-", False), ("ftjob-..", False),
+                                         ("ftjob-a/b", False), ("ftjob-ABC", False), ("x-abc", False)])
+def test_only_a_name_the_api_gives_is_a_job_id(text, valid):
+    assert jobs.is_job_id(text) is valid

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import posixpath
+import re
 import secrets
 import string
 import time
@@ -208,7 +209,7 @@ class FileStore:
         return stored
 
     def get(self, namespace: str, file_id: str) -> StoredFile | None:
-        if not file_id.startswith("file-") or not file_id[5:].isalnum():
+        if re.fullmatch(r"file-[a-z0-9]{1,64}", file_id) is None:  # never a path outside the namespace's folder
             return None
         try:
             with self.fs.open(posixpath.join(self._folder(namespace), f"{file_id}.json")) as stream:

@@ -7,6 +7,7 @@ import copy
 import hashlib
 import json
 import math
+import re
 import time
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -26,10 +27,16 @@ CANCELLED_ANNOTATION = "fine-tuning.lorajob.dev/cancelled-at"
 JOB_ID_PREFIX = "ftjob-"
 JOB_ID_RANDOM = 14
 """ftjob- and 14 characters: 20, within the run-name limit of every backend (names.PATHWAYS_NAME_MAX)."""
+JOB_ID = re.compile(f"{JOB_ID_PREFIX}[a-z0-9]{{1,{api.DNS_LABEL_MAX - len(JOB_ID_PREFIX)}}}")
 AUTO_EPOCHS = 3
 SUFFIX_MAX = 64
 METADATA_PAIRS = 16
 MAX_EPOCHS = 50
+
+
+def is_job_id(text: str) -> bool:
+    """A name the API could have given a job (anything else is no job, and never reaches a Kubernetes path)."""
+    return JOB_ID.fullmatch(text) is not None
 
 
 class _Strict(BaseModel):

@@ -390,7 +390,7 @@ class FineTuningApi:
         caller = await self._caller(request, verb)
         job_id = request.match_info["job_id"]
         obj = None
-        if job_id.startswith(jobs.JOB_ID_PREFIX) and len(job_id) <= api.DNS_LABEL_MAX:
+        if jobs.is_job_id(job_id):
             obj = await asyncio.to_thread(self.cluster.lorajob, caller.namespace, job_id)
         if obj is None:
             raise not_found("fine-tuning job")
