@@ -2,6 +2,7 @@
 
     python scripts/demo.py [--out DIR] [--steps N] [--timeout SECONDS]
     python scripts/demo.py --fast          # kwok-only: the tutorial's LoRAJob on fake pods (~10 s)
+    python scripts/demo.py --api           # the same fine-tune through the OpenAI fine-tuning API (`lorajob api`)
 
 Starts etcd, kube-apiserver, KCM, kube-scheduler, kwok (fake v6e and CPU nodes), the pod runner,
 JobSet and Kueue on loopback (lorajob_devcluster; binaries are built on first use) and runs
@@ -14,6 +15,9 @@ PEFT adapter and the curve are, and the evaluation the train step ran after its 
 against adapter on the eval prompts (score, stop rate, samples side by side), which gates the export. The run reports
 to a real MLflow tracking server started beside the cluster (DIR/mlflow; spec.tracking.mlflow): the demo prints its
 URL and the run's. `--fast` applies examples/qwen3-gsm8k.yaml instead, whose pods kwok plays (nothing is trained).
+`--api` starts `lorajob api` beside the operator and runs examples/fine_tuning_api.py, an OpenAI-client script, with
+a tenant's token: it uploads the dataset as chat JSONL, creates the job (a LoRAJob) and prints its events until the
+fine-tuned model is ready.
 """
 
 from __future__ import annotations
@@ -98,6 +102,7 @@ def _report(assets, run: str, out: Path, mlflow) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fast", action="store_true", help="kwok-only: fake pods, nothing is trained")
+    parser.add_argument("--api", action="store_true", help="fine-tune through the OpenAI fine-tuning API instead")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "out" / "demo", help="model, data and outputs")
     parser.add_argument("--steps", type=int, default=30, help="training steps")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the LoRAJob to finish")
@@ -105,7 +110,7 @@ def main() -> int:
 
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
-        mlflow = None if args.fast else stack.enter_context(_mlflow_server(args.out.absolute() / "mlflow"))
+        mlflow = None if args.fast or args.api else stack.enter_context(_mlflow_server(args.out.absolute() / "mlflow"))
         final, chain, cluster_ready = _run(args, started, mlflow)
     total = time.monotonic() - started
     print(f"\nLoRAJob {final or 'did not finish'}: apply -> {final or 'timeout'} {chain:.1f} s; "
@@ -129,6 +134,8 @@ def _run(args, started: float, mlflow) -> tuple[str, float, float]:
 
     if args.fast:
         name, manifest, assets = "qwen3-gsm8k", SAMPLE, None
+    elif args.api:
+        name, manifest, assets = None, None, _api_files(args.out.absolute())
     else:
         name, manifest, assets = _real_lorajob(args.out.absolute(), args.steps, mlflow.url)
         print(f"tiny model, tokenizer and dataset in {args.out} ({time.monotonic() - started:.1f} s)", flush=True)
@@ -144,6 +151,10 @@ def _run(args, started: float, mlflow) -> tuple[str, float, float]:
         kubectl = [cluster.plane.binary("kubectl"), f"--kubeconfig={cluster.kubeconfig}", "-n", NAMESPACE]
         log = Path(tempfile.mkdtemp(prefix="lorajob-demo-")) / "operator.log"
         with OperatorProcess(cluster.kubeconfig, [NAMESPACE], log, {"LORAJOB_RECONCILE_RESYNC_SECONDS": "2"}):
+            if args.api:
+                applied = time.monotonic()
+                final = _through_the_api(cluster, assets, args.out.absolute(), args.timeout)
+                return final, time.monotonic() - applied, cluster_ready
             applied = time.monotonic()
             subprocess.run([*kubectl, "apply", "-f", str(manifest)], check=True)
             final = _watch_until_final(kubectl, name, args.timeout)
@@ -159,6 +170,45 @@ def _run(args, started: float, mlflow) -> tuple[str, float, float]:
     if final == "Succeeded" and assets is not None:
         _report(assets, name, args.out.absolute(), mlflow)
     return final, chain, cluster_ready
+
+
+def _api_files(out: Path):
+    """The tiny model and the demo's question/answer rows as chat JSONL (the fine-tuning API's layout)."""
+    import json
+
+    from lorajob_devcluster import localjob
+
+    assets = localjob.write_assets(out)
+    for split, name in (("train", "train.jsonl"), ("test", "valid.jsonl")):
+        rows = [json.loads(line) for line in (assets.data / f"{split}.jsonl").read_text().splitlines()]
+        (out / "api" / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / "api" / name).write_text("".join(json.dumps({"messages": [
+            {"role": "user", "content": row["question"]}, {"role": "assistant", "content": row["answer"]}]}) + "\n"
+            for row in rows))
+    return assets
+
+
+def _through_the_api(cluster, assets, out: Path, timeout: float) -> str:
+    """`lorajob api` serving the demo namespace, and the OpenAI-client script run as a tenant holding the `edit`-like
+    right on LoRAJobs there: Succeeded when the script's job succeeded."""
+    from lorajob_devcluster import localjob
+    from lorajob_operator.local import ApiServerProcess
+
+    config = {"storage": str(out / "api" / "storage"), "namespaces": [NAMESPACE],
+              "models": {localjob.MODEL_NAME: localjob.fine_tuning_offer(assets)}}
+    token = cluster.plane.service_account_token(NAMESPACE, "demo-user", [
+        {"apiGroups": ["lorajob.dev"], "resources": ["lorajobs"], "verbs": ["get", "list", "create", "patch", "delete"]}])
+    with ApiServerProcess(cluster.kubeconfig, config, out / "api") as server:
+        print(f"fine-tuning API: {server.url}/v1 (log {server.log_path})", flush=True)
+        environment = {**os.environ, "OPENAI_BASE_URL": f"{server.url}/v1", "OPENAI_API_KEY": token,
+                       "OPENAI_PROJECT_ID": NAMESPACE}
+        script = [sys.executable, str(REPO_ROOT / "examples" / "fine_tuning_api.py"), str(out / "api" / "train.jsonl"),
+                  "--validation", str(out / "api" / "valid.jsonl"), "--model", localjob.MODEL_NAME, "--suffix", "demo",
+                  "--epochs", "1", "--poll", "2"]
+        print("$ OPENAI_BASE_URL=... OPENAI_API_KEY=<token> OPENAI_PROJECT_ID=demo python "
+              + " ".join(script[1:]).replace(str(REPO_ROOT) + "/", ""), flush=True)
+        done = subprocess.run(script, env=environment, timeout=timeout, check=False)
+    return "Succeeded" if done.returncode == 0 else "Failed"
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ the client really trains (the pod runner's nodes) and exports its adapter."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import openai
@@ -19,6 +22,7 @@ from lorajob_trainer import demo
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow(minutes=6)]
 MODEL = localjob.MODEL_NAME
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fine_tuning_api.py"
 TIMEOUT = 600
 """Bound on the wait for the trained job: pod start-ups and compiles on a loaded 2-core machine (test_real_pods)."""
 TENANT_ROLE = {"apiGroups": ["lorajob.dev"], "resources": ["lorajobs"], "verbs": ["get", "list", "create", "patch", "delete"]}
@@ -80,7 +84,7 @@ def client(server: ApiServerProcess, token: str, project: str | None = None) -> 
 
 
 def test_the_openai_client_trains_a_lorajob_cancels_another_gets_the_apis_errors_and_tenants_stay_apart(
-    sim_cluster, namespace, other_namespace, api_server, start_operator, small_chips_policy
+    sim_cluster, namespace, other_namespace, api_server, start_operator, small_chips_policy, tmp_path
 ):
     alice = client(api_server, sim_cluster.plane.service_account_token(namespace, "alice", [TENANT_ROLE]))
     bob = client(api_server, sim_cluster.plane.service_account_token(other_namespace, "bob", [TENANT_ROLE]))
@@ -141,6 +145,18 @@ def test_the_openai_client_trains_a_lorajob_cancels_another_gets_the_apis_errors
     assert [e.created_at for e in events] == sorted((e.created_at for e in events), reverse=True)
     older = alice.fine_tuning.jobs.list_events(job.id, limit=2, after=events[1].id).data
     assert [e.id for e in older] == [e.id for e in events[2:4]], "paged by after"
+
+    # The example script, unchanged from one written for a hosted service: only its environment names the cluster.
+    train = tmp_path / "train.jsonl"
+    train.write_bytes(chat_lines(demo.arithmetic_rows(16)))
+    script = subprocess.run(
+        [sys.executable, str(EXAMPLE), str(train), "--model", MODEL, "--suffix", "script", "--epochs", "1", "--poll", "1"],
+        env={**os.environ, "OPENAI_BASE_URL": f"{api_server.url}/v1", "OPENAI_API_KEY": alice.api_key,
+             "OPENAI_PROJECT_ID": namespace},
+        capture_output=True, text=True, timeout=TIMEOUT)
+    assert script.returncode == 0, script.stdout + script.stderr
+    assert f"fine-tuned model: ft:{MODEL}:{namespace}:script:ftjob-" in script.stdout, script.stdout
+    assert "Created fine-tuning job" in script.stdout and "checkpoint at step 1:" in script.stdout, script.stdout
 
 
 def assert_refused_without_a_trace(server, alice, bob, bobs_namespace: str, lorajobs, training_id: str,
