@@ -292,3 +292,10 @@ def test_the_store_keeps_each_namespaces_files_apart_and_copies_a_jobs_dataset(s
                                          ("ftjob-a/b", False), ("ftjob-ABC", False), ("x-abc", False)])
 def test_only_a_name_the_api_gives_is_a_job_id(text, valid):
     assert jobs.is_job_id(text) is valid
+
+
+def test_events_of_the_same_second_keep_the_order_they_happened_in():
+    kube = [{"metadata": {"uid": f"u{i}"}, "type": "Normal", "reason": reason, "message": "",
+             "lastTimestamp": "2026-12-07T10:01:00Z"} for i, reason in enumerate(("Queued", "Training", "Exporting"))]
+    events = jobs.job_events(lorajob("Exporting"), kube)
+    assert [e["message"] for e in events][:3] == ["Exporting: ", "Training: ", "Queued: "]

@@ -346,7 +346,9 @@ def job_events(obj: dict, kube_events: list[dict]) -> list[dict[str, Any]]:
                              f"Step {step}/{total}: training loss={progress.get('loss')}", kind="metrics",
                              data={"step": step, "total_steps": total, "train_loss": progress.get("loss"),
                                    "valid_loss": progress.get("evalLoss")}))
-    events.sort(key=lambda e: e["created_at"], reverse=True)
+    # Newest first; events of the same second in the reverse of the order they happened (the list's order so far).
+    events = [event for _, event in sorted(enumerate(events), key=lambda pair: (pair[1]["created_at"], pair[0]),
+                                           reverse=True)]
     state = job_status(obj)
     if state in FINISHED:  # the last word, even where an event of the same second came after it
         job = job_object(obj)
