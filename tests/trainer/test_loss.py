@@ -4,13 +4,19 @@ log-softmax, in float32."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
-from trainer_testkit import gemma4_checkpoint, tiny_checkpoint
+from trainer_testkit import gemma4_checkpoint, tiny_checkpoint, trainer_env
 
 from lorajob_trainer import loading, lora, models, remat
 from lorajob_trainer import step as step_lib
@@ -225,3 +231,77 @@ def test_the_chunked_loss_refuses_to_differentiate_the_head():
 
     with pytest.raises(ValueError, match="does not differentiate the LM head"):
         jax.grad(total)(jnp.ones((4, 8), jnp.float32))
+
+
+VOCAB_PARALLEL_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from lorajob_trainer import loss as loss_lib, mesh as mesh_lib
+
+    # data 2 x fsdp 2: the rows and the vocabulary split over two of the batch axes at once.
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 1, 1), mesh_lib.AXES)
+    rng = np.random.default_rng(0)
+    rows, length, width, chunk = 8, 24, 16, 5
+    hidden = jnp.asarray(rng.normal(size=(rows, length, width)), jnp.float32)
+    targets = rng.integers(0, 64, (rows, length))
+    targets[0, :4] = [0, 15, 16, 63]  # the first and last column of two devices' slices of the vocabulary
+    weights = ((rng.random((rows, length)) < 0.3) * rng.uniform(0.5, 2.0, (rows, length))).astype(np.float32)
+    weights[5] = 0.0  # a row without trained positions
+    weights[:, 16:] = 0.0  # so that the last chunks hold none of any row's: skipped
+    weights[0, :4] = 1.0
+    targets, weights = jnp.asarray(targets, jnp.int32), jnp.asarray(weights)
+
+    def run(vocab, softcap, on_mesh):
+        head = jnp.asarray(np.random.default_rng(vocab).normal(size=(width, vocab)), jnp.float32)
+        tokens = jnp.minimum(targets, vocab - 1)
+
+        def total(hidden):
+            return loss_lib.chunked_cross_entropy(hidden, head, tokens, weights, chunk, softcap)[0]
+
+        def nll(hidden):
+            return loss_lib.chunked_token_nll(hidden, head, tokens, weights != 0, chunk, softcap)
+
+        if not on_mesh:
+            value, grads = jax.jit(jax.value_and_grad(total))(hidden)
+            return {"loss": float(value), "grads": np.asarray(grads).tolist(),
+                    "nll": np.asarray(jax.jit(nll)(hidden)).tolist()}
+        with jax.set_mesh(mesh):
+            split = jax.device_put(hidden, NamedSharding(mesh, PartitionSpec(mesh_lib.BATCH_AXES)))
+            value, grads = jax.jit(jax.value_and_grad(total))(split)
+            jaxprs = str(jax.make_jaxpr(jax.value_and_grad(total))(split)) + str(jax.make_jaxpr(nll)(split))
+            return {"loss": float(value), "grads": np.asarray(grads).tolist(),
+                    "nll": np.asarray(jax.jit(nll)(split)).tolist(),
+                    "shard_maps": jaxprs.count("shard_map["), "gathers": jaxprs.count("all_gather["),
+                    "scatters": jaxprs.count("reduce_scatter[")}
+
+    cases = {f"{vocab}-{softcap}": {"one": run(vocab, softcap, False), "mesh": run(vocab, softcap, True)}
+             for vocab in (64, 66) for softcap in (None, 3.0)}
+    print(json.dumps(cases))
+    """
+)
+
+
+def test_vocab_parallel_loss_equals_one_device():
+    """On a mesh of 4 CPU devices (data 2 x fsdp 2) each device holds a quarter of the head's vocabulary and computes
+    every row's logits on it: the loss, each position's NLL and the hidden states' gradient are the single device's,
+    with and without a final logit softcap, targets at the slices' edges, an untrained row and skipped chunks. A
+    vocabulary the 4 devices do not divide (66) takes the path without a shard_map, with the same results."""
+    result = subprocess.run([sys.executable, "-c", VOCAB_PARALLEL_SCRIPT], env=trainer_env(devices=4),
+                            capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cases = json.loads(result.stdout.strip().splitlines()[-1])
+    for name, case in cases.items():
+        one, mesh = case["one"], case["mesh"]
+        if name.startswith("64-"):
+            # One shard_map each for the gradient's forward and the NLL alone; a gather of hidden states in the
+            # computed branch of both, the gradient's reduce-scatter in the first.
+            assert (mesh["shard_maps"], mesh["gathers"], mesh["scatters"]) == (2, 2, 1), name
+        else:
+            assert (mesh["shard_maps"], mesh["gathers"], mesh["scatters"]) == (0, 0, 0), name
+        np.testing.assert_allclose(mesh["loss"], one["loss"], rtol=1e-6, err_msg=name)
+        np.testing.assert_allclose(mesh["nll"], one["nll"], rtol=1e-5, atol=1e-6, err_msg=name)
+        grads = np.asarray(one["grads"])
+        assert np.abs(grads).max() > 0 and not grads[5].any() and not grads[:, 16:].any(), name
+        np.testing.assert_allclose(mesh["grads"], grads, rtol=1e-5, atol=1e-6 * np.abs(grads).max(), err_msg=name)
