@@ -207,6 +207,8 @@ def _over_needed_chunks(chunk_fn, skipped_fn, axes, hidden, head, targets, neede
 
     if axes is None:
         return scan(hidden, head, targets, needed)
+    # The head resharded once the hidden states are computed, not earlier: its slices would be live through the layers.
+    hidden, head = jax.lax.optimization_barrier((hidden, head))
     rows, whole = PartitionSpec(None, axes), PartitionSpec()
     # check_vma off: the skipped branch's zeros and the computed branch's rows differ in their varying axes.
     return jax.shard_map(scan, in_specs=(rows, PartitionSpec(None, axes), whole, whole), out_specs=rows,
