@@ -31,6 +31,7 @@ sys.path[:0] = [str(REPO_ROOT / "devcluster")]
 from lorajob_devcluster import ControlPlane, ControlPlaneConfig  # noqa: E402
 from lorajob_operator import api  # noqa: E402
 from lorajob_operator.local import ApiServerProcess  # noqa: E402
+from lorajob_operator.openai_api import CALLER_RULES  # noqa: E402
 
 NAMESPACE = "tenant-a"
 MODEL = "qwen3-4b"
@@ -39,7 +40,6 @@ TEMPLATE = {
     "training": {"perDeviceBatchSize": 2, "maxTargetLength": 512},
     "compute": {"tpu": {"machineType": "ct6e-standard-4t", "topology": "2x4"}},
 }
-TENANT_RULES = [{"apiGroups": [api.GROUP], "resources": [api.PLURAL], "verbs": ["get", "list", "create", "patch"]}]
 
 
 def chat_line(index: int) -> bytes:
@@ -75,7 +75,7 @@ def main() -> int:
             ControlPlane.start(ControlPlaneConfig(crd_dirs=(REPO_ROOT / "crds",))) as plane:
         directory = Path(scratch)
         plane.kubectl("create", "namespace", NAMESPACE)
-        token = plane.service_account_token(NAMESPACE, "alice", TENANT_RULES)
+        token = plane.service_account_token(NAMESPACE, "alice", CALLER_RULES)
         config = {"storage": str(directory / "storage"), "namespaces": [NAMESPACE], "models": {MODEL: {"template": TEMPLATE}},
                   "limits": {"requestsPerMinute": 100_000}}
         custom = kube.CustomObjectsApi(plane.api_client())

@@ -189,15 +189,15 @@ def _api_files(out: Path):
 
 
 def _through_the_api(cluster, assets, out: Path, timeout: float) -> str:
-    """`lorajob api` serving the demo namespace, and the OpenAI-client script run as a tenant holding the `edit`-like
-    right on LoRAJobs there: Succeeded when the script's job succeeded."""
+    """`lorajob api` serving the demo namespace, and the OpenAI-client script run as a tenant holding the API's caller
+    rules there: Succeeded when the script's job succeeded."""
     from lorajob_devcluster import localjob
     from lorajob_operator.local import ApiServerProcess
+    from lorajob_operator.openai_api import CALLER_RULES
 
     config = {"storage": str(out / "api" / "storage"), "namespaces": [NAMESPACE],
               "models": {localjob.MODEL_NAME: localjob.fine_tuning_offer(assets)}}
-    token = cluster.plane.service_account_token(NAMESPACE, "demo-user", [
-        {"apiGroups": ["lorajob.dev"], "resources": ["lorajobs"], "verbs": ["get", "list", "create", "patch", "delete"]}])
+    token = cluster.plane.service_account_token(NAMESPACE, "demo-user", CALLER_RULES)
     with ApiServerProcess(cluster.kubeconfig, config, out / "api") as server:
         print(f"fine-tuning API: {server.url}/v1 (log {server.log_path})", flush=True)
         environment = {**os.environ, "OPENAI_BASE_URL": f"{server.url}/v1", "OPENAI_API_KEY": token,

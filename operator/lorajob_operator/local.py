@@ -114,7 +114,7 @@ class OperatorProcess(LocalProcess):
         self.namespaces = namespaces
         self.settings = settings or {}
         self.verbose = verbose
-        self.liveness_url = self.health_url = f"http://127.0.0.1:{_free_port()}/healthz"
+        self.health_url = f"http://127.0.0.1:{_free_port()}/healthz"
         metrics_port = int(self.settings.get("LORAJOB_METRICS_PORT", "0"))
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None
         """The Prometheus endpoint, when `settings` give LORAJOB_METRICS_PORT (off by default: a fixed port
@@ -126,7 +126,7 @@ class OperatorProcess(LocalProcess):
                                         **self.settings}
 
     def command(self) -> list[str]:
-        command = [sys.executable, "-m", "lorajob_operator", "--liveness", self.liveness_url]
+        command = [sys.executable, "-m", "lorajob_operator", "--liveness", self.health_url]
         for namespace in self.namespaces:
             command += ["--namespace", namespace]
         if self.verbose:

@@ -17,7 +17,7 @@ from lorajobs import Lorajobs
 
 from lorajob_devcluster import localjob
 from lorajob_operator.local import ApiServerProcess
-from lorajob_operator.openai_api import jobs
+from lorajob_operator.openai_api import CALLER_RULES, jobs
 from lorajob_trainer import demo
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow(minutes=6)]
@@ -25,7 +25,6 @@ MODEL = localjob.MODEL_NAME
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fine_tuning_api.py"
 TIMEOUT = 600
 """Bound on the wait for the trained job: pod start-ups and compiles on a loaded 2-core machine (test_real_pods)."""
-TENANT_ROLE = {"apiGroups": ["lorajob.dev"], "resources": ["lorajobs"], "verbs": ["get", "list", "create", "patch", "delete"]}
 
 
 def chat_lines(rows: list[dict]) -> bytes:
@@ -86,8 +85,8 @@ def client(server: ApiServerProcess, token: str, project: str | None = None) -> 
 def test_the_openai_client_trains_a_lorajob_cancels_another_gets_the_apis_errors_and_tenants_stay_apart(
     sim_cluster, namespace, other_namespace, api_server, start_operator, small_chips_policy, tmp_path
 ):
-    alice = client(api_server, sim_cluster.plane.service_account_token(namespace, "alice", [TENANT_ROLE]))
-    bob = client(api_server, sim_cluster.plane.service_account_token(other_namespace, "bob", [TENANT_ROLE]))
+    alice = client(api_server, sim_cluster.plane.service_account_token(namespace, "alice", CALLER_RULES))
+    bob = client(api_server, sim_cluster.plane.service_account_token(other_namespace, "bob", CALLER_RULES))
     lorajobs = Lorajobs(sim_cluster, namespace)
     start_operator(namespaces=[namespace, other_namespace])
     training = alice.files.create(file=("train.jsonl", chat_lines(demo.arithmetic_rows(64))), purpose="fine-tune")
@@ -212,7 +211,7 @@ def assert_tenants_apart(alice, bob, job_id: str, file_id: str) -> None:
 
 def test_a_namespace_past_its_limits_gets_the_apis_errors(sim_cluster, namespace, serve):
     server = serve({"requestsPerMinute": 4, "fileBytes": 1000})
-    alice = client(server, sim_cluster.plane.service_account_token(namespace, "alice", [TENANT_ROLE]))
+    alice = client(server, sim_cluster.plane.service_account_token(namespace, "alice", CALLER_RULES))
     with pytest.raises(openai.BadRequestError, match="larger than this API's limit of 1000 bytes") as refused:
         alice.files.create(file=("big.jsonl", chat_lines(demo.arithmetic_rows(100))), purpose="fine-tune")
     assert refused.value.param == "file"

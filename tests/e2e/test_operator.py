@@ -239,5 +239,5 @@ def test_ttl_after_finished_deletes_the_lorajob_and_its_children_once_it_succeed
 
 
 def test_the_liveness_endpoint_answers(operator):
-    with urllib.request.urlopen(operator.liveness_url, timeout=5) as response:
+    with urllib.request.urlopen(operator.health_url, timeout=5) as response:
         assert response.status == 200

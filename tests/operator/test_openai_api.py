@@ -275,6 +275,7 @@ def test_the_store_keeps_each_namespaces_files_apart_and_copies_a_jobs_dataset(s
     assert (first.lines, first.layout, first.bytes) == (3, "chat", upload.bytes)
     assert [f.id for f in store.list("team-a")][0] in (first.id, second.id) and len(store.list("team-a")) == 2
     assert store.get("team-b", first.id) is None and store.list("team-b") == []
+    assert (store.count("team-a"), store.count("team-b")) == (2, 0)
     assert store.get("team-a", "file-../../etc") is None
 
     folder = store.job_folder("team-a", "ftjob-x")

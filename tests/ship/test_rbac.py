@@ -365,12 +365,12 @@ def test_the_api_server_serves_a_tenant_with_only_the_charts_permissions(kube, s
     import openai
 
     from lorajob_operator.local import ApiServerProcess
+    from lorajob_operator.openai_api import CALLER_RULES
 
     kubeconfig = _service_account_kubeconfig(kube, tmp_path / "kubeconfig", API_FULLNAME)
     (values,) = [v for v in api_values(NAMESPACE) if v.startswith("json:api.config=")]
     config = json.loads(values.removeprefix("json:api.config=")) | {"storage": str(tmp_path / "storage")}
-    tenant = kube.service_account_token(NAMESPACE, "ship-tenant", [
-        {"apiGroups": ["lorajob.dev"], "resources": ["lorajobs"], "verbs": ["get", "list", "create", "patch"]}])
+    tenant = kube.service_account_token(NAMESPACE, "ship-tenant", CALLER_RULES)
     with ApiServerProcess(kubeconfig, config, tmp_path) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=tenant, max_retries=0)  # project: its namespace
         line = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}

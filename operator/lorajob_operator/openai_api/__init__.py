@@ -5,6 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lorajob_operator import api
+
+CALLER_RULES = [{"apiGroups": [api.GROUP], "resources": [api.PLURAL], "verbs": ["get", "list", "create", "patch", "delete"]}]
+"""The RBAC rules a caller of the API needs in its namespace (the built-in `edit` role holds them): get to read files
+and jobs, list to list jobs, create to upload and create, patch to cancel, pause and resume, delete to delete a file."""
+
 
 def add_command(commands) -> None:
     serve = commands.add_parser("api", help="serve the OpenAI fine-tuning API over LoRAJobs (with the kubeconfig's "

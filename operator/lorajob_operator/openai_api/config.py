@@ -7,13 +7,15 @@ steps, the output directory and the hyperparameters the API has a meaning for.
 
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
 from pydantic import Field, field_validator
 
-from lorajob_operator import api, names
+from lorajob_operator import api, names, step_commands
 
 REQUEST_FIELDS = ("dataset", "method", "preference", "runName", "suspend")
 """spec fields a request decides: a model's template may not set them (nor training.steps, training.packing and
@@ -39,6 +41,21 @@ class ModelOffer(api._Model):
         if taken:
             raise ValueError(f"the template sets {', '.join(taken)}, which each request decides")
         return template
+
+    @functools.cached_property
+    def spec(self) -> api.LoRAJobSpec:
+        """The template as a LoRAJob spec, with placeholders for what a request decides (its training defaults and
+        accelerators are what requests read); a pydantic ValidationError where the template is not one."""
+        spec = copy.deepcopy(self.template)
+        spec.setdefault("training", {})["steps"] = 1
+        spec["dataset"] = {"name": "json"}
+        spec["output"] = {"baseOutputDirectory": "/"}
+        return api.LoRAJobSpec.model_validate(spec)
+
+    @property
+    def accelerators(self) -> int:
+        """TPU chips or GPUs a job of this model trains on."""
+        return step_commands.accelerator_count(self.spec)
 
 
 class Limits(api._Model):

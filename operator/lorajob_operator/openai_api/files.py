@@ -217,10 +217,16 @@ class FileStore:
         except FileNotFoundError:
             return None
 
+    def _described(self, namespace: str) -> list[str]:
+        """The paths of the namespace's files' descriptions (`<id>.json`)."""
+        return self.fs.glob(posixpath.join(self._folder(namespace), "file-*.json"))
+
+    def count(self, namespace: str) -> int:
+        return len(self._described(namespace))
+
     def list(self, namespace: str) -> list[StoredFile]:
         """Newest first."""
-        files = [self.get(namespace, posixpath.basename(path)[: -len(".json")])
-                 for path in self.fs.glob(posixpath.join(self._folder(namespace), "file-*.json"))]
+        files = [self.get(namespace, posixpath.basename(path)[: -len(".json")]) for path in self._described(namespace)]
         return sorted((f for f in files if f), key=lambda f: (f.created_at, f.id), reverse=True)
 
     def delete(self, namespace: str, file_id: str) -> None:

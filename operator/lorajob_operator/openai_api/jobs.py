@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lorajob_operator import api, step_commands
+from lorajob_operator import api
 from lorajob_operator.openai_api.config import ModelOffer
 from lorajob_operator.openai_api.files import LAYOUT_BY_NAME, StoredFile
 
@@ -130,20 +130,6 @@ def describe_validation_error(error) -> RequestError:
     return RequestError(f"{param}: {first['msg']}", param, "invalid_parameter")
 
 
-def devices(offer: ModelOffer) -> int:
-    spec = api.LoRAJobSpec.model_validate(_complete(offer.template, steps=1))
-    return step_commands.accelerator_count(spec)
-
-
-def _complete(template: dict[str, Any], steps: int) -> dict[str, Any]:
-    """The template with placeholders for what a request decides: enough to validate it as a LoRAJob spec."""
-    spec = copy.deepcopy(template)
-    spec.setdefault("training", {})["steps"] = steps
-    spec["dataset"] = {"name": "json"}
-    spec["output"] = {"baseOutputDirectory": "/"}
-    return spec
-
-
 def _batch(batch_size: int, per_device_default: int, chips: int) -> tuple[int, int]:
     """(per-device batch, accumulation) giving `batch_size` examples per step over `chips`, each micro-batch no
     larger than the template's per-device batch."""
@@ -173,8 +159,7 @@ def build_lorajob(request: CreateJob, offer: ModelOffer, *, job_id: str, namespa
         raise RequestError("beta is DPO's: it needs method.type dpo", "method.supervised.hyperparameters.beta")
 
     spec = copy.deepcopy(offer.template)
-    template_training = api.TrainingSpec.model_validate({**spec.get("training", {}), "steps": 1})
-    chips = devices(offer)
+    template_training, chips = offer.spec.training, offer.accelerators
     if chosen.batch_size == "auto":
         per_device, accumulation = template_training.per_device_batch_size, template_training.gradient_accumulation_steps
     else:
@@ -202,10 +187,9 @@ def build_lorajob(request: CreateJob, offer: ModelOffer, *, job_id: str, namespa
     spec["method"] = "dpo" if method == "dpo" else "sft"
     if method == "dpo" and chosen.beta != "auto":
         spec["preference"] = {"beta": chosen.beta}
-    if chosen.lora_rank is not None or chosen.lora_alpha is not None:
-        spec["lora"] = {**spec.get("lora", {}),
-                        **({"rank": chosen.lora_rank} if chosen.lora_rank is not None else {}),
-                        **({"alpha": chosen.lora_alpha} if chosen.lora_alpha is not None else {})}
+    lora = {key: value for key, value in (("rank", chosen.lora_rank), ("alpha", chosen.lora_alpha)) if value is not None}
+    if lora:
+        spec["lora"] = {**spec.get("lora", {}), **lora}
     spec["output"] = {**spec.get("output", {}), "baseOutputDirectory": outputs}
     for integration in request.integrations:
         wandb = integration.wandb
@@ -217,8 +201,7 @@ def build_lorajob(request: CreateJob, offer: ModelOffer, *, job_id: str, namespa
         "validation_file": validation.id if validation else None, "method": method,
         "hyperparameters": {"n_epochs": epochs, "batch_size": batch_size, "learning_rate_multiplier": multiplier,
                             **({"beta": chosen.beta} if method == "dpo" else {}),
-                            **({"lora_rank": chosen.lora_rank} if chosen.lora_rank is not None else {}),
-                            **({"lora_alpha": chosen.lora_alpha} if chosen.lora_alpha is not None else {})},
+                            **{f"lora_{key}": value for key, value in lora.items()}},
         "suffix": request.suffix, "seed": request.seed if request.seed is not None else training_spec.get("seed", 0),
         "metadata": request.metadata, "integrations": [i.model_dump(exclude_none=True) for i in request.integrations],
         "user": user, "created": time.time(),

@@ -177,7 +177,8 @@ class FineTuningApi:
         self.config, self.cluster = config, cluster
         self.store = FileStore(config.storage)
         self.limits = RateLimits(config.limits.requests_per_minute)
-        self.devices = {name: jobs.devices(offer) for name, offer in config.models.items()}  # checks each template
+        for name, offer in config.models.items():  # a template that is no LoRAJob spec stops the server here
+            log.info("model %s: %s on %d accelerators", name, offer.spec.model.name, offer.accelerators)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=JSON_BODY_MAX, middlewares=[self._errors])
@@ -260,7 +261,7 @@ class FineTuningApi:
         if request.content_length and request.content_length > limits.file_bytes + JSON_BODY_MAX:
             raise ApiError(413, f"the file is larger than this API's limit of {limits.file_bytes} bytes",
                            param="file", code="file_too_large")
-        if len(await asyncio.to_thread(self.store.list, caller.namespace)) >= limits.files_per_namespace:
+        if await asyncio.to_thread(self.store.count, caller.namespace) >= limits.files_per_namespace:
             raise ApiError(400, f"project {caller.namespace!r} holds {limits.files_per_namespace} files, this API's "
                            "limit: delete some first", code="too_many_files")
         if not request.content_type.startswith("multipart/"):
