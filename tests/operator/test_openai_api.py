@@ -151,6 +151,8 @@ def test_a_request_without_a_lorajob_meaning_is_refused_naming_the_parameter(req
     ({"hyperparameters": {"n_epochs": "3"}}, "hyperparameters.n_epochs", "invalid_parameter"),
     ({"integrations": [{"type": "wandb", "wandb": {"project": "p"}}] * 2}, "integrations", "invalid_parameter"),
     ({"weights": "bf16"}, "weights", "unsupported_parameter"),
+    ({"integrations": [{"type": "wandb", "wandb": {"project": "p", "name": "run"}}]}, "integrations.0.wandb.name",
+     "unsupported_parameter"),
 ])
 def test_the_request_schema_names_the_field_at_fault(body, param, code):
     with pytest.raises(ValidationError) as error:

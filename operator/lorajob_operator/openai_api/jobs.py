@@ -74,7 +74,7 @@ class Method(_Strict):
 
 class WandbSettings(_Strict):
     project: str = Field(min_length=1, max_length=128)
-    name: str | None = Field(default=None, max_length=256)
+    # No `name`: a LoRAJob's W&B run is named after the LoRAJob, so a run name would be refused, not dropped.
     entity: str | None = Field(default=None, max_length=128)
     tags: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(default_factory=list, max_length=32)
 
