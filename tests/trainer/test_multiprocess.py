@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from trainer_testkit import arithmetic_rows, base_args, free_port, tiny_checkpoint, trainer_env, write_jsonl
+from trainer_testkit import (arithmetic_rows, base_args, free_port, preference_rows, tiny_checkpoint, trainer_env,
+                             write_jsonl)
 
 TIMEOUT = 900
 
@@ -66,12 +67,21 @@ def losses(output_dir: Path) -> list[float]:
     return [record["loss"] for record in records if "loss" in record]
 
 
+METHODS = {
+    "sft": (arithmetic_rows, ()),
+    "dpo": (preference_rows, ("method=dpo", "train_data_columns=['prompt','chosen','rejected']")),
+}
+"""A method's rows and arguments. A DPO pair's two rows are read by the process whose device holds them."""
+
+
 @pytest.mark.slow
-def test_two_processes_give_the_single_process_losses(tmp_path):
+@pytest.mark.parametrize("method", list(METHODS))
+def test_two_processes_give_the_single_process_losses(tmp_path, method):
+    rows, arguments = METHODS[method]
     model_dir = tiny_checkpoint(tmp_path / "model")
-    train_file = write_jsonl(tmp_path / "train.jsonl", arithmetic_rows(100))
+    train_file = write_jsonl(tmp_path / "train.jsonl", rows(100))
     common = ("steps=6", "per_device_batch_size=2", "gradient_accumulation_steps=2", "checkpoint_period=3",
-              "enable_tensorboard=False")
+              "enable_tensorboard=False", *arguments)
 
     run_single(base_args(model_dir, tmp_path / "single", train_file, *common))
     run_two_processes(base_args(model_dir, tmp_path / "multi", train_file, *common))

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from lorajob_trainer import convert, export, loading, lora, models, tiny
 from lorajob_trainer.checkpoint import CheckpointMetadata
-from trainer_testkit import GEMMA4_SHAPES, gemma4_checkpoint
+from trainer_testkit import GEMMA4_SHAPES, gemma4_checkpoint, random_adapters
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow(minutes=5)]
 FAMILIES = ["qwen3", "llama3", "gemma3", "qwen3-moe"]
@@ -101,16 +101,6 @@ def test_unpatched_tunix_rope_is_wrong(family, mesh, checkpoints):
     np.testing.assert_allclose(jax_logits(model, ids), reference, atol=ATOL, rtol=0)
 
 
-def random_lora(model, seed: int) -> dict[str, np.ndarray]:
-    """Random A and B; a DoRA magnitude moved randomly off its start (the weight's norms) by up to ~30 %."""
-    rng = np.random.default_rng(seed)
-    return {
-        key: (np.asarray(value) * (1 + 0.3 * rng.standard_normal(value.shape)) if key.endswith(lora.MAGNITUDE)
-              else 0.3 * rng.standard_normal(value.shape)).astype(np.float32)
-        for key, value in lora.get_lora_params(model).items()
-    }
-
-
 VARIANTS = ["lora", "rslora", "dora"]
 RSLORA_ON = ("qwen3", "qwen3-moe")
 """rsLoRA changes only the adapters' scale (alpha/√r), the same code for every family: checked on a dense model and
@@ -137,7 +127,7 @@ def lora_model_with_random_adapters(family, directory, mesh, variant="lora", ran
     regex = lora.module_path_regex(family, targets)
     model = lora.apply_lora(model, rank=rank, alpha=_alpha(variant), target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0),
                             rslora=variant == "rslora", dora=variant == "dora")
-    params = random_lora(model, seed=5)
+    params = random_adapters(lora.get_lora_params(model))
     lora.set_lora_params(model, params)
     metadata = CheckpointMetadata(
         step=7,

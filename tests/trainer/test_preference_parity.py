@@ -22,7 +22,7 @@ from lorajob_trainer import mesh as mesh_lib
 from lorajob_trainer import run as run_lib
 from lorajob_trainer.checkpoint import CheckpointMetadata
 from lorajob_trainer.contract.config import TrainConfig
-from trainer_testkit import base_args, tiny_checkpoint
+from trainer_testkit import base_args, random_adapters, tiny_checkpoint
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow(minutes=3)]
 
@@ -39,7 +39,11 @@ CASES = {
     "dpo-ipo": ["method=dpo", "preference.beta=0.5", "preference.loss_type=ipo"],
     "dpo-robust": ["method=dpo", "preference.beta=0.5", "preference.loss_type=robust", "preference.label_smoothing=0.2"],
     "orpo": ["method=orpo", "preference.orpo_lambda=0.3"],
+    "dpo-rslora": ["method=dpo", "preference.beta=0.5", "lora.use_rslora=true"],
+    "dpo-dora": ["method=dpo", "preference.beta=0.5", "lora.use_dora=true"],
 }
+"""rsLoRA and DoRA change the adapted weights, not the preference loss: checked with DPO's default loss only (the
+reference is their adapters as initialised too, DoRA's magnitudes the weights' norms)."""
 
 
 def conversational_rows() -> list[dict]:
@@ -67,12 +71,6 @@ def our_batch(config: TrainConfig, pairs: list[data_lib.EncodedPair]) -> dict[st
         for offset, example in enumerate((pair.chosen, pair.rejected)):
             data_lib.place(batch, 2 * index + offset, 0, example, len(example.tokens) - 1, segment=1)
     return {name: values[None] for name, values in batch.items()}
-
-
-def random_policy(reference: dict[str, jax.Array], seed: int = 5) -> dict[str, np.ndarray]:
-    """Adapters with random A and B (B nonzero, so the policy differs from the reference)."""
-    rng = np.random.default_rng(seed)
-    return {name: (0.3 * rng.standard_normal(value.shape)).astype(np.float32) for name, value in reference.items()}
 
 
 def our_run(config: TrainConfig) -> run_lib.Run:
@@ -128,6 +126,7 @@ def exported_adapter(config: TrainConfig, model_dir: Path, policy: dict[str, np.
 
     metadata = CheckpointMetadata(
         step=1, lora_rank=config.lora.lora_rank, lora_alpha=config.lora.lora_alpha,
+        use_rslora=config.lora.use_rslora, use_dora=config.lora.use_dora,
         target_modules=lora_lib.default_targets(config.family), lora_module_path="", base_model=config.model_name,
         family=config.family, load_parameters_path=str(model_dir),
     )
@@ -171,6 +170,12 @@ def trl_trainer(case: str, model_dir: Path, adapter: Path, tokenizer, directory:
     return trainer
 
 
+def peft_key(parameter_name: str) -> str:
+    """A PEFT model's parameter name as its saved adapter names the tensor (a DoRA magnitude without `.weight`)."""
+    key = parameter_name.replace(".default", "")
+    return key.removesuffix(".weight") if key.endswith("lora_magnitude_vector.weight") else key
+
+
 def trl_step(trainer) -> tuple[float, dict[str, np.ndarray]]:
     """(TRL's loss, the adapters' gradients by PEFT name) for one batch of all pairs."""
     model = trainer.model
@@ -179,7 +184,7 @@ def trl_step(trainer) -> tuple[float, dict[str, np.ndarray]]:
     model.zero_grad()
     loss = trainer.compute_loss(model, batch)
     loss.backward()
-    gradients = {name.replace(".default", ""): parameter.grad.detach().numpy()
+    gradients = {peft_key(name): parameter.grad.detach().numpy()
                  for name, parameter in model.named_parameters() if "lora_" in name}
     return float(loss.detach()), gradients
 
@@ -197,7 +202,7 @@ def test_preference_step_equals_trl(case, model_dir, tmp_path):
     tokenizer = data_lib.load_tokenizer(str(model_dir))
     config = our_config(model_dir, tmp_path, case)
     run = our_run(config)
-    policy = random_policy(run.adapters())
+    policy = random_adapters(jax.device_get(run.adapters()))
     trainer = trl_trainer(case, model_dir, exported_adapter(config, model_dir, policy, tmp_path), tokenizer, tmp_path)
     pairs = trl_pairs(trainer)
     if config.method == "dpo":  # TRL's DPO tokenizes conversations as our data pipeline does (its ORPO does not)

@@ -14,7 +14,8 @@ from flax import nnx
 from lorajob_trainer import export, loading, lora, models, tiny, weights
 from lorajob_trainer.checkpoint import CheckpointMetadata
 from lorajob_trainer.models import families
-from test_parity import ATOL, jax_logits, load_hf, mesh, random_lora, tokens, torch_logits  # noqa: F401
+from trainer_testkit import random_adapters
+from test_parity import ATOL, jax_logits, load_hf, mesh, tokens, torch_logits  # noqa: F401
 
 pytestmark = pytest.mark.torch
 FAMILY = "qwen3-moe"
@@ -74,7 +75,7 @@ def test_expert_adapters_are_per_expert_and_load_in_peft(checkpoint, mesh, tmp_p
     config = spec.tunix_config
     regex = lora.module_path_regex(FAMILY, EXPERTS)
     model = lora.apply_lora(model, rank=rank, alpha=alpha, target_regex=regex, mesh=mesh, rngs=nnx.Rngs(0))
-    params = random_lora(model, seed=5)
+    params = random_adapters(lora.get_lora_params(model))
     experts_, dim, hidden = config.num_experts, config.embed_dim, config.hidden_dim
     assert {k: v.shape for k, v in params.items() if k.startswith("layers.0.")} == {
         "layers.0.mlp.experts.gate_up_proj.w_lora_a": (experts_, dim, rank),

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from lorajob_trainer.demo import arithmetic_rows, preference_rows, write_jsonl
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "free_port",
     "gemma4_checkpoint",
     "preference_rows",
+    "random_adapters",
     "tiny_checkpoint",
     "trainer_env",
     "write_jsonl",
@@ -32,6 +34,19 @@ def tiny_checkpoint(directory: Path, family: str = "qwen3", **overrides) -> Path
     if not (directory / "config.json").is_file():
         tiny.make_tiny_checkpoint(family, directory, **overrides)
     return directory
+
+
+def random_adapters(adapters: dict[str, Any], seed: int = 5) -> dict[str, np.ndarray]:
+    """Adapters like `adapters` (by name) with random A and B; a DoRA magnitude moved randomly off its value (the
+    weight's norms as initialised) by up to ~30 %."""
+    from lorajob_trainer import lora
+
+    rng = np.random.default_rng(seed)
+    return {
+        key: (np.asarray(value) * (1 + 0.3 * rng.standard_normal(value.shape)) if key.endswith(lora.MAGNITUDE)
+              else 0.3 * rng.standard_normal(value.shape)).astype(np.float32)
+        for key, value in adapters.items()
+    }
 
 
 def base_args(model_dir: Path, output_dir: Path, train_file: Path, *overrides: str) -> list[str]:
