@@ -207,29 +207,43 @@ def run(cluster, namespace: str, operator, seed: int, jobs: int, operator_kills:
         restarts: tuple[str, ...] = RESTARTABLE, gap: tuple[float, float] = GAP, log=print) -> Outcome:
     """Create `jobs` full-chain LoRAJobs in `namespace` (watched by the started `operator`, an
     OperatorProcess or OperatorReplicas), inject `plan(seed, operator_kills, restarts, gap)` and wait for every LoRAJob to finish;
-    raise AssertionError naming the seed and every problem found."""
+    raise AssertionError naming the seed and every problem found. Where every LoRAJob has finished before a fault's
+    pause starts (a loaded machine restarts components slowly), one more is created, so that each fault can strike
+    with work in flight whatever the machine's speed."""
     faults = plan(seed, operator_kills, restarts, gap)
-    names = [f"chaos-{index:02d}" for index in range(jobs)]
+    names: list[str] = []
+
+    def create(count: int) -> None:
+        added = [f"chaos-{index:02d}" for index in range(len(names), len(names) + count)]
+        cluster.kubectl("-n", namespace, "apply", "-f", "-", input=yaml.safe_dump_all([sample(name) for name in added]))
+        names.extend(added)
+
+    def unfinished() -> int:
+        return len(names) - sum(map(_finished, record.latest("lorajobs").values()))
+
     with Record(cluster.api_client(), namespace) as record:
         started = time.monotonic()
-        cluster.kubectl("-n", namespace, "apply", "-f", "-", input=yaml.safe_dump_all([sample(name) for name in names]))
+        create(jobs)
         injected: list[Injected] = []
         try:
             for fault in faults:
+                if not unfinished():
+                    create(1)
+                    log(f"  every LoRAJob had finished: created {names[-1]} for fault {len(injected) + 1}")
                 time.sleep(fault.delay)  # the random moment itself
-                unfinished = jobs - sum(map(_finished, record.latest("lorajobs").values()))
+                in_flight = unfinished()
                 at = time.monotonic()
                 if fault.target == OPERATOR:
                     ready = operator.crash()
                 else:
                     cluster.restart(fault.target)
                     ready = time.monotonic()
-                injected.append(Injected(fault, at, ready, unfinished))
-                log(f"  fault {len(injected)}: {fault.target} down {injected[-1].ready - at:.1f} s, {unfinished} LoRAJobs unfinished")
+                injected.append(Injected(fault, at, ready, in_flight))
+                log(f"  fault {len(injected)}: {fault.target} down {injected[-1].ready - at:.1f} s, {in_flight} LoRAJobs unfinished")
                 if not operator.healthy():
                     raise AssertionError(f"the operator died after {fault.target} restarted; log {operator.log_path}:\n{operator.log_tail()}")
-            wait_for(lambda: len(record.latest("lorajobs")) == jobs and all(map(_finished, record.latest("lorajobs").values())),
-                     timeout, f"all {jobs} LoRAJobs finished")
+            wait_for(lambda: len(record.latest("lorajobs")) == len(names) and not unfinished(),
+                     timeout, f"all {len(names)} LoRAJobs finished")
             finished = time.monotonic()
             objects = [obj for kind in ("jobsets.jobset.x-k8s.io", "jobs", "pods", "workloads.kueue.x-k8s.io")
                        for obj in cluster.get_json("-n", namespace, kind)["items"]]
@@ -239,6 +253,6 @@ def run(cluster, namespace: str, operator, seed: int, jobs: int, operator_kills:
             if found:
                 raise AssertionError("\n".join(found))
         except (AssertionError, TimeoutError) as error:
-            raise AssertionError(f"chaos run with seed {seed} ({jobs} LoRAJobs, faults {[f.target for f in faults]}): {error}"
+            raise AssertionError(f"chaos run with seed {seed} ({len(names)} LoRAJobs, faults {[f.target for f in faults]}): {error}"
                                  f"\noperator log: {operator.log_path}") from error
     return Outcome(seed, names, injected, record, finished, started)
