@@ -207,9 +207,9 @@ def run(cluster, namespace: str, operator, seed: int, jobs: int, operator_kills:
         restarts: tuple[str, ...] = RESTARTABLE, gap: tuple[float, float] = GAP, log=print) -> Outcome:
     """Create `jobs` full-chain LoRAJobs in `namespace` (watched by the started `operator`, an
     OperatorProcess or OperatorReplicas), inject `plan(seed, operator_kills, restarts, gap)` and wait for every LoRAJob to finish;
-    raise AssertionError naming the seed and every problem found. Where every LoRAJob has finished before a fault's
-    pause starts (a loaded machine restarts components slowly), one more is created, so that each fault can strike
-    with work in flight whatever the machine's speed."""
+    raise AssertionError naming the seed and every problem found. Where every LoRAJob has finished when a fault is due
+    (a loaded machine restarts components slowly), one more is created just before it strikes, so that each fault
+    strikes with work in flight whatever the machine's speed."""
     faults = plan(seed, operator_kills, restarts, gap)
     names: list[str] = []
 
@@ -227,10 +227,10 @@ def run(cluster, namespace: str, operator, seed: int, jobs: int, operator_kills:
         injected: list[Injected] = []
         try:
             for fault in faults:
+                time.sleep(fault.delay)  # the random moment itself
                 if not unfinished():
                     create(1)
                     log(f"  every LoRAJob had finished: created {names[-1]} for fault {len(injected) + 1}")
-                time.sleep(fault.delay)  # the random moment itself
                 in_flight = unfinished()
                 at = time.monotonic()
                 if fault.target == OPERATOR:
