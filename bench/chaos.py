@@ -71,7 +71,7 @@ def main() -> None:
                           restarts=RESTARTABLE * args.component_restarts, gap=tuple(args.gap))
     print(f"operator logs: {logs}")
     jobsets = {obj["metadata"]["uid"] for _, obj in outcome.record.versions("jobsets")}
-    print(f"all {args.jobs} LoRAJobs Succeeded, nothing broken; {len(outcome.injected)} faults injected; "
+    print(f"all {len(outcome.names)} LoRAJobs Succeeded, nothing broken; {len(outcome.injected)} faults injected; "
           f"{len(jobsets)} JobSets ever created; watch relists {outcome.record.relists}; "
           f"run {outcome.finished_at - outcome.started_at:.1f} s")
     print(f"{'#':>3} {'fault':<15} {'unfinished':>10} {'down':>7} {'resumed':>8}")
