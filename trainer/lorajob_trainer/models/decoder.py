@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lorajob_trainer.mesh import BATCH_AXES, axis_moved, data_parallel_size
@@ -159,8 +160,11 @@ def _layers_mover(sharding: Any) -> Callable[[jax.Array], jax.Array]:
 
 
 def layers_first(value: jax.Array) -> jax.Array:
-    """A value stored by `layers_second` with its layers back on axis 0, as the scan takes them (inside a step)."""
-    return jnp.moveaxis(value, STORED_LAYER_AXIS, 0)
+    """A value stored by `layers_second` with its layers back on axis 0, as the scan takes them (inside a step), laid
+    out layers-major. Left free, the compiler made a stacked expert weight's ([experts, layers, d, f] stored) a bitcast
+    of the argument and converted it to tpu7x's matrix-unit tiling once per layer loop, in two layouts; laid out so,
+    it is one transpose that both loops read (docs/train-step-memory.md)."""
+    return with_layout_constraint(jnp.moveaxis(value, STORED_LAYER_AXIS, 0), Layout(tuple(range(value.ndim))))
 
 
 def batch_sharded(x: jax.Array) -> jax.Array:
