@@ -3,7 +3,7 @@ base argument is held and nothing it computes.
 
 Forced on CPU over two devices (fsdp 2): each stacked weight of a matrix or more per layer holds its layers on axis
 1, its sharding's spec permuted alike (the fsdp split stays on the same dimension of the weight), a stacked vector
-per layer stays as it was; two train steps (the second with trained adapters), the eval step and greedy generation
+per layer stays as it was, a stacked routed experts' weight is held packed (experts.packed_rows); two train steps (the second with trained adapters), the eval step and greedy generation
 give exactly what the plain layout gives. On TPU topologies compiled without a TPU: tpu7x's devices take the
 layers-second layout, v6e's and v5p's the plain one, and (large) on tpu7x it needs fewer temporaries than the plain
 layout for Qwen3 30B-A3B: most stacked weights are converted to the tpu7x matrix unit's tiling once for both layer
@@ -37,6 +37,7 @@ SCRIPT = textwrap.dedent(
     from flax import nnx
     from lorajob_trainer import mesh as mesh_lib, run as run_lib, train
     from lorajob_trainer.contract.config import TrainConfig
+    from lorajob_trainer.models import experts
     from lorajob_trainer.optim import build_optimizer
 
     config = TrainConfig.from_args(sys.argv[1:])
@@ -68,8 +69,11 @@ SCRIPT = textwrap.dedent(
             held["/".join(map(str, path))] = {"shape": list(value.shape), "spec": [repr(axis) for axis in spec]}
         return held
 
+    def unpacked(value):
+        return experts.unpacked_rows(value, (), None) if value.dtype == experts.PACKED_DTYPE else value
+
     plain, second = run_of(False), run_of(True)
-    restored = jax.jit(second.base_layout.for_model)(second.base)
+    restored = jax.tree.map(unpacked, jax.jit(second.base_layout.for_model)(second.base))
     pairs = zip(jax.tree.leaves(restored), jax.tree.leaves(plain.base), strict=True)
     batches = [batch_for(plain) for _ in range(2)]
     seen = {"layers_second": [plain.base_layout.layers_second, second.base_layout.layers_second],
@@ -100,10 +104,13 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_layers_second_base_computes_what_the_plain_base_does(tmp_path):
-    model_dir = tiny_checkpoint(tmp_path / "model", num_hidden_layers=3)
+@pytest.mark.parametrize(("family", "dtype", "packed_weights"), [("qwen3", "auto", 0), ("qwen3-moe", "bfloat16", 2)])
+def test_layers_second_base_computes_what_the_plain_base_does(tmp_path, family, dtype, packed_weights):
+    """A routed experts' weight is held packed only in bf16, as on TPU (dtype auto is float32 on CPU)."""
+    model_dir = tiny_checkpoint(tmp_path / "model", family, num_hidden_layers=3)
     train_file = write_jsonl(tmp_path / "train.jsonl", arithmetic_rows(8))
-    args = base_args(model_dir, tmp_path / "out", train_file, "steps=2", "per_device_batch_size=1",
+    args = base_args(model_dir, tmp_path / "out", train_file, f"model_name=tiny-{family}", f"dtype={dtype}", "steps=2",
+                     "per_device_batch_size=1",
                      "max_target_length=32", "gradient_accumulation_steps=2")
     result = subprocess.run([sys.executable, "-c", SCRIPT, *args], env=trainer_env(devices=2), capture_output=True, text=True,
                             timeout=600, cwd=Path(__file__).parent)
@@ -112,19 +119,24 @@ def test_layers_second_base_computes_what_the_plain_base_does(tmp_path):
     assert seen["layers_second"] == [False, True]
     plain, second = seen["plain_base"], seen["second_base"]
     assert plain.keys() == second.keys()
-    moved = 0
+    moved = packed = 0
     for path, held in plain.items():
         stored = second[path]
-        if path.startswith("layers/blocks/") and len(held["shape"]) >= 3:
+        if path.startswith("layers/blocks/") and "/experts/" in path:  # routed experts' stacks: held packed
+            packed += 1
+            shape = held["shape"]
+            assert stored == {"shape": [*shape[:-2], shape[-2] // 2, shape[-1]], "spec": held["spec"]}, path
+        elif path.startswith("layers/blocks/") and len(held["shape"]) >= 3:
             moved += 1
             shape, spec = held["shape"], held["spec"] + ["None"] * (len(held["shape"]) - len(held["spec"]))
             assert stored["shape"] == [shape[1], shape[0], *shape[2:]], path
             assert stored["spec"] == [spec[1], spec[0], *spec[2:]], path
         else:
             assert stored == held, path
-    assert moved >= 7, "every stacked projection of the scanned layers (q, k, v, o, gate, up, down)"
+    assert moved + packed >= 7, "every stacked projection of the scanned layers (q, k, v, o and the MLP's)"
+    assert packed == packed_weights, "the routed experts' gate_up_proj and down_proj"
     assert any("fsdp" in axis for held in second.values() for axis in held["spec"]), "the weights are split"
-    assert seen["round_trip_exact"], "the step's base, the layers moved back first, is the model's, bit for bit"
+    assert seen["round_trip_exact"], "the step's base, moved back first and unpacked, is the model's, bit for bit"
     # Exactly equal: moving axes copies values, and on CPU the moved-back weights feed the same matmuls.
     plain_steps, second_steps = seen["steps"]
     assert second_steps == plain_steps

@@ -11,6 +11,7 @@ state and the base on the mesh. run.py builds the step from these parts, for the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,7 @@ from lorajob_trainer import preference as preference_lib
 from lorajob_trainer import remat as remat_lib
 from lorajob_trainer import weights
 from lorajob_trainer.contract.config import PreferenceConfig
-from lorajob_trainer.models import decoder
+from lorajob_trainer.models import decoder, experts
 
 Batch = dict[str, jax.Array]
 BATCH_FIELDS = ("inputs", "targets", "weights", "segment_ids", "positions")
@@ -90,15 +91,24 @@ class BaseLayout:
     """How the step's base argument holds the frozen weights: as the model merges them, or with `layers_second`
     each stacked weight of a matrix or more per layer ([layers, d, f]) with its layers on axis 1 ([d, layers, f];
     models/decoder.py: `layers_second`), its sharding's spec permuted alike. A stacked vector per layer ([layers, d])
-    stays: its layers would become the minor dimension, padded to 128. `stored` makes the argument once, as the run
-    is built; each step moves the layers back first (`for_model`) before it merges the model."""
+    stays: its layers would become the minor dimension, padded to 128. A stacked routed experts' bf16 weight
+    ([layers, experts, d, f]) stays layers-first and is held as `experts.packed_rows` instead,
+    which each layer unpacks in a kernel: converted to the matrix unit's tiling one layer at a time, not whole.
+    `stored` makes the argument once, as the run is built; each step moves the layers back first (`for_model`) before
+    it merges the model."""
 
     stacking: decoder.Stacking | None = None
     layers_second: bool = False
 
     def _moved(self, path: tuple, value: Any) -> bool:
         return (self.layers_second and self.stacking is not None and self.stacking.is_stacked(path)
-                and len(value.shape) >= 3)
+                and len(value.shape) >= 3 and not self._packed(path, value))
+
+    def _packed(self, path: tuple, value: Any) -> bool:
+        """A stacked routed experts' bf16 weight (`experts.ExpertsLinear.w`), held `experts.packed_rows` (or so held)."""
+        return (self.layers_second and self.stacking is not None and self.stacking.is_stacked(path)
+                and experts.EXPERTS_NAME in path and path[-1] == "w"
+                and value.dtype in (jnp.bfloat16, experts.PACKED_DTYPE))
 
     def stored(self, base: nnx.State) -> nnx.State:
         """`base` as split from the model (arrays or ShapeDtypeStructs) as the step takes it. A moved weight's
@@ -109,9 +119,13 @@ class BaseLayout:
 
         def store(path: tuple, variable: nnx.Variable) -> nnx.Variable:
             value = variable.get_value()
-            if not self._moved(path, value):
+            if self._packed(path, value):
+                moved = experts.packed_rows(value) if isinstance(value, jax.ShapeDtypeStruct) else (
+                    _packer(value.sharding)(value))
+            elif self._moved(path, value):
+                moved = decoder.layers_second(value)
+            else:
                 return variable
-            moved = decoder.layers_second(value)
             if isinstance(value, jax.Array):
                 value.delete()
             return variable.replace(moved)
@@ -127,6 +141,11 @@ class BaseLayout:
              if self._moved(path, variable.get_value()) else variable)
             for path, variable in nnx.to_flat_state(base)
         ])
+
+
+@functools.cache
+def _packer(sharding: Any) -> Callable[[jax.Array], jax.Array]:
+    return jax.jit(experts.packed_rows, out_shardings=sharding)
 
 
 PLAIN_BASE = BaseLayout()

@@ -69,6 +69,52 @@ def _grouped_matmul_tiles(rows: int, d_in: int, d_out: int) -> tuple[int, int, i
     return GROUPED_MATMUL_ROW_TILE, min(d_in, 128), min(d_out, 128)
 
 
+EXPERTS_NAME = "experts"
+"""The attribute of a routed-experts block that holds its `ExpertsLinear`s (Qwen3 MoE, Gemma 4)."""
+PACKED_DTYPE = jnp.uint32
+"""A bf16 expert weight held as `packed_rows` (step.BaseLayout, on tpu7x)."""
+
+
+def packed_rows(w: jax.Array | jax.ShapeDtypeStruct) -> jax.Array | jax.ShapeDtypeStruct:
+    """bf16 [..., rows, cols] -> uint32 [..., rows / 2, cols], word (i, j) holding rows 2i and 2i + 1 of column j: the
+    pairing of `pltpu.bitcast` (as Pallas lowers it off TPU; on a v5e chip its kernel unpacks this bit for bit). A
+    ShapeDtypeStruct's shape and sharding only."""
+    *lead, rows, cols = w.shape
+    if isinstance(w, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((*lead, rows // 2, cols), PACKED_DTYPE, sharding=w.sharding)
+    pairs = jnp.swapaxes(w.reshape(*lead, rows // 2, 2, cols), -1, -2)
+    return jax.lax.bitcast_convert_type(pairs, PACKED_DTYPE)
+
+
+def unpacked_rows(w: jax.Array, sharding: tuple, mesh: jax.sharding.AbstractMesh | None) -> jax.Array:
+    """`packed_rows` undone for one layer's weight [E, rows / 2, cols] split as `sharding` says. On a TPU mesh, each
+    device unpacks its shard in a Pallas kernel: the compiler cannot move the matrix unit's tiling (tpu7x: T(16,128))
+    back through a kernel's operand, so the stacked argument is never converted whole, as it is through XLA's own
+    bitcast (docs/train-step-memory.md)."""
+    if mesh is None or mesh.empty or mesh.abstract_device.platform != "tpu":
+        pairs = jax.lax.bitcast_convert_type(w, jnp.bfloat16)
+        return jnp.swapaxes(pairs, -1, -2).reshape(*w.shape[:-2], 2 * w.shape[-2], w.shape[-1])
+    spec = PartitionSpec(*sharding)
+    return jax.shard_map(_unpack_kernel_call, in_specs=(spec,), out_specs=spec, check_vma=False)(w)
+
+
+def _unpack_kernel_call(w: jax.Array) -> jax.Array:
+    from jax.experimental import pallas as pl
+
+    experts, rows, cols = w.shape
+    return pl.pallas_call(
+        _unpack_kernel, grid=(experts,), in_specs=[pl.BlockSpec((None, rows, cols), lambda e: (e, 0, 0))],
+        out_specs=pl.BlockSpec((None, 2 * rows, cols), lambda e: (e, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((experts, 2 * rows, cols), jnp.bfloat16),
+    )(w)
+
+
+def _unpack_kernel(packed_ref: Any, out_ref: Any) -> None:
+    from jax.experimental.pallas import tpu as pltpu
+
+    out_ref[...] = pltpu.bitcast(packed_ref[...], jnp.bfloat16)
+
+
 EXPERT_AXIS = "expert"
 """The mesh axis whose devices each hold a share of the experts and exchange tokens (`mix_experts`)."""
 EXPERT_AXES = (EXPERT_AXIS, "fsdp")
@@ -454,7 +500,10 @@ class ExpertsLinear(nnx.Module):
         """The values `apply` computes with: the weights as [E, in, parts * out] (still quantised, with their
         scales, when held so), the adapters. On `mesh` the reordering stays split over its devices as the
         weights are (left free, the partitioner reorders after gathering, in several full-size copies)."""
-        arrays = {"w": self._by_expert(self.w.get_value(), mesh)}
+        weight = self.w.get_value()
+        if weight.dtype == PACKED_DTYPE:
+            weight = unpacked_rows(weight, self.sharding, mesh)
+        arrays = {"w": self._by_expert(weight, mesh)}
         if self.quantized_type is not None:
             arrays["w_scale"] = self._by_expert(self.w_scale.get_value(), mesh)
         if self.lora_scale is not None:
