@@ -84,7 +84,7 @@ from lorajob_trainer import step as step_lib  # noqa: E402
 from lorajob_trainer import train as train_lib  # noqa: E402
 from lorajob_trainer.contract import catalog  # noqa: E402
 from lorajob_trainer.contract.config import LoraConfig, MeshConfig, TrainConfig  # noqa: E402
-from lorajob_trainer.models import splash  # noqa: E402
+from lorajob_trainer.models import experts, splash  # noqa: E402
 
 CHIP = jax.devices()[0]
 """The TPU (with LORAJOB_CHIP_TESTS_ON_CPU: the first CPU device)."""
@@ -441,6 +441,44 @@ def adapted_logits(model_dir: Path, checkpoint_directory: Path, ids: np.ndarray)
         )
         lora.set_lora_params(model, params)
         return jax_logits(model, ids)
+
+
+EXPERT_WIDTHS = {"qwen3-30b-a3b": (2048, 768), "gemma4-26b": (2816, 704)}
+"""(hidden_size, moe_intermediate_size) as released; one device of a tpu7x-8 slice holds 16 of their 128 experts."""
+LOCAL_EXPERTS = 16
+
+
+@pytest.mark.parametrize("model", sorted(EXPERT_WIDTHS))
+def test_packed_expert_weights_unpack_bit_for_bit_in_the_kernel_on_the_chip(model):
+    """tpu7x's step holds the routed experts' bf16 stacks packed (experts.packed_rows) and unpacks one layer's local
+    experts per pass in a Pallas kernel (experts.unpacked_rows on a TPU mesh). On the chip, at one device's share of
+    the released widths: every bit comes back, through the kernel and through the step's shard_map around it; and
+    what one layer's unpacking costs (both weights; the CPU test checks the same in Pallas' interpreter)."""
+    hidden, intermediate = EXPERT_WIDTHS[model]
+    chip_mesh = jax.sharding.Mesh(np.array([CHIP]), ("expert",))
+    sharding = ("expert", None, None)
+    seconds = 0.0
+    moved_bytes = 0
+    with jax.set_mesh(chip_mesh):
+        in_step = jax.jit(lambda w: experts.unpacked_rows(w, sharding, chip_mesh.abstract_mesh))
+        kernel = jax.jit(lambda w: experts.unpack_kernel(w, interpret=INTERPRET))
+        for index, shape in enumerate(((LOCAL_EXPERTS, hidden, 2 * intermediate), (LOCAL_EXPERTS, intermediate, hidden))):
+            weight = jax.random.normal(jax.random.key(index), shape, jnp.float32).astype(jnp.bfloat16)
+            weight = jax.device_put(weight, NamedSharding(chip_mesh, PartitionSpec(*sharding)))
+            packed = jax.jit(experts.packed_rows)(weight)
+            bits = np.asarray(jax.lax.bitcast_convert_type(weight, jnp.uint16))
+            for unpack in (kernel, in_step):
+                unpacked = unpack(packed)
+                np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(unpacked, jnp.uint16)), bits)
+            kernel(packed).block_until_ready()
+            start = time.perf_counter()
+            for _ in range(10):
+                unpacked = kernel(packed)
+            unpacked.block_until_ready()
+            seconds += (time.perf_counter() - start) / 10
+            moved_bytes += 2 * weight.nbytes
+    record(f"unpack-{model}", local_experts=LOCAL_EXPERTS, layer_ms=round(1e3 * seconds, 3),
+           read_and_written_mb=round(moved_bytes / 1e6, 1), gb_per_s=round(moved_bytes / seconds / 1e9, 1))
 
 
 def test_a_training_run_on_the_chip_learns_as_on_the_cpu_and_exports(tmp_path):

@@ -298,3 +298,16 @@ def test_the_pallas_grouped_matmul_equals_ragged_dot_with_its_gradients():
             xla = jax.grad(loss, argnums=argnum)(x, w, "xla")
             np.testing.assert_allclose(pallas, xla, rtol=1e-4, atol=1e-3)
         np.testing.assert_allclose(loss(x, w, "pallas"), loss(x, w, "xla"), rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(3, 2048, 1536), (2, 24, 128)], ids=["row-blocks", "whole"])
+def test_a_packed_expert_weight_unpacks_bit_for_bit_in_the_kernel_and_in_xla(shape):
+    """tpu7x's step holds the routed experts' bf16 stacks packed (step.BaseLayout): the TPU kernel (in Pallas'
+    interpreter here; tests/chip on the chip) and the XLA rule off TPU give back every bit, whether the kernel splits
+    an expert's rows into blocks (a 2,048 x 1,536 weight: 4 of 256 packed rows) or takes it whole."""
+    w = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(jnp.bfloat16)
+    packed = experts.packed_rows(w)
+    assert packed.dtype == experts.PACKED_DTYPE and packed.shape == (shape[0], shape[1] // 2, shape[2])
+    bits = np.asarray(jax.lax.bitcast_convert_type(w, jnp.uint16))
+    for unpacked in (experts.unpack_kernel(packed, interpret=True), experts.unpacked_rows(packed, (), None)):
+        np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(unpacked, jnp.uint16)), bits)

@@ -88,28 +88,46 @@ def packed_rows(w: jax.Array | jax.ShapeDtypeStruct) -> jax.Array | jax.ShapeDty
 
 def unpacked_rows(w: jax.Array, sharding: tuple, mesh: jax.sharding.AbstractMesh | None) -> jax.Array:
     """`packed_rows` undone for one layer's weight [E, rows / 2, cols] split as `sharding` says. On a TPU mesh, each
-    device unpacks its shard in a Pallas kernel: the compiler cannot move the matrix unit's tiling (tpu7x: T(16,128))
-    back through a kernel's operand, so the stacked argument is never converted whole, as it is through XLA's own
-    bitcast (docs/train-step-memory.md)."""
+    device unpacks its shard in a Pallas kernel (`unpack_kernel`): the compiler cannot move the matrix unit's tiling
+    (tpu7x: T(16,128)) back through a kernel's operand, so the stacked argument is never converted whole, as it is
+    through XLA's own bitcast (docs/train-step-memory.md)."""
     if mesh is None or mesh.empty or mesh.abstract_device.platform != "tpu":
         pairs = jax.lax.bitcast_convert_type(w, jnp.bfloat16)
         return jnp.swapaxes(pairs, -1, -2).reshape(*w.shape[:-2], 2 * w.shape[-2], w.shape[-1])
     spec = PartitionSpec(*sharding)
-    return jax.shard_map(_unpack_kernel_call, in_specs=(spec,), out_specs=spec, check_vma=False)(w)
+    return jax.shard_map(unpack_kernel, in_specs=(spec,), out_specs=spec, check_vma=False)(w)
 
 
-def _unpack_kernel_call(w: jax.Array) -> jax.Array:
+UNPACK_BLOCK_BYTES = 2 * 2**20
+"""At most this much packed weight per block of `unpack_kernel`: with its unpacked block, each double-buffered, 4× in
+VMEM, inside every TPU's default scoped VMEM (v5e's 16 MiB is the smallest). One expert's weight whole is more
+(Gemma 4 26B's gate_up: 7.9 MB packed)."""
+
+
+def _unpack_row_tile(rows: int, cols: int) -> int:
+    """Packed rows per block: the most that fit UNPACK_BLOCK_BYTES among divisors of `rows` that are multiples of 8 (a
+    uint32 tile's sublanes; twice that, a bf16 tile's), else all of them."""
+    fitting = [tile for tile in range(8, rows + 1, 8) if rows % tile == 0 and tile * cols * 4 <= UNPACK_BLOCK_BYTES]
+    return max(fitting, default=rows)
+
+
+def unpack_kernel(w: jax.Array, interpret: bool = False) -> jax.Array:
+    """`packed_rows` undone in a Pallas TPU kernel, for one device's [E, rows / 2, cols] (`interpret`: Pallas'
+    interpreter, on any backend)."""
     from jax.experimental import pallas as pl
 
     experts, rows, cols = w.shape
+    tile = _unpack_row_tile(rows, cols)
     return pl.pallas_call(
-        _unpack_kernel, grid=(experts,), in_specs=[pl.BlockSpec((None, rows, cols), lambda e: (e, 0, 0))],
-        out_specs=pl.BlockSpec((None, 2 * rows, cols), lambda e: (e, 0, 0)),
+        _unpack_block, grid=(experts, rows // tile),
+        in_specs=[pl.BlockSpec((None, tile, cols), lambda e, r: (e, r, 0))],
+        out_specs=pl.BlockSpec((None, 2 * tile, cols), lambda e, r: (e, r, 0)),
         out_shape=jax.ShapeDtypeStruct((experts, 2 * rows, cols), jnp.bfloat16),
+        interpret=interpret,
     )(w)
 
 
-def _unpack_kernel(packed_ref: Any, out_ref: Any) -> None:
+def _unpack_block(packed_ref: Any, out_ref: Any) -> None:
     from jax.experimental.pallas import tpu as pltpu
 
     out_ref[...] = pltpu.bitcast(packed_ref[...], jnp.bfloat16)
