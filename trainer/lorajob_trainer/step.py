@@ -105,10 +105,11 @@ class BaseLayout:
                 and len(value.shape) >= 3 and not self._packed(path, value))
 
     def _packed(self, path: tuple, value: Any) -> bool:
-        """A stacked routed experts' bf16 weight (`experts.ExpertsLinear.w`), held `experts.packed_rows` (or so held)."""
+        """A stacked routed experts' bf16 weight (`experts.ExpertsLinear.w`) of an even number of rows, held
+        `experts.packed_rows` (or so held)."""
         return (self.layers_second and self.stacking is not None and self.stacking.is_stacked(path)
                 and experts.EXPERTS_NAME in path and path[-1] == "w"
-                and value.dtype in (jnp.bfloat16, experts.PACKED_DTYPE))
+                and (value.dtype == experts.PACKED_DTYPE or (value.dtype == jnp.bfloat16 and value.shape[-2] % 2 == 0)))
 
     def stored(self, base: nnx.State) -> nnx.State:
         """`base` as split from the model (arrays or ShapeDtypeStructs) as the step takes it. A moved weight's
