@@ -3,11 +3,12 @@ base argument is held and nothing it computes.
 
 Forced on CPU over two devices (fsdp 2): each stacked weight of a matrix or more per layer holds its layers on axis
 1, its sharding's spec permuted alike (the fsdp split stays on the same dimension of the weight), a stacked vector
-per layer stays as it was, a stacked routed experts' weight is held packed (experts.packed_rows); two train steps (the second with trained adapters), the eval step and greedy generation
-give exactly what the plain layout gives. On TPU topologies compiled without a TPU: tpu7x's devices take the
-layers-second layout, v6e's and v5p's the plain one, and (large) on tpu7x it needs fewer temporaries than the plain
-layout for Qwen3 30B-A3B: most stacked weights are converted to the tpu7x matrix unit's tiling once for both layer
-loops, not once per loop (docs/train-step-memory.md).
+per layer stays as it was, a stacked routed experts' weight is held packed (experts.packed_rows); two train steps
+(the second with trained adapters), the eval step and greedy generation give exactly what the plain layout gives.
+On TPU topologies compiled without a TPU: tpu7x's devices take the layers-second layout, v6e's and v5p's the plain
+one, and (large) on tpu7x it needs fewer temporaries than the plain layout for Qwen3 30B-A3B: most stacked weights
+are converted to the tpu7x matrix unit's tiling once for both layer loops, not once per loop
+(docs/train-step-memory.md).
 """
 
 from __future__ import annotations
@@ -110,8 +111,7 @@ def test_layers_second_base_computes_what_the_plain_base_does(tmp_path, family, 
     model_dir = tiny_checkpoint(tmp_path / "model", family, num_hidden_layers=3)
     train_file = write_jsonl(tmp_path / "train.jsonl", arithmetic_rows(8))
     args = base_args(model_dir, tmp_path / "out", train_file, f"model_name=tiny-{family}", f"dtype={dtype}", "steps=2",
-                     "per_device_batch_size=1",
-                     "max_target_length=32", "gradient_accumulation_steps=2")
+                     "per_device_batch_size=1", "max_target_length=32", "gradient_accumulation_steps=2")
     result = subprocess.run([sys.executable, "-c", SCRIPT, *args], env=trainer_env(devices=2), capture_output=True, text=True,
                             timeout=600, cwd=Path(__file__).parent)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -65,6 +65,12 @@ def build_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) 
     return Mesh(grid, AXES)
 
 
+def is_tpu(mesh: jax.sharding.AbstractMesh | None) -> bool:
+    """Whether `mesh` (the one a function is traced under, or None) is made of TPUs: where the Pallas TPU kernels
+    run."""
+    return mesh is not None and not mesh.empty and mesh.abstract_device.platform == "tpu"
+
+
 def host_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The trainer's axes over this process's devices (all on fsdp), for work outside training: convert, export."""
     return build_mesh(MeshConfig(), jax.local_devices() if devices is None else devices)

@@ -198,7 +198,7 @@ def weights_read_per_pass(base: nnx.State, mesh: jax.sharding.Mesh) -> int:
     total = 0
     for path, variable in nnx.to_flat_state(base):
         leaf = variable.get_value()
-        share = mesh.shape[experts.EXPERT_AXIS] if "experts" in map(str, path) else 1
+        share = mesh.shape[experts.EXPERT_AXIS] if experts.EXPERTS_NAME in map(str, path) else 1
         total += array_bytes(leaf.shape, leaf.dtype, share)
     return total
 

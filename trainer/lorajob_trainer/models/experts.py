@@ -47,6 +47,8 @@ from jax.nn import initializers
 from jax.sharding import PartitionSpec
 from qwix._src.core import qarray  # QLoRA's experts quantise as Qwix quantises the other projections
 
+from lorajob_trainer import mesh as mesh_lib
+
 
 GROUPED_MATMUL_ROW_TILE = 128
 """Rows per tile of the Pallas grouped matmul; a matmul whose rows it does not divide runs as `ragged_dot`."""
@@ -91,7 +93,7 @@ def unpacked_rows(w: jax.Array, sharding: tuple, mesh: jax.sharding.AbstractMesh
     device unpacks its shard in a Pallas kernel (`unpack_kernel`): the compiler cannot move the matrix unit's tiling
     (tpu7x: T(16,128)) back through a kernel's operand, so the stacked argument is never converted whole, as it is
     through XLA's own bitcast (docs/train-step-memory.md)."""
-    if mesh is None or mesh.empty or mesh.abstract_device.platform != "tpu":
+    if not mesh_lib.is_tpu(mesh):
         pairs = jax.lax.bitcast_convert_type(w, jnp.bfloat16)
         return jnp.swapaxes(pairs, -1, -2).reshape(*w.shape[:-2], 2 * w.shape[-2], w.shape[-1])
     spec = PartitionSpec(*sharding)
@@ -194,13 +196,11 @@ class LoadBalanced(RoutedBlock):
 def configure_dispatch(model: nnx.Module, expert_axis: int, capacity_factor: float) -> None:
     """Sets `capacity_factor` on the model's routed-experts blocks; MeshError when `expert_axis` (mesh.expert) does
     not divide a block's experts: each device of the expert axis holds an equal share of them."""
-    from lorajob_trainer.mesh import MeshError
-
     for _, block in nnx.iter_graph(model):
         if not isinstance(block, RoutedBlock):
             continue
         if block.num_experts % expert_axis:
-            raise MeshError(
+            raise mesh_lib.MeshError(
                 f"mesh.expert={expert_axis} does not divide the model's {block.num_experts} routed experts per "
                 "layer: each device of the expert axis holds an equal share of them"
             )
@@ -497,13 +497,12 @@ class ExpertsLinear(nnx.Module):
     def quantize(self, qtype: Any, mesh: jax.sharding.Mesh) -> None:
         """Hold `w` quantised per matrix and output channel (QLoRA; `qtype` as Qwix names it), made by a jitted
         function in the shardings of `w` and its scales; each call dequantises it for its matmul."""
-        from lorajob_trainer.mesh import named_sharding
-
         weight = self.w.get_value()
         how = qarray.HowToQuantize(qtype=qtype, channelwise_axes=(0, 2), tiled_axes={}, calibration_method="absmax")
         scale_axes = (self.sharding[0], None, self.sharding[2])
         scale_shape = (weight.shape[0], 1, weight.shape[2])
-        shardings = (named_sharding(mesh, self.sharding, weight.shape), named_sharding(mesh, scale_axes, scale_shape))
+        shardings = (mesh_lib.named_sharding(mesh, self.sharding, weight.shape),
+                     mesh_lib.named_sharding(mesh, scale_axes, scale_shape))
 
         def quantized(w: jax.Array) -> tuple[jax.Array, jax.Array]:
             q = qarray.quantize(w, how)
@@ -544,14 +543,13 @@ class ExpertsLinear(nnx.Module):
 
     def _by_expert(self, held: jax.Array, mesh: jax.sharding.AbstractMesh | None) -> jax.Array:
         """[E*parts, rows, out] -> [E, rows, parts * out] (the weights, or their per-channel scales)."""
-        from lorajob_trainer.mesh import named_sharding
-
         _, rows, out = held.shape
         held = held.reshape(self.num_experts, self.parts, rows, out).transpose(0, 2, 1, 3)
         held = held.reshape(self.num_experts, rows, self.parts * out)
         if mesh is None:
             return held
-        return jax.lax.with_sharding_constraint(held, named_sharding(mesh, (self.sharding[0], None, None), held.shape))
+        sharding = mesh_lib.named_sharding(mesh, (self.sharding[0], None, None), held.shape)
+        return jax.lax.with_sharding_constraint(held, sharding)
 
     def add_lora(self, rank: int, alpha: float, rngs: nnx.Rngs) -> None:
         """One rank-`rank` adapter per expert: A random (He uniform, as Qwix), B zero, in `ragged_dot` (see

@@ -55,7 +55,7 @@ def applies(batch: int, length: int, heads: int, kv_heads: int, cache: object, m
     TPU mesh, the length a multiple of `BLOCK`, the rows and both head counts divisible over the mesh axes that
     split them."""
     mesh = jax.sharding.get_abstract_mesh()
-    if cache is not None or mask is None or mesh.empty or mesh.abstract_device.platform != "tpu":
+    if cache is not None or mask is None or not mesh_lib.is_tpu(mesh):
         return False
     tp = _size(mesh, ("tp",))
     return (length % BLOCK == 0 and batch % _size(mesh, _batch_axes(mesh)) == 0
